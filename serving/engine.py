@@ -1,0 +1,481 @@
+"""The decoding engine: owns the target and draft models, their KV caches, and the
+propose -> verify -> accept loop. The decision rules themselves are pure functions in
+`serving/decoding/`; this module only drives models and caches around them.
+
+Cache invariants (batch 1, one request):
+- the *target* cache holds `seq[:-1]`: every token except the last emitted one, which the next
+  verification pass feeds first (algorithms.md 1.4 item 5);
+- the *draft* cache holds some prefix of `seq` (length <= len(seq) - 1 after a step); before
+  drafting, the missing tokens are fed in one forward, so a step never re-encodes the whole prefix.
+After a verification the caches are cropped back to the accepted prefix (rollback).
+
+Concurrency: per-request state (sequence, caches, generator) lives in the `generate()` generator.
+The engine lock is held for one *step* at a time, so concurrent requests interleave step by step
+(round-robin time slicing) instead of queueing whole requests behind each other.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from buffer.records import RecordSink, SequenceRecord, StepRecord
+from serving.config import SamplingParams, SpecParams
+from serving.decoding.mjsd import beam_sample_finalize, beam_sample_step, mjsd_verify
+from serving.decoding.speculative import speculative_verify
+from serving.decoding.types import VerifyResult
+from serving.decoding.warp import sample, warp_logprobs
+from serving.energy import EnergyMeter
+from serving.models import (
+    LoadedModel,
+    ModelLoadError,
+    check_same_tokenizer,
+    load_causal_lm,
+    load_tokenizer,
+    read_output_token_ids,
+    resolve_model_path,
+)
+
+log = logging.getLogger(__name__)
+
+# Verification rules with the uniform signature of serving/decoding/types.py, by mode name.
+VERIFY_RULES = {
+    "speculative": lambda d, dp, tp, g, spec: speculative_verify(d, dp, tp, g),
+    "mjsd": lambda d, dp, tp, g, spec: mjsd_verify(d, dp, tp, g, tau=spec.tau),
+}
+
+
+@dataclass
+class GenerationStats:
+    mode: str
+    draft_version: str
+    gamma: int = 0
+    steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    draft_time_s: float = 0.0
+    target_time_s: float = 0.0
+    wall_time_s: float = 0.0
+    energy_j: float | None = None
+    energy_reason: str | None = None
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Accepted draft tokens per verification step."""
+        return self.accepted_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def overhead_time_s(self) -> float:
+        return max(0.0, self.wall_time_s - self.draft_time_s - self.target_time_s)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(
+            mean_accepted_length=self.mean_accepted_length,
+            acceptance_rate=self.acceptance_rate,
+            overhead_time_s=self.overhead_time_s,
+            tokens_per_s=self.tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0,
+        )
+        return d
+
+
+@dataclass
+class StepOutput:
+    token_ids: list[int]
+    finish_reason: str | None
+    stats: GenerationStats
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    finish_reason: str
+    stats: GenerationStats
+
+
+class _Runner:
+    """One model + one KV cache for one sequence. `feed` appends tokens and returns logits."""
+
+    def __init__(self, loaded: LoadedModel, vocab_size: int) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.vocab_size = vocab_size
+        self.cache = None
+        self.length = 0
+        self.device = next(self.model.parameters()).device
+
+    def feed(self, tokens: list[int] | torch.Tensor, keep: int) -> torch.Tensor:
+        """Append `tokens` ([n] or [batch, n]) to the cache; return fp32 logits of the last `keep`
+        positions over the FULL vocabulary: [keep, vocab] (or [batch, keep, vocab])."""
+        from transformers import DynamicCache
+
+        ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device)
+        batched = ids.dim() == 2
+        if not batched:
+            ids = ids[None]
+        if self.cache is None:
+            self.cache = DynamicCache()
+        with torch.no_grad():
+            out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=keep)
+        self.cache = out.past_key_values
+        self.length += ids.shape[1]
+        logits = out.logits[:, -keep:].float()
+        out_ids = self.loaded.output_token_ids
+        if out_ids is not None:  # reduced output layer: scatter back, other tokens impossible
+            full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
+            full[..., out_ids] = logits
+            logits = full
+        elif logits.shape[-1] != self.vocab_size:  # padded embedding tables (e.g. vocab rounded up)
+            logits = logits[..., : self.vocab_size]
+        return logits if batched else logits[0]
+
+    def truncate(self, length: int) -> None:
+        if self.cache is not None and self.length > length:
+            self.cache.crop(-(self.length - length))
+            self.length = length
+
+    def fork(self, batch: int) -> "_Runner":
+        """A copy whose cache is repeated `batch` times (for beam sampling); self is unchanged."""
+        other = copy.copy(self)
+        other.cache = copy.deepcopy(self.cache)
+        if other.cache is not None and batch > 1:
+            other.cache.batch_repeat_interleave(batch)
+        return other
+
+    def select(self, rows: torch.Tensor) -> None:
+        if self.cache is not None:
+            self.cache.batch_select_indices(rows.to(self.device))
+
+
+def _top_k_record(logits: torch.Tensor, k: int) -> tuple:
+    """Raw (temperature 1, unwarped) target log-probs, top-k per row: ids [n, k], logprobs [n, k]."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    vals, ids = torch.topk(logprobs, k, dim=-1)
+    return ids.to(torch.int32).cpu().numpy(), vals.to(torch.float16).cpu().numpy()
+
+
+class Engine:
+    def __init__(
+        self,
+        target: LoadedModel,
+        draft: LoadedModel | None = None,
+        *,
+        draft_version: str = "none",
+        sink: RecordSink | None = None,
+        device: str = "cpu",
+        max_context: int | None = None,
+        record_top_k: int = 20,
+        target_name: str = "target",
+    ) -> None:
+        self.target = target
+        self.tokenizer = target.tokenizer
+        self.vocab_size = len(self.tokenizer)
+        self.draft = draft
+        self.draft_version = draft_version if draft is not None else "none"
+        self.sink = sink
+        self.device = device
+        self.record_top_k = record_top_k
+        self.target_name = target_name
+        cfg_max = getattr(target.model.config, "max_position_embeddings", 2048) or 2048
+        self.max_context = min(max_context or cfg_max, cfg_max)
+        self.eos_token_ids = self._eos_ids()
+        self._lock = threading.Lock()
+        self._energy = EnergyMeter(device)
+        self._broken: str | None = None
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_paths(
+        cls,
+        target: str | None = None,
+        draft: str | None = None,
+        *,
+        device: str = "cpu",
+        dtype: torch.dtype | None = None,
+        sink: RecordSink | None = None,
+        draft_version: str = "none",
+        **kwargs,
+    ) -> "Engine":
+        target_path = resolve_model_path(target)
+        tgt = LoadedModel(load_causal_lm(target_path, device, dtype), load_tokenizer(target_path), target_path)
+        drf = cls._load_draft(draft, tgt, device, dtype) if draft else None
+        kwargs.setdefault("target_name", "smollm2-135m-instruct" if target is None else str(target))
+        return cls(tgt, drf, draft_version=draft_version if drf else "none", sink=sink, device=device, **kwargs)
+
+    @staticmethod
+    def _load_draft(draft: str | Path, target: LoadedModel, device: str, dtype) -> LoadedModel:
+        path = resolve_model_path(draft)
+        tok = load_tokenizer(path)
+        check_same_tokenizer(target.tokenizer, tok)
+        model = load_causal_lm(path, device, dtype)
+        out_ids = read_output_token_ids(path)
+        ids_t = None
+        if out_ids:
+            # Keep only the listed rows of the output layer (see serving/models.py).
+            head = model.get_output_embeddings()
+            ids_t = torch.tensor(out_ids, dtype=torch.long, device=device)
+            small = torch.nn.Linear(head.weight.shape[1], len(out_ids), bias=False, device=device,
+                                    dtype=head.weight.dtype)
+            with torch.no_grad():
+                small.weight.copy_(head.weight[ids_t])
+            model.set_output_embeddings(small)
+        return LoadedModel(model, tok, path, ids_t)
+
+    def swap_draft(self, draft_path: str | Path, version: str) -> None:
+        """Load a new draft and make it live between steps. On failure the old draft stays."""
+        dtype = next(self.target.model.parameters()).dtype
+        new = self._load_draft(draft_path, self.target, self.device, dtype)  # may raise ModelLoadError
+        with self._lock:
+            self.draft, self.draft_version = new, version
+        log.info("draft swapped to version %s (%s)", version, draft_path)
+
+    def healthy(self) -> tuple[bool, str]:
+        if self._broken:
+            return False, self._broken
+        return True, "ok"
+
+    def _eos_ids(self) -> set[int]:
+        ids = set()
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        gen_eos = getattr(getattr(self.target.model, "generation_config", None), "eos_token_id", None)
+        if isinstance(gen_eos, int):
+            ids.add(gen_eos)
+        elif isinstance(gen_eos, (list, tuple)):
+            ids.update(int(i) for i in gen_eos)
+        return ids
+
+    # ------------------------------------------------------------------ generation
+    def generate_all(self, prompt_ids: list[int], sampling: SamplingParams, spec: SpecParams, **kw) -> GenerationResult:
+        tokens: list[int] = []
+        last = None
+        for last in self.generate(prompt_ids, sampling, spec, **kw):
+            tokens.extend(last.token_ids)
+        assert last is not None
+        return GenerationResult(tokens, last.finish_reason or "length", last.stats)
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        spec: SpecParams,
+        *,
+        request_id: str | None = None,
+        cancel: threading.Event | None = None,
+        log_mode: str = "full",
+        source: str = "",
+    ) -> Iterator[StepOutput]:
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        if len(prompt) >= self.max_context:
+            raise ValueError(f"the prompt has {len(prompt)} tokens; this model's context is {self.max_context}")
+        if any(t < 0 or t >= self.vocab_size for t in prompt):
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        mode = spec.mode
+        if mode != "target" and self.draft is None:
+            raise ValueError(f"mode {mode!r} needs a draft model and none is loaded; use mode 'target'")
+        request_id = request_id or uuid.uuid4().hex
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(sampling.seed if sampling.seed is not None else int.from_bytes(uuid.uuid4().bytes[:6], "little"))
+        stop_ids = self.eos_token_ids | set(sampling.stop_token_ids)
+        gamma = spec.gamma if mode != "target" else 0
+        stats = GenerationStats(mode=mode, draft_version=self.draft_version if mode != "target" else "none",
+                                gamma=gamma, accepted_per_position=[0] * gamma)
+        state = _RequestState(self, prompt)
+        sink = self.sink if log_mode != "none" else None
+        energy0 = self._energy.read_mj()
+        t_start = time.perf_counter()
+        finish = None
+        try:
+            while finish is None:
+                if cancel is not None and cancel.is_set():
+                    finish = "cancelled"
+                    yield StepOutput([], finish, self._finish_stats(stats, t_start, energy0))
+                    return
+                remaining = sampling.max_tokens - stats.tokens
+                room = self.max_context - len(state.seq)
+                if remaining <= 0 or room <= 0:
+                    finish = "length"
+                    yield StepOutput([], finish, self._finish_stats(stats, t_start, energy0))
+                    return
+                with self._lock:
+                    if mode == "target" or room <= gamma + 1:
+                        new = state.target_step(sampling, gen, stats)
+                    else:
+                        new = state.spec_step(sampling, spec, gen, stats, request_id, sink)
+                # stop tokens, then length
+                out: list[int] = []
+                for t in new:
+                    out.append(t)
+                    if t in stop_ids:
+                        finish = "stop"
+                        break
+                if finish is None and stats.tokens + len(out) >= sampling.max_tokens:
+                    out = out[: sampling.max_tokens - stats.tokens]
+                    finish = "length"
+                stats.tokens += len(out)
+                if finish is not None:
+                    self._finish_stats(stats, t_start, energy0)
+                else:
+                    stats.wall_time_s = time.perf_counter() - t_start
+                yield StepOutput(out, finish, stats)
+        finally:
+            if sink is not None and state.recorded_steps:
+                try:
+                    ids = state.seq[: len(prompt) + stats.tokens]
+                    sink.push_sequence(SequenceRecord(
+                        request_id=request_id, token_ids=ids, prompt_len=len(prompt),
+                        draft_version=stats.draft_version, timestamp=time.time(), source=source,
+                        meta={"log_mode": log_mode}))
+                except Exception as exc:  # a sink must never take a request down
+                    log.warning("replay buffer push failed: %s", exc)
+
+    def _finish_stats(self, stats: GenerationStats, t_start: float, energy0) -> GenerationStats:
+        stats.wall_time_s = time.perf_counter() - t_start
+        stats.energy_j = EnergyMeter.joules(energy0, self._energy.read_mj())
+        stats.energy_reason = None if stats.energy_j is not None else self._energy.reason
+        return stats
+
+
+class _RequestState:
+    """Sequence + caches of one request. All methods run under the engine lock."""
+
+    def __init__(self, engine: Engine, prompt: list[int]) -> None:
+        self.engine = engine
+        self.seq = list(prompt)
+        self.target = _Runner(engine.target, engine.vocab_size)
+        self.draft_model = engine.draft
+        self.draft = _Runner(engine.draft, engine.vocab_size) if engine.draft is not None else None
+        self.recorded_steps = 0
+
+    # -- helpers -----------------------------------------------------------------
+    def _sync_draft(self) -> None:
+        """Follow a hot-swapped draft: a new model needs a fresh cache."""
+        if self.engine.draft is not self.draft_model:
+            self.draft_model = self.engine.draft
+            self.draft = _Runner(self.draft_model, self.engine.vocab_size)
+
+    def _draft_catch_up(self, stats: GenerationStats) -> torch.Tensor:
+        """Feed the draft the tokens its cache lacks; return logits for the next token [vocab]."""
+        t0 = time.perf_counter()
+        missing = self.seq[self.draft.length:]
+        logits = self.draft.feed(missing, keep=1)[-1]
+        stats.draft_time_s += time.perf_counter() - t0
+        return logits
+
+    def _target_verify(self, draft_tokens: list[int], stats: GenerationStats) -> torch.Tensor:
+        """One target pass over [missing..., last token, draft tokens]: logits [gamma + 1, vocab]."""
+        t0 = time.perf_counter()
+        feed = self.seq[self.target.length:] + draft_tokens
+        logits = self.target.feed(feed, keep=len(draft_tokens) + 1)
+        stats.target_time_s += time.perf_counter() - t0
+        return logits
+
+    # -- target-only ---------------------------------------------------------------
+    def target_step(self, sampling: SamplingParams, gen: torch.Generator, stats: GenerationStats) -> list[int]:
+        logits = self._target_verify([], stats)[-1]
+        probs = warp_logprobs(logits, sampling.temperature, sampling.top_k, sampling.top_p).exp()
+        tok = int(sample(probs, gen))
+        self.seq.append(tok)
+        return [tok]
+
+    # -- speculative / MJSD ----------------------------------------------------------
+    def spec_step(self, sampling: SamplingParams, spec: SpecParams, gen: torch.Generator,
+                  stats: GenerationStats, request_id: str, sink: RecordSink | None) -> list[int]:
+        self._sync_draft()
+        warp = lambda lg: warp_logprobs(lg, sampling.temperature, sampling.top_k, sampling.top_p)
+        start = len(self.seq)
+        if spec.mode == "mjsd":
+            draft_tokens, draft_probs = self._propose_beams(spec, warp, gen, stats)
+        else:
+            draft_tokens, draft_probs = self._propose_chain(spec.gamma, warp, gen, stats)
+        target_logits = self._target_verify(draft_tokens, stats)           # [gamma + 1, vocab]
+        target_probs = warp(target_logits).exp()
+        rule = VERIFY_RULES[spec.mode]
+        res: VerifyResult = rule(torch.tensor(draft_tokens), draft_probs, target_probs, gen, spec)
+        n = res.num_accepted
+        emitted = draft_tokens[:n] + [int(res.next_token)]
+        self.seq.extend(emitted)
+        # rollback: target keeps seq[:-1]; draft keeps at most that
+        self.target.truncate(len(self.seq) - 1)
+        self.draft.truncate(min(self.draft.length, len(self.seq) - 1))
+        stats.steps += 1
+        stats.draft_tokens += len(draft_tokens)
+        stats.accepted_tokens += n
+        for i in range(n):
+            stats.accepted_per_position[i] += 1
+        if sink is not None:
+            try:
+                ids, lps = _top_k_record(target_logits, self.engine.record_top_k)
+                sink.push_step(StepRecord(
+                    request_id=request_id, position=start, draft_tokens=draft_tokens, num_accepted=n,
+                    target_topk_ids=ids, target_topk_logprobs=lps, algorithm=spec.mode,
+                    draft_version=self.engine.draft_version, temperature=sampling.temperature,
+                    top_k=sampling.top_k, top_p=sampling.top_p, timestamp=time.time(),
+                    next_token=int(res.next_token)))
+                self.recorded_steps += 1
+            except Exception as exc:
+                log.warning("replay buffer push failed: %s", exc)
+        return emitted
+
+    def _propose_chain(self, gamma: int, warp, gen, stats) -> tuple[list[int], torch.Tensor]:
+        """Autoregressive draft: gamma tokens, each sampled from the warped draft distribution."""
+        logits = self._draft_catch_up(stats)
+        tokens, probs = [], []
+        for i in range(gamma):
+            p = warp(logits).exp()
+            tok = int(sample(p, gen))
+            tokens.append(tok)
+            probs.append(p)
+            if i + 1 < gamma:
+                t0 = time.perf_counter()
+                logits = self.draft.feed([tok], keep=1)[-1]
+                stats.draft_time_s += time.perf_counter() - t0
+        return tokens, torch.stack(probs)
+
+    def _propose_beams(self, spec: SpecParams, warp, gen, stats) -> tuple[list[int], torch.Tensor]:
+        """MJSD draft: beam *sampling* of gamma tokens; returns the top beam and the warped draft
+        distributions along it. The batch-1 draft cache is not touched by the beams (they run on a
+        forked cache), so it stays a prefix of seq."""
+        logits = self._draft_catch_up(stats)                               # [vocab]
+        t0 = time.perf_counter()
+        step_logprobs = warp(logits)[None]                                 # [1, vocab]
+        beam_logq = torch.zeros(1)
+        parents_hist, tokens_hist, probs_hist = [], [], []
+        runner = None
+        for i in range(spec.gamma):
+            parent, token, beam_logq = beam_sample_step(beam_logq, step_logprobs, spec.beams, gen)
+            parents_hist.append(parent)
+            tokens_hist.append(token)
+            probs_hist.append(step_logprobs.exp())
+            if i + 1 == spec.gamma:
+                break
+            if runner is None:
+                runner = self.draft.fork(len(token))
+            else:
+                runner.select(parent)
+            step_logprobs = warp(runner.feed(token[:, None], keep=1)[:, -1])  # [B, vocab]
+        stats.draft_time_s += time.perf_counter() - t0
+        # trace the best beam back through the parent pointers
+        row = int(beam_sample_finalize(beam_logq)[0])
+        tokens, probs = [], []
+        for i in range(spec.gamma - 1, -1, -1):
+            tokens.append(int(tokens_hist[i][row]))
+            parent = int(parents_hist[i][row])
+            probs.append(probs_hist[i][parent])
+            row = parent
+        return tokens[::-1], torch.stack(probs[::-1])

