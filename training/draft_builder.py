@@ -1,0 +1,227 @@
+"""Build the default draft on a fresh machine (the bootstrap), in a fixed time budget on a CPU.
+
+Recipe (see shared/reference/measurements.md for why each lever matters on a 2-core CPU):
+1. Teacher data: the target's greedy answers to the training split of GSM8K questions, with its
+   top-20 log-probabilities saved on the way (training/teacher.py), so training never re-runs
+   the target. Gets ~40% of the budget.
+2. Draft = the target's width and tokenizer, 2 decoder layers initialised from the target's first
+   two, the target's embedding and final norm copied; the embedding is frozen and tied to the
+   output layer, so only the two decoder layers (+ norm) train.
+3. Output vocabulary cut to the tokens that occur in the teacher answers (plus their top-20
+   alternatives and the special tokens): the output projection dominates a small draft's cost on
+   a CPU. Saved as `draftsmith.json` `output_token_ids`; the folder itself stays a plain full-vocab
+   Hugging Face model (serving/models.py).
+4. Loss per answer position, over the kept vocabulary:
+   0.5 * soft cross-entropy against the target's top-20 distribution (renormalised over its top-20)
+   + 0.5 * hard cross-entropy on the target's greedy token.
+The held-out split is never trained on; the result reports top-1 agreement with the target on it
+(= the per-token acceptance rate of greedy speculative decoding).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from training.teacher import generate_teacher_data, load_examples, save_examples
+
+log = logging.getLogger(__name__)
+
+
+def make_draft_from_target(target, num_layers: int = 2):
+    """A `num_layers`-layer model of the target's width: embedding, first layers and final norm copied."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = copy.deepcopy(target.config)
+    cfg.num_hidden_layers = num_layers
+    cfg.tie_word_embeddings = True
+    if hasattr(cfg, "layer_types") and cfg.layer_types:
+        cfg.layer_types = cfg.layer_types[:num_layers]
+    draft = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    state = {k: v.float() for k, v in target.state_dict().items()
+             if not k.startswith("model.layers.") or int(k.split(".")[2]) < num_layers}
+    state.pop("lm_head.weight", None)
+    missing, unexpected = draft.load_state_dict(state, strict=False)
+    if unexpected or [m for m in missing if m != "lm_head.weight"]:
+        raise RuntimeError(f"draft init mismatch: missing={missing} unexpected={unexpected}")
+    draft.tie_weights()
+    return draft
+
+
+def _vocab_subset(examples: list[dict], tokenizer) -> torch.Tensor:
+    keep = set(tokenizer.all_special_ids)
+    for e in examples:
+        keep.update(e["tokens"][e["prompt_len"]:])
+        keep.update(np.unique(e["topk_ids"][:, :5]).tolist())
+    return torch.tensor(sorted(keep), dtype=torch.long)
+
+
+def _batch(examples, vocab_index, device="cpu"):
+    """Right-padded batch; targets mapped into the kept vocabulary (-1 where outside)."""
+    L = max(len(e["tokens"]) for e in examples)
+    k = examples[0]["topk_ids"].shape[1]
+    ids = torch.zeros(len(examples), L, dtype=torch.long)
+    attn = torch.zeros(len(examples), L, dtype=torch.long)
+    # loss rows: position t predicts token t+1; answer token j sits at prompt_len + j
+    rows_b, rows_t, tk_ids, tk_lp, hard = [], [], [], [], []
+    for b, e in enumerate(examples):
+        n = len(e["tokens"])
+        ids[b, :n] = torch.tensor(e["tokens"])
+        attn[b, :n] = 1
+        P = e["prompt_len"]
+        A = len(e["topk_ids"])
+        rows_b += [b] * A
+        rows_t += list(range(P - 1, P - 1 + A))
+        tk_ids.append(torch.as_tensor(e["topk_ids"], dtype=torch.long))
+        tk_lp.append(torch.as_tensor(e["topk_logprobs"].astype(np.float32)))
+        hard.append(torch.tensor(e["tokens"][P: P + A], dtype=torch.long))
+    tk_ids = torch.cat(tk_ids)
+    return dict(ids=ids, attn=attn, rows_b=torch.tensor(rows_b), rows_t=torch.tensor(rows_t),
+                topk=vocab_index[tk_ids], topk_lp=torch.cat(tk_lp), hard=vocab_index[torch.cat(hard)])
+
+
+def distill_loss(hidden_rows, out_weight, batch, soft_weight: float = 0.5):
+    """0.5 * soft CE vs the target's top-k (renormalised over entries inside the kept vocab)
+    + 0.5 * hard CE on the target's token. Returns (loss, top-1 agreement)."""
+    logits = hidden_rows @ out_weight.T                                   # [rows, V_keep]
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    inside = batch["topk"] >= 0
+    t_lp = batch["topk_lp"].masked_fill(~inside, float("-inf"))
+    t_p = torch.softmax(t_lp, dim=-1)                                     # target over its top-k
+    gathered = logp.gather(1, batch["topk"].clamp(min=0))
+    soft = -(t_p * gathered.masked_fill(~inside, 0.0)).sum(-1)
+    hard_ok = batch["hard"] >= 0
+    hard = -logp.gather(1, batch["hard"].clamp(min=0)[:, None])[:, 0]
+    loss = soft_weight * soft.mean() + (1 - soft_weight) * (hard * hard_ok).sum() / hard_ok.sum().clamp(min=1)
+    agree = (logits.argmax(-1) == batch["hard"]).float().mean()
+    return loss, float(agree)
+
+
+def _hidden_rows(draft, batch):
+    out = draft.model(input_ids=batch["ids"], attention_mask=batch["attn"])
+    h = out.last_hidden_state
+    return h[batch["rows_b"], batch["rows_t"]]
+
+
+def evaluate_agreement(draft, examples, subset, vocab_index, batch_size=16) -> float:
+    draft.eval()
+    hit = tot = 0
+    W = draft.get_input_embeddings().weight[subset]
+    with torch.no_grad():
+        for i in range(0, len(examples), batch_size):
+            b = _batch(examples[i: i + batch_size], vocab_index)
+            logits = _hidden_rows(draft, b) @ W.T
+            hit += int((logits.argmax(-1) == b["hard"]).sum())
+            tot += len(b["hard"])
+    draft.train()
+    return hit / max(1, tot)
+
+
+def bootstrap(out_dir: str | Path, target_path: str | Path | None = None, *, budget_s: float = 780,
+              teacher_share: float = 0.4, num_layers: int = 2, batch_size: int = 16, lr: float = 1e-3,
+              prompts_source: str = "gsm8k", max_new_tokens: int = 128, heldout: int = 40,
+              teacher_cache: str | Path | None = None, seed: int = 0, progress=print) -> Path:
+    """Build the default draft into `out_dir` within about `budget_s` seconds; return the folder."""
+    from serving.models import ensure_default_target, load_causal_lm, load_tokenizer, resolve_model_path
+    from training.prompts import chat_prompt_ids, load_prompts
+
+    t_start = time.time()
+    random.seed(seed)
+    torch.manual_seed(seed)
+    out_dir = Path(out_dir)
+    tpath = resolve_model_path(target_path) if target_path else ensure_default_target()
+    tok = load_tokenizer(tpath)
+    target = load_causal_lm(tpath, "cpu", torch.bfloat16)
+    progress(f"[bootstrap] target {tpath} loaded; budget {budget_s:.0f} s")
+
+    # 1. teacher data (re-used from `teacher_cache` when both its files exist)
+    cache = Path(teacher_cache) if teacher_cache else None
+    held_cache = cache.with_suffix(".heldout.safetensors") if cache else None
+    if cache is not None and cache.exists() and held_cache.exists():
+        train_ex, held_ex = load_examples(cache), load_examples(held_cache)
+        progress(f"[bootstrap] {len(train_ex)} + {len(held_ex)} teacher examples from {cache}")
+    else:
+        prompts = [chat_prompt_ids(tok, t) for t in load_prompts(prompts_source, "train")]
+        random.shuffle(prompts)
+        held = [chat_prompt_ids(tok, t) for t in load_prompts(prompts_source, "heldout", heldout)]
+        held_ex = generate_teacher_data(target, tok, held, max_new_tokens=max_new_tokens, progress=progress)
+        train_ex = generate_teacher_data(target, tok, prompts, max_new_tokens=max_new_tokens,
+                                         deadline=t_start + budget_s * teacher_share, progress=progress)
+        if cache is not None:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            save_examples(train_ex, cache)
+            save_examples(held_ex, held_cache)
+    del target
+
+    # 2. draft architecture + kept vocabulary
+    target = load_causal_lm(tpath, "cpu", torch.float32)
+    draft = make_draft_from_target(target, num_layers)
+    del target
+    subset = _vocab_subset(train_ex, tok)
+    vocab_index = torch.full((len(tok) + 1,), -1, dtype=torch.long)
+    vocab_index[subset] = torch.arange(len(subset))
+    draft.get_input_embeddings().weight.requires_grad_(False)
+    params = [p for p in draft.parameters() if p.requires_grad]
+    n_train = sum(p.numel() for p in params)
+    progress(f"[bootstrap] draft: {num_layers} layers, {sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M "
+             f"params ({n_train / 1e6:.1f}M trained), output vocabulary {len(subset)} of {len(tok)}")
+    before = evaluate_agreement(draft, held_ex, subset, vocab_index)
+    progress(f"[bootstrap] held-out top-1 agreement before training: {before:.3f}")
+
+    # 3. train until the budget (minus a margin for evaluation and saving)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    train_deadline = t_start + budget_s - 45
+    est_steps = max(1, int((train_deadline - time.time()) / 1.0))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.1, 1 - s / est_steps))
+    draft.train()
+    step, tokens, epoch = 0, 0, 0
+    t_train = time.time()
+    # group by length for less padding; shuffle the groups
+    by_len = sorted(train_ex, key=lambda e: len(e["tokens"]))
+    batches = [by_len[i: i + batch_size] for i in range(0, len(by_len), batch_size)]
+    W_sub = lambda: draft.get_input_embeddings().weight[subset]
+    while time.time() < train_deadline:
+        random.shuffle(batches)
+        for group in batches:
+            if time.time() >= train_deadline:
+                break
+            b = _batch(group, vocab_index)
+            loss, agree = distill_loss(_hidden_rows(draft, b), W_sub(), b)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            step += 1
+            tokens += len(b["hard"])
+            if step % 20 == 0:
+                el = time.time() - t_train
+                progress(f"[bootstrap] epoch {epoch} step {step} loss {float(loss):.3f} train-agree {agree:.3f} "
+                         f"{tokens / el:.0f} scored tok/s, {train_deadline - time.time():.0f} s left")
+        epoch += 1
+    draft.eval()
+    after = evaluate_agreement(draft, held_ex, subset, vocab_index)
+    progress(f"[bootstrap] held-out top-1 agreement after {step} steps ({epoch} epochs): {after:.3f}")
+
+    # 4. save a plain HF folder + the kept output rows
+    out_dir.mkdir(parents=True, exist_ok=True)
+    draft.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    meta = {
+        "output_token_ids": subset.tolist(),
+        "built_by": "training.draft_builder.bootstrap",
+        "target": str(tpath), "num_layers": num_layers, "prompts_source": prompts_source,
+        "teacher_examples": len(train_ex), "heldout_examples": len(held_ex), "train_steps": step,
+        "train_scored_tokens": tokens, "heldout_top1_agreement_before": before,
+        "heldout_top1_agreement_after": after, "seconds": round(time.time() - t_start, 1),
+    }
+    (out_dir / "draftsmith.json").write_text(json.dumps(meta))
+    progress(f"[bootstrap] wrote {out_dir} in {time.time() - t_start:.0f} s")
+    return out_dir

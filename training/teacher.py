@@ -1,0 +1,98 @@
+"""Offline teacher data for the bootstrap draft: the target's own greedy answers to training prompts,
+with the target's top-k log-probabilities saved on the way (so distillation never re-runs the target).
+
+Generation is batched with left padding (one `generate` call per batch, KV-cached), and the top-k
+of the raw (temperature 1) log-softmax is taken from the scores `generate` already computed: the
+teacher signal costs nothing extra. Output: a list of examples, each
+`{"tokens": [prompt + answer ids], "prompt_len": n, "topk_ids": [answer_len, k], "topk_logprobs": [answer_len, k]}`
+where row j of the top-k belongs to the position that predicts answer token j.
+Saved as one safetensors file (flat arrays + offsets): no pickle.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def generate_teacher_data(target, tokenizer, prompts: list[list[int]], *, max_new_tokens: int = 128,
+                          batch_size: int = 32, top_k: int = 20, deadline: float | None = None,
+                          progress=print) -> list[dict]:
+    """Greedy target answers + top-k raw log-probs. Stops early (keeping what is done) at `deadline`
+    (a time.time() value)."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos = tokenizer.eos_token_id
+    examples: list[dict] = []
+    t0 = time.time()
+    n_tokens = 0
+    # Similar lengths together: less padding.
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    for b in range(0, len(order), batch_size):
+        if deadline is not None and time.time() > deadline:
+            progress(f"[teacher] time budget reached after {len(examples)} prompts")
+            break
+        batch = [prompts[i] for i in order[b: b + batch_size]]
+        width = max(len(p) for p in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, p in enumerate(batch):
+            ids[r, width - len(p):] = torch.tensor(p)
+            mask[r, width - len(p):] = 1
+        with torch.no_grad():
+            out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                  do_sample=False, output_scores=True, return_dict_in_generate=True,
+                                  pad_token_id=pad, eos_token_id=eos)
+        scores = torch.stack(out.scores, dim=1).float()             # [B, new, vocab] (greedy: raw logits)
+        logprobs = torch.log_softmax(scores, dim=-1)
+        top_lp, top_ids = torch.topk(logprobs, top_k, dim=-1)
+        gen = out.sequences[:, width:]
+        for r, p in enumerate(batch):
+            answer = gen[r].tolist()
+            if eos in answer:
+                answer = answer[: answer.index(eos) + 1]
+            n = len(answer)
+            if n == 0:
+                continue
+            examples.append({
+                "tokens": list(p) + answer, "prompt_len": len(p),
+                "topk_ids": top_ids[r, :n].to(torch.int32).numpy(),
+                "topk_logprobs": top_lp[r, :n].to(torch.float16).numpy(),
+            })
+            n_tokens += n
+        rate = n_tokens / (time.time() - t0)
+        progress(f"[teacher] {min(b + batch_size, len(order))}/{len(order)} prompts, {n_tokens} tokens, "
+                 f"{rate:.0f} tok/s")
+    return examples
+
+
+def save_examples(examples: list[dict], path: Path) -> None:
+    from safetensors.numpy import save_file
+
+    lens = np.array([len(e["tokens"]) for e in examples], dtype=np.int64)
+    ans = np.array([len(e["topk_ids"]) for e in examples], dtype=np.int64)
+    save_file({
+        "tokens": np.concatenate([np.asarray(e["tokens"], dtype=np.int32) for e in examples]),
+        "seq_lens": lens,
+        "prompt_lens": np.array([e["prompt_len"] for e in examples], dtype=np.int64),
+        "answer_lens": ans,
+        "topk_ids": np.concatenate([e["topk_ids"] for e in examples]),
+        "topk_logprobs": np.concatenate([e["topk_logprobs"] for e in examples]),
+    }, str(path))
+
+
+def load_examples(path: Path) -> list[dict]:
+    from safetensors.numpy import load_file
+
+    d = load_file(str(path))
+    out, s, a = [], 0, 0
+    for L, P, A in zip(d["seq_lens"], d["prompt_lens"], d["answer_lens"]):
+        out.append({"tokens": d["tokens"][s: s + L].tolist(), "prompt_len": int(P),
+                    "topk_ids": d["topk_ids"][a: a + A], "topk_logprobs": d["topk_logprobs"][a: a + A]})
+        s += int(L)
+        a += int(A)
+    return out
