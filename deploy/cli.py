@@ -1,0 +1,393 @@
+"""`draftsmith` command line (console script `draftsmith = deploy.cli:main`).
+
+    draftsmith serve [--host H] [--port P] [--target T] [--draft D] [--replicas N] [--api-key K]
+    draftsmith bootstrap [--out DIR] [--budget 13m] [--force]
+    draftsmith distill [--every 10m] [--min-records N] [--margin 0.01]
+    draftsmith register CANDIDATE_DIR            (or a full model folder: a new base draft)
+    draftsmith promote VERSION [--force]
+    draftsmith rollback [--to VERSION]
+    draftsmith versions
+    draftsmith status
+
+Common options: --target (default $DRAFTSMITH_TARGET or the default SmolLM2 target) picks the
+registered model `draftsmith-<target>-draft`; --tracking-uri (default $MLFLOW_TRACKING_URI or
+sqlite under $DRAFTSMITH_DATA). Exit codes: 0 ok, 1 the operation failed (gate rejected, corrupt
+artifacts, job failed), 2 bad input (the message says what to fix). Heavy modules (MLflow, torch,
+Ray) are imported only by the subcommand that needs them. DRAFTSMITH_DEBUG=1 shows tracebacks.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+class CommandFailed(Exception):
+    """The operation ran but did not succeed (exit code 1)."""
+
+
+class BadInput(Exception):
+    """The user must change the command (exit code 2)."""
+
+
+# ---------------------------------------------------------------------------------- argument types
+def _duration(text: str) -> float:
+    from deploy.scheduler import parse_duration
+
+    try:
+        return parse_duration(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return v
+
+
+def _port(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"port must be a number in 1..65535, got {text!r}") from None
+    if not (1 <= v <= 65535):
+        raise argparse.ArgumentTypeError(f"port must be a number in 1..65535, got {text!r}")
+    return v
+
+
+def _fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
+    if not (0.0 <= v < 1.0):
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}")
+    return v
+
+
+def _version(text: str) -> str:
+    s = text.strip()
+    s = s[1:] if s.lower().startswith("v") else s
+    if not s.isdigit() or int(s) < 1:
+        raise argparse.ArgumentTypeError(f"a version is a registry version number such as 3 (or v3), got {text!r}")
+    return str(int(s))
+
+
+def _existing_dir(text: str) -> Path:
+    p = Path(text).expanduser()
+    if not p.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is not an existing folder")
+    return p
+
+
+# ---------------------------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--target", default=os.environ.get("DRAFTSMITH_TARGET"),
+                        help="target model id or folder (default: $DRAFTSMITH_TARGET or smollm2-135m-instruct)")
+    common.add_argument("--model-name", default=None, help="registered model name (default draftsmith-<target>-draft)")
+    common.add_argument("--tracking-uri", default=None,
+                        help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or sqlite:///$DRAFTSMITH_DATA/mlflow.db)")
+
+    p = argparse.ArgumentParser(prog="draftsmith", description="Online speculative decoding with continual draft "
+                                "distillation: serve, distill, and manage draft versions.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    s = sub.add_parser("serve", parents=[common], help="start the HTTP service (Ray Serve)")
+    s.add_argument("--host", default=os.environ.get("DRAFTSMITH_HOST", "127.0.0.1"))
+    s.add_argument("--port", type=_port, default=int(os.environ.get("DRAFTSMITH_PORT", "8000")))
+    s.add_argument("--draft", default=None, help="draft folder or registry version (default: the champion)")
+    s.add_argument("--replicas", type=_positive_int, default=1)
+    s.add_argument("--api-key", default=os.environ.get("DRAFTSMITH_API_KEY"),
+                   help="require this bearer token (default $DRAFTSMITH_API_KEY; none = open)")
+
+    b = sub.add_parser("bootstrap", parents=[common], help="build the first draft, register it as champion")
+    b.add_argument("--out", type=Path, default=None, help="output folder (default $DRAFTSMITH_DATA/bootstrap-draft)")
+    b.add_argument("--budget", type=_duration, default=780.0, help="time budget, e.g. 13m (default 13m)")
+    b.add_argument("--force", action="store_true", help="register a new base draft even if versions exist")
+
+    d = sub.add_parser("distill", parents=[common], help="run one distillation job now, or on a schedule")
+    d.add_argument("--every", type=_duration, default=None, help="run a job every DURATION (e.g. 10m)")
+    d.add_argument("--min-records", type=_positive_int, default=None,
+                   help="run when at least N new records are in the buffer")
+    d.add_argument("--poll", type=_duration, default=10.0, help="how often the schedule is checked (default 10s)")
+    d.add_argument("--max-jobs", type=_positive_int, default=None, help="stop the scheduler after N jobs")
+    d.add_argument("--margin", type=_fraction, default=0.01,
+                   help="offline acceptance gain the candidate needs over the champion (default 0.01)")
+    d.add_argument("--min-heldout", type=int, default=1, help="minimum held-out records for the gate (default 1)")
+    d.add_argument("--config", type=Path, default=None, help="distillation config YAML (training.job)")
+
+    r = sub.add_parser("register", parents=[common], help="register a candidate folder (or a full model folder)")
+    r.add_argument("path", type=_existing_dir, metavar="CANDIDATE_DIR")
+
+    pr = sub.add_parser("promote", parents=[common], help="promote a version through the gate")
+    pr.add_argument("version", type=_version, metavar="VERSION")
+    pr.add_argument("--force", action="store_true", help="skip the gate (artifacts are still verified)")
+    pr.add_argument("--margin", type=_fraction, default=0.01)
+    pr.add_argument("--min-heldout", type=int, default=1)
+
+    rb = sub.add_parser("rollback", parents=[common], help="move the champion back to the previous version")
+    rb.add_argument("--to", type=_version, default=None, metavar="VERSION")
+    rb.add_argument("--reason", default="operator rollback")
+
+    sub.add_parser("versions", parents=[common], help="list draft versions with aliases and metrics")
+    sub.add_parser("status", parents=[common], help="champion, aliases, scheduler state")
+    return p
+
+
+# ---------------------------------------------------------------------------------- commands
+def _registry(args):
+    from deploy.registry import Registry
+
+    return Registry(args.target, name=args.model_name, tracking_uri=args.tracking_uri)
+
+
+def _gate_policy(args):
+    from deploy.gate import GatePolicy
+
+    try:
+        return GatePolicy(margin=args.margin, min_heldout_records=args.min_heldout)
+    except ValueError as e:
+        raise BadInput(str(e)) from None
+
+
+def cmd_serve(args) -> int:
+    try:
+        from serving.app import serve_forever
+    except ImportError as e:
+        raise CommandFailed(f"the serving application is not available ({e})") from None
+    serve_forever(host=args.host, port=args.port, target=args.target, draft=args.draft,
+                  replicas=args.replicas, api_key=args.api_key)
+    return EXIT_OK
+
+
+def _bootstrap_builder():
+    """The bootstrap recipe: bootstrap(out_dir, target_path, budget_s=...) -> model folder."""
+    from training.draft_builder import bootstrap
+
+    return bootstrap
+
+
+def cmd_bootstrap(args) -> int:
+    from deploy.registry import data_dir
+
+    reg = _registry(args)
+    existing = reg.versions()
+    if existing and not args.force:
+        raise BadInput(f"{reg.name} already has {len(existing)} version(s) (champion: {reg.champion() or 'none'}); "
+                       "pass --force to build and register another base draft")
+    out = args.out or data_dir() / "bootstrap-draft"
+    build = _bootstrap_builder()
+    folder = Path(build(out, args.target, budget_s=args.budget))
+    version = reg.register_base(folder, description="bootstrap base draft")
+    move = reg.promote(version, reason="bootstrap")
+    print(f"registered {folder} as {reg.name} version {version}; {move.message}")
+    return EXIT_OK
+
+
+def _real_distill(args):
+    """The injected distillation function: `training.job.run_distillation(cfg) -> candidate dir`.
+
+    cfg is a plain dict: the --config YAML's keys, overridden by the job request
+    (parent_version, base_draft_path = the materialised champion, target, since_id = buffer cursor).
+    """
+    try:
+        from training.job import run_distillation
+    except ImportError as e:
+        raise CommandFailed(f"the distillation job (training.job.run_distillation) is not available: {e}") from None
+    overrides = _read_config(args.config)
+
+    def distill(request):
+        return run_distillation(job_config(request, args.target, overrides))
+
+    return distill
+
+
+def job_config(request, target: str | None, overrides: dict | None = None) -> dict:
+    """The cfg handed to training.job.run_distillation for one scheduler JobRequest."""
+    return {**(overrides or {}), "parent_version": request.parent_version,
+            "base_draft_path": str(request.parent_path), "target": target, "since_id": request.since_id}
+
+
+def _read_config(path: Path | None) -> dict:
+    if path is None:
+        return {}
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise BadInput(f"cannot read --config {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise BadInput(f"--config {path} must hold a YAML mapping of distillation settings")
+    return data
+
+
+def _pending_records():
+    """`training.job.pending_records(since_id) -> int`: buffer records newer than the cursor."""
+    try:
+        from training.job import pending_records
+    except ImportError as e:
+        raise CommandFailed(f"--min-records needs training.job.pending_records(since_id), which is not "
+                            f"available: {e}") from None
+    return pending_records
+
+
+def cmd_distill(args) -> int:
+    import threading
+
+    from deploy.gate import engine_smoke_check
+    from deploy.scheduler import DistillScheduler, ScheduleConfig
+
+    policy = _gate_policy(args)
+    schedule = None
+    if args.every is not None or args.min_records is not None:
+        try:
+            schedule = ScheduleConfig(every_s=args.every, min_records=args.min_records, poll_s=args.poll)
+        except ValueError as e:
+            raise BadInput(str(e)) from None
+    reg = _registry(args)
+    if reg.champion() is None:
+        raise BadInput(f"{reg.name} has no champion draft to distill from; run `draftsmith bootstrap` first")
+    sched = DistillScheduler(reg, _real_distill(args), smoke_check=engine_smoke_check(args.target), policy=policy,
+                             schedule=schedule, pending_records=_pending_records() if args.min_records else None)
+    if schedule is None:
+        out = sched.run_job()
+        return EXIT_OK if out.status in ("promoted", "rejected") else EXIT_FAILED
+    print(f"[distill] scheduler started: every {args.every or '-'} s, min records {args.min_records or '-'}; "
+          "Ctrl-C stops it")
+    stop = threading.Event()
+    try:
+        sched.run_forever(stop, max_jobs=args.max_jobs)
+    except KeyboardInterrupt:
+        stop.set()
+    return EXIT_OK
+
+
+def cmd_register(args) -> int:
+    reg = _registry(args)
+    version = reg.register(args.path)
+    info = reg.get(version)
+    print(f"registered {args.path} as {reg.name} version {version} ({info.kind}"
+          + (f" on version {info.parent_version}" if info.parent_version else "") + ")")
+    return EXIT_OK
+
+
+def cmd_promote(args) -> int:
+    from deploy.gate import engine_smoke_check, force_promote, run_gate
+
+    reg = _registry(args)
+    if args.force:
+        move = force_promote(reg, args.version)
+        print(move.message + ("" if move.changed else " (nothing changed)"))
+        return EXIT_OK
+    verdict = run_gate(reg, args.version, engine_smoke_check(args.target), policy=_gate_policy(args))
+    if not verdict.accepted:
+        raise CommandFailed(f"version {args.version} was not promoted: {verdict.reason} "
+                            "(the verdict is recorded on the version; `promote --force` overrides the gate)")
+    print(f"version {args.version} is the champion: {verdict.reason}"
+          + (f"; smoke: {verdict.smoke_detail}" if verdict.smoke_detail else ""))
+    return EXIT_OK
+
+
+def cmd_rollback(args) -> int:
+    reg = _registry(args)
+    move = reg.rollback(args.to, reason=args.reason)
+    print(move.message + ("" if move.changed else " (nothing changed)"))
+    return EXIT_OK
+
+
+def _fmt(x, nd=3) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def cmd_versions(args) -> int:
+    reg = _registry(args)
+    infos = reg.versions()
+    if not infos:
+        print(f"{reg.name}: no versions yet (run `draftsmith bootstrap`)  [{reg.tracking_uri}]")
+        return EXIT_OK
+    rows = [("VERSION", "ALIASES", "KIND", "PARENT", "ACC_BEFORE", "ACC_AFTER", "GATE", "CREATED")]
+    for i in infos:
+        rows.append((i.version, ",".join(i.aliases) or "-", i.kind, i.parent_version or "-",
+                     _fmt(i.metrics.get("offline_acceptance_before")), _fmt(i.offline_acceptance),
+                     i.tags.get("draftsmith.gate.verdict", "-"),
+                     time.strftime("%Y-%m-%d %H:%M", time.localtime(i.created_ms / 1000))))
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    print(f"{reg.name}  [{reg.tracking_uri}]")
+    for r in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
+    return EXIT_OK
+
+
+def cmd_status(args) -> int:
+    from deploy.scheduler import JobLock, read_status
+
+    reg = _registry(args)
+    aliases = reg.aliases()
+    print(f"registry:  {reg.name}  [{reg.tracking_uri}]")
+    print(f"versions:  {len(reg.versions())}")
+    for a in ("champion", "previous", "candidate"):
+        print(f"{a + ':':<10} {aliases.get(a, '-')}")
+    champ = aliases.get("champion")
+    if champ:
+        info = reg.get(champ)
+        print(f"champion offline acceptance: {_fmt(info.offline_acceptance)}")
+    holder = JobLock().holder()
+    print("distill:   " + (f"a job is running (pid {holder.get('pid')} on {holder.get('host')})" if holder
+                           else "no job running"))
+    last = read_status()
+    if last:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last.get("time", 0)))
+        print(f"last job:  {last.get('status')} at {when}: {last.get('message')}")
+    last_moves = [h for h in reg.history() if h.get("action") in ("promote", "rollback")][-3:]
+    for h in last_moves:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(h.get("time", 0)))
+        print(f"history:   {when} {h['action']} -> {h.get('version') or h.get('to')}"
+              + (f" (from {h.get('from')})" if h.get("from") else ""))
+    return EXIT_OK
+
+
+COMMANDS = {"serve": cmd_serve, "bootstrap": cmd_bootstrap, "distill": cmd_distill, "register": cmd_register,
+            "promote": cmd_promote, "rollback": cmd_rollback, "versions": cmd_versions, "status": cmd_status}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)          # argparse itself exits 2 with a usage message on bad syntax
+    from deploy.registry import ArtifactError, RegistryError, UsageError
+
+    prog = f"draftsmith {args.command}"
+    try:
+        return COMMANDS[args.command](args)
+    except (BadInput, UsageError) as e:
+        return _report(prog, f"error: {e}", EXIT_USAGE)
+    except (CommandFailed, ArtifactError, RegistryError) as e:
+        return _report(prog, f"failed: {e}", EXIT_FAILED)
+    except KeyboardInterrupt:
+        return _report(prog, "interrupted", 130)
+    except Exception as e:  # noqa: BLE001 - the CLI never shows a traceback unless asked to
+        return _report(prog, f"unexpected error: {type(e).__name__}: {e} (set DRAFTSMITH_DEBUG=1 for the "
+                             "traceback)", EXIT_FAILED)
+
+
+def _report(prog: str, message: str, code: int) -> int:
+    if os.environ.get("DRAFTSMITH_DEBUG"):
+        import traceback
+
+        traceback.print_exc()
+    print(f"{prog}: {message}", file=sys.stderr)
+    return code
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,972 @@
+"""The draft model registry: the one module that imports MLflow.
+
+One MLflow registered model per target (`draftsmith-<target>-draft`); each version is one draft:
+- version 1 (and any later `register_base`) is a *base* draft, a full Hugging Face model folder,
+  logged as the artifacts `draft/...` of its own run;
+- every distillation candidate (contracts.md) is an *adapter* version: `adapter/...` and
+  `candidate.json` as artifacts, the parent version as a tag, the training config and data window as
+  run params, the offline acceptance before/after (and every other numeric figure) as run metrics.
+
+Every version also carries `manifest.json` (sha256 and size of each artifact file), whose own sha256
+is a version tag, so a missing, truncated or edited artifact is detected before it is served.
+
+Roles are MLflow *aliases* (stages are not used): `champion` (served), `previous` (the champion
+before the last promotion), `candidate` (the newest registered candidate not yet promoted). Every
+alias move is written to the registered model's tags as `draftsmith.history.<time_ns>` (JSON).
+
+`materialize(version)` resolves the parent chain down to a base folder, applies each adapter with
+peft `merge_and_unload()`, and caches the merged plain folder under
+`<DRAFTSMITH_CACHE>/drafts/<model name>/<version>-<run id>/` (the run id makes the path unique per
+store, so two registries that both have a "version 3" never share a cache entry). Serving loads
+that folder with plain transformers; peft is only needed here.
+
+Default store: `sqlite:///<DRAFTSMITH_DATA>/mlflow.db` with artifacts in `<DRAFTSMITH_DATA>/mlartifacts`
+(`DRAFTSMITH_DATA` defaults to `./data`), created on first use; `MLFLOW_TRACKING_URI` (or the
+`tracking_uri` argument) selects a tracking server instead, whose own artifact store is then used.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+CHAMPION, PREVIOUS, CANDIDATE = "champion", "previous", "candidate"
+ALIASES = (CHAMPION, PREVIOUS, CANDIDATE)
+DEFAULT_TARGET_NAME = "smollm2-135m-instruct"   # serving.models.DEFAULT_TARGET (not imported: torch)
+REGISTRY_EXPERIMENT = "draftsmith-drafts"
+LIVE_EXPERIMENT = "draftsmith-live"
+MANIFEST = "manifest.json"
+MARKER = ".draftsmith-materialized.json"        # written last into a cached merged folder
+TAG = "draftsmith."                             # prefix of every tag this module writes
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+class RegistryError(RuntimeError):
+    """A registry operation failed; the message says what happened and what to do."""
+
+
+class UsageError(RegistryError, ValueError):
+    """The request itself is wrong (unknown version, malformed candidate folder...): fix the input."""
+
+
+class ArtifactError(RegistryError):
+    """A version's stored artifacts are missing, corrupt or unusable; nothing was changed."""
+
+
+# ---------------------------------------------------------------------------------- locations
+def data_dir() -> Path:
+    """`DRAFTSMITH_DATA` (default `./data`), made absolute."""
+    return Path(os.environ.get("DRAFTSMITH_DATA", "data")).expanduser().resolve()
+
+
+def default_tracking_uri() -> str:
+    """`MLFLOW_TRACKING_URI` if set, else the local SQLite file `<data dir>/mlflow.db`."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{data_dir() / 'mlflow.db'}"
+
+
+def _is_local_store(uri: str) -> bool:
+    return uri.startswith("sqlite:") or uri.startswith("file:") or "://" not in uri
+
+
+def target_slug(target: str | os.PathLike | None) -> str:
+    """A registered-model-safe short name for a target: the folder/model name, lower-case, [a-z0-9._-]."""
+    raw = str(target) if target not in (None, "", "default") else DEFAULT_TARGET_NAME
+    base = Path(raw.rstrip("/\\")).name or raw
+    slug = re.sub(r"[^a-z0-9._-]+", "-", base.lower()).strip("-.")
+    if not slug:
+        raise UsageError(f"cannot derive a model name from target {raw!r}; pass an explicit model name")
+    return slug
+
+
+def model_name_for(target: str | os.PathLike | None) -> str:
+    """`draftsmith-<target slug>-draft`: one registered model per target/draft pair."""
+    return f"draftsmith-{target_slug(target)}-draft"
+
+
+# ---------------------------------------------------------------------------------- manifests
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_manifest(root: Path) -> dict[str, dict]:
+    """{relative posix path: {"sha256": hex, "size": bytes}} for every file under `root`."""
+    root = Path(root)
+    out = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            out[p.relative_to(root).as_posix()] = {"sha256": _sha256(p), "size": p.stat().st_size}
+    return out
+
+
+def verify_manifest(root: Path, manifest: dict[str, dict], what: str) -> None:
+    """Raise ArtifactError naming the first missing, resized or altered file under `root`."""
+    root = Path(root)
+    for rel, entry in manifest.items():
+        p = root / rel
+        if not p.is_file():
+            raise ArtifactError(f"{what}: artifact file {rel!r} is missing from the artifact store")
+        if p.stat().st_size != entry["size"]:
+            raise ArtifactError(f"{what}: artifact file {rel!r} is corrupt (size {p.stat().st_size} bytes, "
+                                f"registered {entry['size']})")
+        if _sha256(p) != entry["sha256"]:
+            raise ArtifactError(f"{what}: artifact file {rel!r} is corrupt (sha256 differs from the registered one)")
+
+
+def _canonical_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+
+
+# ---------------------------------------------------------------------------------- small helpers
+_KEY_BAD = re.compile(r"[^A-Za-z0-9_\-. /]")
+
+
+def _key(k: str) -> str:
+    return _KEY_BAD.sub("_", str(k))[:250]
+
+
+def _flatten(prefix: str, obj: Any, out: dict[str, str]) -> dict[str, str]:
+    """Nested dicts -> {"prefix.a.b": str(value)}; lists and other leaves JSON-encoded, 6000 chars max."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            _flatten(f"{prefix}.{k}" if prefix else str(k), v, out)
+    else:
+        s = obj if isinstance(obj, str) else json.dumps(obj, default=str)
+        out[_key(prefix)] = s[:6000]
+    return out
+
+
+def _numeric(metrics: dict | None) -> dict[str, float]:
+    out = {}
+    for k, v in (metrics or {}).items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        if math.isfinite(float(v)):
+            out[_key(k)] = float(v)
+    return out
+
+
+def _version_str(version: Any) -> str:
+    s = str(version).strip()
+    if s.lower().startswith("v"):
+        s = s[1:]
+    if not s.isdigit() or int(s) < 1:
+        raise UsageError(f"version must be a positive integer such as 3 (or v3), got {version!r}")
+    return str(int(s))
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclass(frozen=True)
+class VersionInfo:
+    """One registered draft version as the CLI and the gate see it."""
+
+    version: str
+    kind: str                       # "base" (full model folder) or "adapter" (LoRA on parent_version)
+    parent_version: str | None
+    aliases: tuple[str, ...]
+    run_id: str
+    source: str
+    created_ms: int
+    tags: dict = field(default_factory=dict)
+    metrics: dict = field(default_factory=dict)
+    params: dict = field(default_factory=dict)
+
+    @property
+    def offline_acceptance(self) -> float | None:
+        """Held-out acceptance of this draft as measured when it was built (None when unknown)."""
+        for k in ("offline_acceptance_after", "heldout_top1_agreement_after", "offline_acceptance"):
+            if k in self.metrics:
+                return self.metrics[k]
+        return None
+
+
+@dataclass(frozen=True)
+class AliasMove:
+    """What a promote/rollback did. `changed` is False for a no-op (already in that state)."""
+
+    action: str                     # "promote" | "rollback"
+    champion: str                   # champion after the move
+    old_champion: str | None
+    previous: str | None            # `previous` alias after the move
+    changed: bool
+    message: str
+
+
+# ---------------------------------------------------------------------------------- the registry
+class Registry:
+    """Draft versions of one target in MLflow (see the module docstring for the layout).
+
+    Args:
+        target: target model id or folder; decides the registered model name when `name` is None.
+        name: explicit registered model name.
+        tracking_uri: MLflow tracking URI (default: `MLFLOW_TRACKING_URI` or the local SQLite store).
+        artifact_root: artifact folder for a local store (default `<DRAFTSMITH_DATA>/mlartifacts`).
+        cache_root: where merged drafts are cached (default `<DRAFTSMITH_CACHE>/drafts`).
+    """
+
+    def __init__(self, target: str | os.PathLike | None = None, *, name: str | None = None,
+                 tracking_uri: str | None = None, artifact_root: str | os.PathLike | None = None,
+                 cache_root: str | os.PathLike | None = None) -> None:
+        self.target = str(target) if target not in (None, "") else DEFAULT_TARGET_NAME
+        self.name = name or model_name_for(self.target)
+        self.tracking_uri = tracking_uri or default_tracking_uri()
+        self._artifact_root = Path(artifact_root).resolve() if artifact_root else None
+        self._cache_root = Path(cache_root) if cache_root else None
+        self._client = None
+        self._experiment_id: str | None = None
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ plumbing
+    @property
+    def client(self):
+        """The MlflowClient (created on first use; a local SQLite store is created then too)."""
+        if self._client is None:
+            os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+            from mlflow.tracking import MlflowClient
+
+            if self.tracking_uri.startswith("sqlite:///"):
+                Path(self.tracking_uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+            registry_uri = os.environ.get("MLFLOW_REGISTRY_URI") or self.tracking_uri
+            self._client = MlflowClient(tracking_uri=self.tracking_uri, registry_uri=registry_uri)
+        return self._client
+
+    @property
+    def artifact_root(self) -> Path | None:
+        """Local artifact folder (None for a tracking server, which stores artifacts itself)."""
+        if self._artifact_root is None and _is_local_store(self.tracking_uri):
+            if self.tracking_uri.startswith("sqlite:///"):
+                db = Path(self.tracking_uri[len("sqlite:///"):])
+                self._artifact_root = db.parent.resolve() / "mlartifacts"
+            else:
+                self._artifact_root = data_dir() / "mlartifacts"
+        return self._artifact_root
+
+    @property
+    def cache_root(self) -> Path:
+        if self._cache_root is None:
+            from serving.models import cache_dir
+
+            self._cache_root = cache_dir() / "drafts"
+        return self._cache_root
+
+    def _experiment(self, name: str = REGISTRY_EXPERIMENT) -> str:
+        if name == REGISTRY_EXPERIMENT and self._experiment_id is not None:
+            return self._experiment_id
+        exp = self.client.get_experiment_by_name(name)
+        if exp is None:
+            location = None
+            if self.artifact_root is not None:
+                self.artifact_root.mkdir(parents=True, exist_ok=True)
+                location = (self.artifact_root / name).as_uri()
+            try:
+                exp_id = self.client.create_experiment(name, artifact_location=location)
+            except Exception:  # created concurrently by another process
+                exp = self.client.get_experiment_by_name(name)
+                if exp is None:
+                    raise
+                exp_id = exp.experiment_id
+        else:
+            exp_id = exp.experiment_id
+        if name == REGISTRY_EXPERIMENT:
+            self._experiment_id = exp_id
+        return exp_id
+
+    def _ensure_model(self) -> None:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.get_registered_model(self.name)
+        except MlflowException:
+            try:
+                self.client.create_registered_model(
+                    self.name, tags={TAG + "target": self.target},
+                    description=f"Draft models for target {self.target} (Draftsmith). Aliases: "
+                                "champion = served, previous = champion before the last promotion, "
+                                "candidate = newest unpromoted candidate.")
+            except MlflowException:
+                self.client.get_registered_model(self.name)  # created concurrently; re-raise if truly failing
+
+    def exists(self) -> bool:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.get_registered_model(self.name)
+            return True
+        except MlflowException:
+            return False
+
+    # ------------------------------------------------------------------ queries
+    def aliases(self) -> dict[str, str]:
+        """{alias: version} of the registered model ({} when nothing is registered yet)."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            rm = self.client.get_registered_model(self.name)
+        except MlflowException:
+            return {}
+        return {a: str(v) for a, v in (rm.aliases or {}).items()}
+
+    def alias(self, alias: str) -> str | None:
+        return self.aliases().get(alias)
+
+    def champion(self) -> str | None:
+        return self.alias(CHAMPION)
+
+    def _model_version(self, version: Any):
+        from mlflow.exceptions import MlflowException
+
+        v = _version_str(version)
+        try:
+            return self.client.get_model_version(self.name, v)
+        except MlflowException:
+            known = ", ".join(i.version for i in self.versions()) or "none"
+            raise UsageError(f"version {v} is not registered in {self.name} (registered versions: {known}); "
+                             "see `draftsmith versions`") from None
+
+    def _info(self, mv, aliases_by_version: dict[str, list[str]]) -> VersionInfo:
+        tags = dict(mv.tags or {})
+        metrics, params = {}, {}
+        if mv.run_id:
+            run = self.client.get_run(mv.run_id)
+            metrics, params = dict(run.data.metrics), dict(run.data.params)
+        parent = tags.get(TAG + "parent_version") or None
+        return VersionInfo(
+            version=str(mv.version), kind=tags.get(TAG + "kind", "unknown"), parent_version=parent,
+            aliases=tuple(sorted(aliases_by_version.get(str(mv.version), []))), run_id=mv.run_id or "",
+            source=mv.source or "", created_ms=int(mv.creation_timestamp or 0), tags=tags, metrics=metrics,
+            params=params)
+
+    def _aliases_by_version(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for a, v in self.aliases().items():
+            out.setdefault(v, []).append(a)
+        return out
+
+    def get(self, version: Any) -> VersionInfo:
+        """One version (UsageError when it is not registered)."""
+        return self._info(self._model_version(version), self._aliases_by_version())
+
+    def versions(self) -> list[VersionInfo]:
+        """All versions, oldest first (empty before the first registration)."""
+        if not self.exists():
+            return []
+        mvs = self.client.search_model_versions(f"name='{self.name}'")
+        by_v = self._aliases_by_version()
+        return sorted((self._info(mv, by_v) for mv in mvs), key=lambda i: int(i.version))
+
+    def last_data_window(self) -> dict | None:
+        """The data window of the newest registered candidate (its `last_id` is the buffer cursor:
+        records after it have not been used by any registered candidate). None before the first one."""
+        for info in reversed(self.versions()):
+            if info.kind == "adapter":
+                try:
+                    return json.loads(info.tags.get(TAG + "data_window") or "{}")
+                except json.JSONDecodeError:
+                    return {}
+        return None
+
+    def history(self) -> list[dict]:
+        """Alias moves and gate verdicts, oldest first."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            rm = self.client.get_registered_model(self.name)
+        except MlflowException:
+            return []
+        items = [(k, v) for k, v in (rm.tags or {}).items() if k.startswith(TAG + "history.")]
+        out = []
+        for _, v in sorted(items, key=lambda kv: int(kv[0].rsplit(".", 1)[1])):
+            try:
+                out.append(json.loads(v))
+            except json.JSONDecodeError:
+                out.append({"action": "unreadable", "raw": v})
+        return out
+
+    def _record_history(self, entry: dict) -> None:
+        entry = {"time": time.time(), **entry}
+        self.client.set_registered_model_tag(self.name, f"{TAG}history.{time.time_ns()}", json.dumps(entry))
+
+    # ------------------------------------------------------------------ registration
+    def _create_version(self, *, kind: str, files: dict[str, Path], run_name: str, params: dict[str, str],
+                        metrics: dict[str, float], tags: dict[str, str], description: str) -> str:
+        """Log `files` ({artifact dir: local folder or file}) + manifest in a new run; register it."""
+        from mlflow.entities import Metric, Param
+
+        self._ensure_model()
+        exp = self._experiment()
+        with tempfile.TemporaryDirectory(prefix="draftsmith-reg-") as tmp:
+            staging = Path(tmp) / "artifacts"
+            staging.mkdir()
+            for dest, src in files.items():
+                src = Path(src)
+                if src.is_dir():
+                    shutil.copytree(src, staging / dest)
+                else:
+                    shutil.copy2(src, staging / dest)
+            manifest = file_manifest(staging)
+            if not manifest:
+                raise UsageError(f"nothing to register: {list(files.values())} hold no files")
+            (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+            manifest_sha = _sha256(staging / MANIFEST)
+            run = self.client.create_run(exp, run_name=run_name,
+                                         tags={TAG + "kind": kind, TAG + "model": self.name, **tags})
+            run_id = run.info.run_id
+            try:
+                items = list(params.items())
+                for i in range(0, len(items), 100):
+                    self.client.log_batch(run_id, params=[Param(k, v) for k, v in items[i:i + 100]])
+                now = _now_ms()
+                mitems = list(metrics.items())
+                for i in range(0, len(mitems), 500):
+                    self.client.log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in mitems[i:i + 500]])
+                self.client.log_artifacts(run_id, str(staging))
+                self.client.set_terminated(run_id)
+            except Exception:
+                self.client.set_terminated(run_id, status="FAILED")
+                raise
+        mv = self.client.create_model_version(
+            self.name, source=run.info.artifact_uri, run_id=run_id, description=description,
+            tags={TAG + "kind": kind, TAG + "manifest_sha256": manifest_sha, **tags})
+        version = str(mv.version)
+        self.client.set_tag(run_id, TAG + "version", version)
+        self.client.set_tag(run_id, "mlflow.runName", f"{self.name}-v{version}")
+        log.info("registered %s version %s (%s)", self.name, version, kind)
+        return version
+
+    def register_base(self, folder: str | os.PathLike, *, metrics: dict | None = None,
+                      params: dict | None = None, description: str = "base draft",
+                      set_champion_if_none: bool = False) -> str:
+        """Register a full draft model folder (config.json + weights + tokenizer) as a new base version.
+
+        Numeric fields of the folder's `draftsmith.json` (except `output_token_ids`) and `metrics`
+        become run metrics, its other fields and `params` run params.
+        """
+        folder = Path(folder)
+        if not (folder / "config.json").is_file():
+            raise UsageError(f"{folder} is not a model folder (no config.json); a base draft must be a folder "
+                             "written by save_pretrained() with the target's tokenizer files")
+        if not any(p.suffix in WEIGHT_SUFFIXES for p in folder.iterdir()):
+            raise UsageError(f"{folder} holds no weight files (*.safetensors); save the draft with save_pretrained()")
+        meta = {}
+        if (folder / "draftsmith.json").is_file():
+            try:
+                meta = json.loads((folder / "draftsmith.json").read_text())
+            except json.JSONDecodeError as e:
+                raise UsageError(f"{folder / 'draftsmith.json'} is not valid JSON: {e}") from None
+        meta = {k: v for k, v in meta.items() if k != "output_token_ids"}
+        all_metrics = {**_numeric(meta), **_numeric(metrics)}
+        all_params = _flatten("", {k: v for k, v in meta.items() if _key(k) not in all_metrics}, {})
+        all_params.update(_flatten("", params or {}, {}))
+        version = self._create_version(
+            kind="base", files={"draft": folder}, run_name=f"{self.name}-base", params=all_params,
+            metrics=all_metrics, tags={TAG + "source_path": str(folder.resolve())[:5000]},
+            description=description)
+        if set_champion_if_none and self.champion() is None:
+            self.promote(version, reason="first base draft")
+        return version
+
+    def register_candidate(self, candidate_dir: str | os.PathLike) -> str:
+        """Register a distillation candidate folder (contracts.md) and point the `candidate` alias at it."""
+        cdir = Path(candidate_dir)
+        meta = read_candidate(cdir)
+        parent = meta.get("parent_version")
+        if parent in (None, ""):
+            raise UsageError(
+                f"{cdir / 'candidate.json'} has no parent_version, so the adapter cannot be tied to a "
+                f"registered draft: register its base draft {meta.get('base_draft_path')!r} first "
+                "(`draftsmith register <model folder>`) and train from that version")
+        parent = _version_str(parent)
+        self._model_version(parent)  # UsageError when unknown
+        cand_target = meta.get("target")
+        if cand_target and target_slug(cand_target) != target_slug(self.target):
+            raise UsageError(f"the candidate was trained for target {cand_target!r}, but this registry holds "
+                             f"drafts for {self.target!r} ({self.name}); pass --target {cand_target}")
+        metrics = _numeric(meta.get("metrics"))
+        params = _flatten("train", meta.get("train_config") or {}, {})
+        params.update(_flatten("data", meta.get("data_window") or {}, {}))
+        if meta.get("loss"):
+            params["loss"] = str(meta["loss"])
+        window = meta.get("data_window") or {}
+        tags = {
+            TAG + "parent_version": parent,
+            TAG + "base_draft_path": str(meta.get("base_draft_path") or "")[:5000],
+            TAG + "target": str(cand_target or self.target)[:5000],
+            TAG + "loss": str(meta.get("loss") or ""),
+            TAG + "data_window": _canonical_json(window)[:5000],
+        }
+        version = self._create_version(
+            kind="adapter", files={"adapter": cdir / "adapter", "candidate.json": cdir / "candidate.json"},
+            run_name=f"{self.name}-candidate", params=params, metrics=metrics, tags=tags,
+            description=f"LoRA adapter on version {parent} ({meta.get('loss') or 'unknown'} loss)")
+        self.client.set_registered_model_alias(self.name, CANDIDATE, version)
+        self._record_history({"action": "register", "version": version, "parent_version": parent})
+        return version
+
+    def register(self, path: str | os.PathLike) -> str:
+        """A candidate folder (has candidate.json) or a full model folder (has config.json)."""
+        p = Path(path)
+        if not p.is_dir():
+            raise UsageError(f"{p} is not a folder; pass a candidate folder (with candidate.json) or a model folder")
+        if (p / "candidate.json").exists():
+            return self.register_candidate(p)
+        if (p / "config.json").exists():
+            return self.register_base(p)
+        raise UsageError(f"{p} is neither a distillation candidate (no candidate.json) nor a model folder "
+                         "(no config.json)")
+
+    # ------------------------------------------------------------------ recording on versions
+    def set_version_tags(self, version: Any, tags: dict[str, Any]) -> None:
+        v = _version_str(version)
+        for k, val in tags.items():
+            self.client.set_model_version_tag(self.name, v, _key(k), str(val)[:5000])
+
+    def log_version_metrics(self, version: Any, metrics: dict[str, Any]) -> None:
+        """Log numeric figures on the version's run (non-numeric and non-finite values are skipped)."""
+        from mlflow.entities import Metric
+
+        mv = self._model_version(version)
+        nums = _numeric(metrics)
+        if nums and mv.run_id:
+            now = _now_ms()
+            self.client.log_batch(mv.run_id, metrics=[Metric(k, v, now, 0) for k, v in nums.items()])
+
+    def record_event(self, entry: dict) -> None:
+        """Append a free-form entry to the registered model's history (e.g. a gate verdict)."""
+        self._record_history(entry)
+
+    # ------------------------------------------------------------------ artifacts
+    def _local_artifacts(self, mv) -> tuple[Path, Path | None]:
+        """(folder holding the version's artifacts, temp folder to delete afterwards or None).
+
+        A local file store is read in place; anything else is downloaded to a temporary folder.
+        """
+        from mlflow.exceptions import MlflowException
+
+        from urllib.parse import unquote, urlparse
+
+        run = self.client.get_run(mv.run_id)
+        uri = run.info.artifact_uri
+        scheme = urlparse(uri).scheme
+        if scheme in ("", "file"):
+            path = Path(unquote(urlparse(uri).path)) if scheme == "file" else Path(uri)
+            if not path.is_dir():
+                raise ArtifactError(f"version {mv.version}: its artifact folder {path} is missing")
+            return path, None
+        self.cache_root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".download-", dir=self.cache_root))
+        try:
+            self.client.download_artifacts(mv.run_id, "", str(tmp))
+        except (MlflowException, OSError) as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise ArtifactError(f"version {mv.version}: could not download its artifacts from "
+                                f"{uri}: {e}") from None
+        return tmp, tmp
+
+    def _verified_artifacts(self, mv) -> tuple[Path, Path | None, dict]:
+        """Fetch a version's artifacts and check them against its manifest; raise ArtifactError."""
+        what = f"version {mv.version} of {self.name}"
+        root, tmp = self._local_artifacts(mv)
+        try:
+            mpath = root / MANIFEST
+            if not mpath.is_file():
+                raise ArtifactError(f"{what}: {MANIFEST} is missing from the artifact store")
+            want = (mv.tags or {}).get(TAG + "manifest_sha256")
+            if want and _sha256(mpath) != want:
+                raise ArtifactError(f"{what}: {MANIFEST} is corrupt (sha256 differs from the registered one)")
+            try:
+                manifest = json.loads(mpath.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ArtifactError(f"{what}: {MANIFEST} is unreadable: {e}") from None
+            verify_manifest(root, manifest, what)
+        except Exception:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return root, tmp, manifest
+
+    def verify(self, version: Any) -> None:
+        """Check a version's stored artifacts and those of its whole parent chain (ArtifactError if bad)."""
+        seen = set()
+        mv = self._model_version(version)
+        while True:
+            if mv.version in seen:
+                raise ArtifactError(f"version {version}: its parent chain loops at version {mv.version}")
+            seen.add(mv.version)
+            _, tmp, _ = self._verified_artifacts(mv)
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            parent = (mv.tags or {}).get(TAG + "parent_version")
+            if not parent:
+                return
+            mv = self._model_version(parent)
+
+    def _cache_path(self, mv) -> Path:
+        return self.cache_root / self.name / f"{mv.version}-{(mv.run_id or 'norun')[:12]}"
+
+    def _cached(self, mv) -> Path | None:
+        out = self._cache_path(mv)
+        try:
+            marker = json.loads((out / MARKER).read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+        ok = (marker.get("run_id") == mv.run_id
+              and marker.get("manifest_sha256") == (mv.tags or {}).get(TAG + "manifest_sha256"))
+        return out if ok else None
+
+    def materialize(self, version: Any, *, verify: bool = False) -> Path:
+        """A plain HF model folder for `version` (merged adapters, cached); ArtifactError if it can't be built.
+
+        With `verify=True` the stored artifacts of the whole chain are re-checked against their
+        manifests even when a cached folder exists (promotion and rollback do this, because other
+        machines will materialise from the store, not from this cache).
+        """
+        mv = self._model_version(version)
+        if verify:
+            self.verify(mv.version)
+        return self._materialize(mv, depth=0)
+
+    def _materialize(self, mv, depth: int) -> Path:
+        if depth > 64:
+            raise ArtifactError(f"version {mv.version}: parent chain deeper than 64 (a loop?)")
+        cached = self._cached(mv)
+        if cached is not None:
+            return cached
+        kind = (mv.tags or {}).get(TAG + "kind")
+        out = self._cache_path(mv)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        root, tmp, manifest = self._verified_artifacts(mv)
+        staging = Path(tempfile.mkdtemp(prefix=f".{mv.version}-", dir=out.parent))
+        try:
+            if kind == "base":
+                shutil.copytree(root / "draft", staging, dirs_exist_ok=True)
+            elif kind == "adapter":
+                parent = (mv.tags or {}).get(TAG + "parent_version")
+                if not parent:
+                    raise ArtifactError(f"version {mv.version} is an adapter without a parent_version tag")
+                parent_dir = self._materialize(self._model_version(parent), depth + 1)
+                _merge_adapter(parent_dir, root / "adapter", staging, what=f"version {mv.version}")
+            else:
+                raise ArtifactError(f"version {mv.version} has unknown kind {kind!r} (not registered by Draftsmith?)")
+            (staging / MARKER).write_text(json.dumps({
+                "model": self.name, "version": str(mv.version), "run_id": mv.run_id,
+                "manifest_sha256": (mv.tags or {}).get(TAG + "manifest_sha256"), "time": time.time()}))
+            if out.exists():  # a stale entry (other run id) or a concurrent materialisation
+                if self._cached(mv) is not None:
+                    shutil.rmtree(staging, ignore_errors=True)
+                    return out
+                shutil.rmtree(out, ignore_errors=True)
+            os.replace(staging, out)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        finally:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+        log.info("materialised %s version %s at %s", self.name, mv.version, out)
+        return out
+
+    # ------------------------------------------------------------------ alias moves
+    def set_alias(self, alias: str, version: Any) -> None:
+        if alias not in ALIASES:
+            raise UsageError(f"unknown alias {alias!r}; Draftsmith uses {', '.join(ALIASES)}")
+        self.client.set_registered_model_alias(self.name, alias, str(self._model_version(version).version))
+
+    def _delete_alias(self, alias: str) -> None:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.delete_registered_model_alias(self.name, alias)
+        except MlflowException:
+            pass
+
+    def promote(self, version: Any, *, reason: str = "", gate: dict | None = None) -> AliasMove:
+        """Make `version` the champion; the old champion becomes `previous`. Idempotent.
+
+        The version (and its parent chain) is verified and materialised first; if that fails an
+        ArtifactError is raised and no alias moves. Policy (the gate) is the caller's: see deploy/gate.py.
+        """
+        with self._lock:
+            v = str(self._model_version(version).version)
+            old = self.champion()
+            if old == v:
+                return AliasMove("promote", v, old, self.alias(PREVIOUS), False, f"version {v} is already the champion")
+            self.materialize(v, verify=True)
+            if old is not None:
+                self.client.set_registered_model_alias(self.name, PREVIOUS, old)
+            self.client.set_registered_model_alias(self.name, CHAMPION, v)
+            if self.alias(CANDIDATE) == v:
+                self._delete_alias(CANDIDATE)
+            now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+            self.set_version_tags(v, {TAG + "promoted_at": now, TAG + "promote_reason": reason or "-"})
+            if old is not None:
+                self.set_version_tags(old, {TAG + "demoted_at": now})
+            self._record_history({"action": "promote", "version": v, "from": old, "reason": reason,
+                                  **({"gate": gate} if gate else {})})
+            prev = old if old is not None else self.alias(PREVIOUS)
+            msg = f"version {v} is now the champion" + (f" (previous: {old})" if old else "")
+            return AliasMove("promote", v, old, prev, True, msg)
+
+    def rollback(self, to: Any | None = None, *, reason: str = "") -> AliasMove:
+        """Move `champion` back to `previous` (or to version `to`). Idempotent.
+
+        After a rollback `previous` is cleared and the rolled-back version is tagged
+        `draftsmith.rolled_back_at`, so repeating the command is a no-op. The target version is
+        verified and materialised before any alias moves (ArtifactError leaves everything as it was).
+        """
+        with self._lock:
+            champ = self.champion()
+            prev = self.alias(PREVIOUS)
+            if to is None:
+                if prev is None or prev == champ:
+                    last = next((h for h in reversed(self.history()) if h.get("action") == "rollback"), None)
+                    if champ is not None and last is not None and str(last.get("to")) == champ:
+                        return AliasMove("rollback", champ, champ, prev, False,
+                                         f"already rolled back: version {champ} is the champion "
+                                         f"(rolled back from {last.get('from')})")
+                    raise UsageError(
+                        "nothing to roll back to: no `previous` version is recorded "
+                        f"(champion: {champ or 'none'}); pass --to VERSION (see `draftsmith versions`)")
+                target = prev
+            else:
+                target = str(self._model_version(to).version)
+            if target == champ:
+                return AliasMove("rollback", target, champ, prev, False, f"version {target} is already the champion")
+            self.materialize(target, verify=True)
+            self.client.set_registered_model_alias(self.name, CHAMPION, target)
+            self._delete_alias(PREVIOUS)
+            now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+            if champ is not None:
+                self.set_version_tags(champ, {TAG + "rolled_back_at": now, TAG + "rolled_back_to": target})
+            self.set_version_tags(target, {TAG + "restored_at": now})
+            self._record_history({"action": "rollback", "from": champ, "to": target, "reason": reason})
+            return AliasMove("rollback", target, champ, None, True,
+                             f"rolled back: version {target} is now the champion"
+                             + (f" (was {champ})" if champ else ""))
+
+
+def read_candidate(cdir: Path) -> dict:
+    """Parse and check a candidate folder's layout (contracts.md); UsageError says what is wrong."""
+    cdir = Path(cdir)
+    if not cdir.is_dir():
+        raise UsageError(f"candidate folder {cdir} does not exist")
+    cj = cdir / "candidate.json"
+    if not cj.is_file():
+        raise UsageError(f"{cdir} has no candidate.json; a distillation candidate holds adapter/ and candidate.json")
+    try:
+        meta = json.loads(cj.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UsageError(f"{cj} is not valid JSON: {e}") from None
+    if not isinstance(meta, dict):
+        raise UsageError(f"{cj} must hold a JSON object")
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        if not (cdir / "adapter" / name).is_file():
+            raise UsageError(f"{cdir / 'adapter' / name} is missing; the adapter must be a peft save_pretrained() folder")
+    for key, typ in (("metrics", dict), ("train_config", dict), ("data_window", dict)):
+        if meta.get(key) is not None and not isinstance(meta[key], typ):
+            raise UsageError(f"{cj}: {key!r} must be a JSON object")
+    return meta
+
+
+def _merge_adapter(parent_dir: Path, adapter_dir: Path, out_dir: Path, *, what: str) -> None:
+    """out_dir := merge_and_unload(parent + LoRA adapter), saved in the parent's dtype, plus the
+    parent's non-weight files (tokenizer, draftsmith.json, ...)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    try:
+        base = AutoModelForCausalLM.from_pretrained(parent_dir, dtype=torch.float32)
+    except Exception as e:  # noqa: BLE001 - any load failure means an unusable parent
+        raise ArtifactError(f"{what}: its parent draft at {parent_dir} does not load: {e}") from None
+    saved_dtype = _config_dtype(parent_dir)
+    try:
+        merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    except Exception as e:  # noqa: BLE001
+        raise ArtifactError(f"{what}: its adapter does not apply to its parent draft: {e}") from None
+    if saved_dtype is not None:
+        merged = merged.to(saved_dtype)
+    merged.save_pretrained(out_dir)
+    written = {p.name for p in out_dir.iterdir()}
+    for p in parent_dir.iterdir():
+        if (p.is_file() and p.name not in written and p.name != MARKER
+                and not p.name.endswith(WEIGHT_SUFFIXES) and p.name not in WEIGHT_INDEXES):
+            shutil.copy2(p, out_dir / p.name)
+
+
+def _config_dtype(folder: Path):
+    import torch
+
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    name = cfg.get("dtype") or cfg.get("torch_dtype")
+    dt = getattr(torch, str(name), None) if name else None
+    return dt if isinstance(dt, torch.dtype) else None
+
+
+# ---------------------------------------------------------------------------------- live statistics
+@dataclass
+class LiveAggregate:
+    """Serving figures of one draft version over one interval.
+
+    acceptance_rate = accepted draft tokens / proposed draft tokens; mean_accepted_length = accepted
+    draft tokens per verification step; tokens_per_s = emitted tokens / request wall time;
+    joules_per_token = energy / emitted tokens, or None where energy is not measurable.
+    """
+
+    acceptance_rate: float
+    mean_accepted_length: float
+    tokens_per_s: float
+    joules_per_token: float | None = None
+    requests: int = 0
+    tokens: int = 0
+
+
+class LiveStatsLogger:
+    """Logs per-draft-version serving aggregates to MLflow on an interval, one run per version.
+
+    Runs live in the experiment `draftsmith-live`, named `live-v<version>`; metric steps are whole
+    seconds since that run started, so the MLflow UI plots acceptance over time with the versions
+    side by side. Feed it either ready aggregates (`update`) or per-request
+    `GenerationStats.to_dict()` dicts (`observe`), which are summed per version and turned into
+    rates at flush time: acceptance_rate = sum(accepted) / sum(draft tokens),
+    mean_accepted_length = sum(accepted) / sum(steps), tokens_per_s = sum(tokens) / sum(wall time),
+    joules_per_token = sum(energy) / sum(tokens) (None if any request had no energy figure).
+    Logging never raises into the caller (failures are logged and the figures kept for the next try).
+    """
+
+    def __init__(self, tracking_uri: str | None = None, *, interval_s: float = 30.0,
+                 experiment: str = LIVE_EXPERIMENT, registry: Registry | None = None, clock=time.time) -> None:
+        if interval_s <= 0:
+            raise ValueError(f"interval_s must be > 0, got {interval_s!r}")
+        self.registry = registry or Registry(tracking_uri=tracking_uri)
+        self.interval_s = float(interval_s)
+        self.experiment = experiment
+        self.clock = clock
+        self._pending: dict[str, LiveAggregate] = {}
+        self._sums: dict[str, dict[str, float]] = {}
+        self._runs: dict[str, tuple[str, float]] = {}   # version -> (run id, run start seconds)
+        self._lock = threading.Lock()
+        self._flush_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def update(self, draft_version: str, aggregate: LiveAggregate) -> None:
+        """Set the latest aggregate for a version (logged at the next flush)."""
+        with self._lock:
+            self._pending[str(draft_version)] = aggregate
+
+    def observe(self, stats: dict) -> None:
+        """Add one finished request's GenerationStats.to_dict() to its version's running sums."""
+        v = str(stats.get("draft_version", "none"))
+        with self._lock:
+            s = self._sums.setdefault(v, {"requests": 0, "draft_tokens": 0, "accepted_tokens": 0, "steps": 0,
+                                          "tokens": 0, "wall_time_s": 0.0, "energy_j": 0.0, "energy_missing": 0})
+            s["requests"] += 1
+            for k in ("draft_tokens", "accepted_tokens", "steps", "tokens", "wall_time_s"):
+                s[k] += float(stats.get(k) or 0)
+            if stats.get("energy_j") is None:
+                s["energy_missing"] += 1
+            else:
+                s["energy_j"] += float(stats["energy_j"])
+
+    def _drain(self) -> dict[str, LiveAggregate]:
+        with self._lock:
+            out = dict(self._pending)
+            for v, s in self._sums.items():
+                if s["requests"] == 0:
+                    continue
+                out[v] = LiveAggregate(
+                    acceptance_rate=s["accepted_tokens"] / s["draft_tokens"] if s["draft_tokens"] else 0.0,
+                    mean_accepted_length=s["accepted_tokens"] / s["steps"] if s["steps"] else 0.0,
+                    tokens_per_s=s["tokens"] / s["wall_time_s"] if s["wall_time_s"] > 0 else 0.0,
+                    joules_per_token=(s["energy_j"] / s["tokens"]
+                                      if s["energy_missing"] == 0 and s["tokens"] > 0 else None),
+                    requests=int(s["requests"]), tokens=int(s["tokens"]))
+            self._pending.clear()
+            self._sums.clear()
+            return out
+
+    def _run_for(self, version: str) -> tuple[str, float]:
+        if version in self._runs:
+            return self._runs[version]
+        client = self.registry.client
+        exp = self.registry._experiment(self.experiment)
+        found = client.search_runs([exp], filter_string=f"tags.`{TAG}draft_version` = '{version}'",
+                                   max_results=1, order_by=["attributes.start_time ASC"])
+        if found:
+            run = found[0]
+        else:
+            run = client.create_run(exp, run_name=f"live-v{version}", start_time=int(self.clock() * 1000),
+                                    tags={TAG + "draft_version": version, TAG + "model": self.registry.name})
+        self._runs[version] = (run.info.run_id, run.info.start_time / 1000.0)
+        return self._runs[version]
+
+    def flush(self) -> int:
+        """Log everything gathered since the last flush now; returns the number of metric points logged."""
+        with self._flush_lock:
+            return self._flush()
+
+    def _flush(self) -> int:
+        from mlflow.entities import Metric
+
+        batch = self._drain()
+        logged = 0
+        for version, agg in batch.items():
+            try:
+                run_id, start = self._run_for(version)
+                now = self.clock()
+                step = max(0, int(now - start))
+                values = {"acceptance_rate": agg.acceptance_rate, "mean_accepted_length": agg.mean_accepted_length,
+                          "tokens_per_s": agg.tokens_per_s, "requests": agg.requests, "tokens": agg.tokens}
+                if agg.joules_per_token is not None:
+                    values["joules_per_token"] = agg.joules_per_token
+                ms = int(now * 1000)
+                metrics = [Metric(k, float(v), ms, step) for k, v in values.items()]
+                self.registry.client.log_batch(run_id, metrics=metrics)
+                logged += len(metrics)
+            except Exception as e:  # noqa: BLE001 - serving must not fail because MLflow is down
+                log.warning("live stats for draft %s not logged (%s); keeping them for the next flush", version, e)
+                with self._lock:
+                    self._pending.setdefault(version, agg)
+        return logged
+
+    def start(self) -> "LiveStatsLogger":
+        """Flush every `interval_s` seconds in a daemon thread until `stop()`."""
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._loop, name="draftsmith-live-stats", daemon=True)
+            self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.flush()
+
+    def stop(self) -> None:
+        """Stop the thread and flush what is left."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.interval_s + 5)
+            self._thread = None
+        self.flush()

@@ -1,0 +1,223 @@
+"""deploy/cli.py: every subcommand end to end on a temp MLflow store with tiny models, and bad
+input -> a message saying what to fix, exit code 2, never a traceback."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from deploy import cli
+from deploy.registry import Registry
+from deploy_helpers import artifact_dir, fresh_store, make_base_draft, make_candidate, template_db
+from tiny_models import save_pair
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def template(tmp_path_factory):
+    return template_db(tmp_path_factory.mktemp("mlflow-template"))
+
+
+@pytest.fixture
+def env(template, tmp_path, monkeypatch):
+    """A temp data dir/cache, a tiny target folder; returns (target path, tracking uri)."""
+    monkeypatch.setenv("DRAFTSMITH_DATA", str(tmp_path / "data"))
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
+    uri = fresh_store(template, tmp_path / "data")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    target, _ = save_pair(tmp_path / "pair")
+    monkeypatch.setenv("DRAFTSMITH_TARGET", str(target))
+    return target, uri
+
+
+def run(capsys, *argv):
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    return code, out, err
+
+
+def argparse_error(capsys, *argv):
+    with pytest.raises(SystemExit) as e:
+        cli.main(list(argv))
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err
+    return e.value.code, err
+
+
+def test_bad_arguments_exit_2_with_a_hint(capsys, tmp_path):
+    cases = [
+        (("promote", "abc"), "a version is a registry version number such as 3"),
+        (("rollback", "--to", "0"), "a version is a registry version number"),
+        (("register", str(tmp_path / "missing")), "is not an existing folder"),
+        (("distill", "--every", "10x"), "cannot read duration '10x'; use e.g. 90s, 10m or 2h"),
+        (("distill", "--min-records", "0"), "expected a whole number >= 1"),
+        (("distill", "--margin", "2"), "expected a number in [0, 1)"),
+        (("serve", "--port", "70000"), "port must be a number in 1..65535"),
+        (("serve", "--replicas", "none"), "expected a whole number >= 1"),
+        (("frobnicate",), "invalid choice"),
+        ((), "the following arguments are required: COMMAND"),
+    ]
+    for argv, text in cases:
+        code, err = argparse_error(capsys, *argv)
+        assert code == 2 and text in err, (argv, err)
+
+
+def test_operator_workflow(env, capsys, tmp_path):
+    target, uri = env
+    base = make_base_draft(tmp_path / "base")
+    name = Registry(str(target)).name
+    assert name == "draftsmith-target-draft"
+
+    code, out, _ = run(capsys, "versions")
+    assert code == 0 and "no versions yet" in out
+    code, _, err = run(capsys, "rollback")
+    assert code == 2 and "nothing to roll back to" in err and "--to VERSION" in err
+
+    code, out, _ = run(capsys, "register", str(base))
+    assert code == 0 and "version 1 (base)" in out
+    code, out, _ = run(capsys, "promote", "1")                       # a base draft needs --force
+    assert code == 1
+    code, out, _ = run(capsys, "promote", "1", "--force")
+    assert code == 0 and "version 1 is now the champion" in out
+
+    cand = make_candidate(tmp_path / "c2", base, parent_version="1", target=str(target), before=0.40, after=0.55)
+    code, out, _ = run(capsys, "register", str(cand))
+    assert code == 0 and "version 2 (adapter on version 1)" in out
+    code, out, _ = run(capsys, "promote", "2")                       # real gate: real smoke decode on tiny models
+    assert code == 0 and "version 2 is the champion" in out and "identical to target greedy" in out
+
+    weak = make_candidate(tmp_path / "c3", base, parent_version="2", target=str(target), seed=7,
+                          before=0.55, after=0.551)
+    run(capsys, "register", str(weak))
+    code, _, err = run(capsys, "promote", "3")
+    assert code == 1 and "was not promoted" in err and "does not beat the margin" in err
+
+    code, out, _ = run(capsys, "versions")
+    assert code == 0
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[2:]}
+    assert rows["1"][1:3] == ["previous", "base"]
+    assert rows["2"][1:4] == ["champion", "adapter", "1"] and rows["2"][5] == "0.550" and rows["2"][6] == "accepted"
+    assert rows["3"][1] == "candidate" and rows["3"][6] == "rejected"
+
+    code, out, _ = run(capsys, "rollback")
+    assert code == 0 and "version 1 is now the champion (was 2)" in out
+    code, out, _ = run(capsys, "rollback")
+    assert code == 0 and "already rolled back" in out and "(nothing changed)" in out
+    code, out, _ = run(capsys, "status")
+    assert code == 0 and "champion:  1" in out and "rollback -> 1 (from 2)" in out and "no job running" in out
+
+    # a corrupt artifact: refused with exit 1, aliases unchanged
+    reg = Registry(str(target))
+    before = reg.aliases()
+    (artifact_dir(reg, "3") / "candidate.json").write_text("{}")
+    code, _, err = run(capsys, "promote", "3", "--force")
+    assert code == 1 and "candidate.json" in err and "corrupt" in err
+    assert reg.aliases() == before
+
+
+def test_register_and_bootstrap_errors(env, capsys, tmp_path, monkeypatch):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, _, err = run(capsys, "register", str(empty))
+    assert code == 2 and "neither a distillation candidate" in err
+    code, _, err = run(capsys, "promote", "4")
+    assert code == 2 and "version 4 is not registered" in err
+    code, _, err = run(capsys, "distill")
+    assert code == 2 and "run `draftsmith bootstrap` first" in err
+
+    built = []
+
+    def fake_bootstrap(out_dir, target, budget_s):
+        built.append((Path(out_dir), target, budget_s))
+        return make_base_draft(Path(out_dir))
+
+    monkeypatch.setattr(cli, "_bootstrap_builder", lambda: fake_bootstrap)
+    code, out, _ = run(capsys, "bootstrap", "--budget", "2m")
+    assert code == 0 and "version 1" in out and "is now the champion" in out
+    assert built == [(tmp_path / "data" / "bootstrap-draft", str(env[0]), 120.0)]
+    code, _, err = run(capsys, "bootstrap")
+    assert code == 2 and "pass --force" in err and len(built) == 1
+
+
+def test_distill_runs_one_job_through_the_gate(env, capsys, tmp_path, monkeypatch):
+    target, _ = env
+    base = make_base_draft(tmp_path / "base")
+    reg = Registry(str(target))
+    reg.register_base(base)
+    reg.promote("1")
+    requests = []
+
+    def distill(req):
+        requests.append(req)
+        return make_candidate(tmp_path / "cand", req.parent_path, parent_version=req.parent_version,
+                              target=str(target), before=0.3, after=0.5)
+
+    monkeypatch.setattr(cli, "_real_distill", lambda args: distill)
+    code, out, _ = run(capsys, "distill")
+    assert code == 0 and "version 2 promoted to champion" in out
+    assert requests[0].parent_version == "1" and reg.champion() == "2"
+
+    def broken(req):
+        raise RuntimeError("killed by the OOM killer")
+
+    monkeypatch.setattr(cli, "_real_distill", lambda args: broken)
+    code, out, _ = run(capsys, "distill")
+    assert code == 1 and "killed by the OOM killer" in out and reg.champion() == "2"
+    code, out, _ = run(capsys, "status")
+    assert "last job:  failed" in out
+
+
+def test_serve_delegates(env, capsys, monkeypatch):
+    seen = {}
+    fake = types.ModuleType("serving.app")
+    fake.serve_forever = lambda **kw: seen.update(kw)
+    monkeypatch.setitem(sys.modules, "serving.app", fake)
+    code, _, _ = run(capsys, "serve", "--host", "0.0.0.0", "--port", "8123", "--replicas", "2", "--api-key", "k")
+    assert code == 0
+    assert seen == {"host": "0.0.0.0", "port": 8123, "target": str(env[0]), "draft": None, "replicas": 2,
+                    "api_key": "k"}
+
+
+def test_console_script_reports_without_traceback(tmp_path):
+    exe = Path(sys.executable).with_name("draftsmith")
+    if not exe.exists():
+        pytest.skip("console script not installed (pip install -e .)")
+    env = {**os.environ, "DRAFTSMITH_DATA": str(tmp_path / "d"), "MLFLOW_TRACKING_URI": ""}
+    out = subprocess.run([str(exe), "rollback", "--to", "2"], capture_output=True, text=True, timeout=120, env=env,
+                         cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert "version 2 is not registered" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_distill_wiring_errors_are_clear(env, capsys, tmp_path, monkeypatch):
+    target, _ = env
+    reg = Registry(str(target))
+    reg.register_base(make_base_draft(tmp_path / "base"))
+    reg.promote("1")
+    monkeypatch.setitem(sys.modules, "training.job", None)          # the job module cannot be imported
+    code, _, err = run(capsys, "distill")
+    assert code == 1 and "training.job.run_distillation) is not available" in err
+    bad = tmp_path / "cfg.yaml"
+    bad.write_text("- just\n- a list\n")
+    fake = types.ModuleType("training.job")
+    fake.run_distillation = lambda cfg: None
+    monkeypatch.setitem(sys.modules, "training.job", fake)
+    code, _, err = run(capsys, "distill", "--config", str(bad))
+    assert code == 2 and "must hold a YAML mapping" in err
+    code, _, err = run(capsys, "distill", "--every", "1s", "--min-records", "5")
+    assert code == 1 and "--min-records needs training.job.pending_records" in err
+    assert reg.champion() == "1" and [v.version for v in reg.versions()] == ["1"]
+
+
+def test_job_config_maps_the_request():
+    from deploy.scheduler import JobRequest
+
+    cfg = cli.job_config(JobRequest("4", Path("/cache/v4"), "tgt", "17-9"), "tgt", {"lr": 1e-4, "since_id": "x"})
+    assert cfg == {"lr": 1e-4, "parent_version": "4", "base_draft_path": "/cache/v4", "target": "tgt",
+                   "since_id": "17-9"}

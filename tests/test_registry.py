@@ -1,0 +1,356 @@
+"""deploy/registry.py against a real MLflow (SQLite store in a temp dir) with tiny models."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from deploy.registry import (CANDIDATE, CHAMPION, PREVIOUS, ArtifactError, LiveAggregate, LiveStatsLogger, Registry,
+                             UsageError, model_name_for)
+from deploy_helpers import artifact_dir, fresh_store, lora_model, make_base_draft, make_candidate, template_db
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def template(tmp_path_factory):
+    return template_db(tmp_path_factory.mktemp("mlflow-template"))
+
+
+@pytest.fixture
+def registry(template, tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    uri = fresh_store(template, tmp_path / "data")
+    return Registry("tiny-target", tracking_uri=uri, cache_root=tmp_path / "cache")
+
+
+@pytest.fixture
+def base(tmp_path):
+    return make_base_draft(tmp_path / "base")
+
+
+def _logits(folder_or_model, ids):
+    from transformers import AutoModelForCausalLM
+
+    model = folder_or_model
+    if isinstance(folder_or_model, (str, Path)):
+        model = AutoModelForCausalLM.from_pretrained(folder_or_model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]
+
+
+IDS = [72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100]
+
+
+def test_model_names():
+    assert model_name_for(None) == "draftsmith-smollm2-135m-instruct-draft"
+    assert model_name_for("/models/My Target_v2/") == "draftsmith-my-target_v2-draft"
+    with pytest.raises(UsageError, match="model name"):
+        model_name_for("///")
+
+
+def test_default_store_is_created_under_the_data_dir(tmp_path, monkeypatch, base):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("DRAFTSMITH_DATA", str(tmp_path / "d"))
+    reg = Registry("tiny-target", cache_root=tmp_path / "cache")
+    assert reg.tracking_uri == f"sqlite:///{tmp_path / 'd' / 'mlflow.db'}"
+    assert not (tmp_path / "d").exists()
+    assert reg.versions() == []
+    assert reg.register_base(base) == "1"
+    assert (tmp_path / "d" / "mlflow.db").is_file()
+    stored = list((tmp_path / "d" / "mlartifacts").rglob("draft/config.json"))
+    assert len(stored) == 1
+
+
+def test_register_records_lineage_config_and_metrics(registry, base, tmp_path):
+    assert registry.register_base(base) == "1"
+    cand = make_candidate(tmp_path / "cand", base, parent_version="1", before=0.4, after=0.55)
+    v = registry.register_candidate(cand)
+    assert v == "2"
+    info = registry.get(v)
+    assert info.kind == "adapter" and info.parent_version == "1"
+    assert info.aliases == (CANDIDATE,)
+    assert info.metrics["offline_acceptance_before"] == pytest.approx(0.4)
+    assert info.metrics["offline_acceptance_after"] == pytest.approx(0.55)
+    assert info.metrics["heldout_records"] == 64
+    assert info.params["train.lr"] == "0.001" and info.params["train.lora.r"] == "4"
+    assert info.params["data.last_id"] == "1700000000000-5" and info.params["loss"] == "jsd"
+    assert json.loads(info.tags["draftsmith.data_window"])["num_records"] == 6
+    assert info.tags["draftsmith.base_draft_path"] == str(base)
+    base_info = registry.get("v1")
+    assert base_info.kind == "base" and base_info.parent_version is None
+    assert base_info.offline_acceptance == pytest.approx(0.42)   # from the folder's draftsmith.json
+    assert base_info.params["built_by"] == "tests"
+    assert registry.last_data_window()["last_id"] == "1700000000000-5"
+    stored = artifact_dir(registry, v)
+    files = {p.relative_to(stored).as_posix() for p in stored.rglob("*") if p.is_file()}
+    assert {"adapter/adapter_config.json", "adapter/adapter_model.safetensors", "candidate.json",
+            "manifest.json"} <= files
+    manifest = json.loads((stored / "manifest.json").read_text())
+    assert set(manifest) == files - {"manifest.json"}
+
+
+def test_materialize_merges_the_parent_chain(registry, base, tmp_path):
+    registry.register_base(base)
+    registry.register_candidate(make_candidate(tmp_path / "c2", base, parent_version="1", seed=3))
+    v2 = registry.materialize("2")
+    # a plain folder: merged weights, the base's tokenizer and draftsmith.json, no adapter files
+    assert (v2 / "config.json").is_file() and (v2 / "tokenizer.json").is_file()
+    assert json.loads((v2 / "draftsmith.json").read_text())["output_token_ids"] == list(range(259))
+    assert not (v2 / "adapter_config.json").exists()
+    expected = _logits(lora_model(base, seed=3), IDS)
+    assert torch.allclose(_logits(v2, IDS), expected, atol=1e-5)
+    assert not torch.allclose(_logits(base, IDS), expected, atol=1e-3)   # the adapter did change the draft
+
+    # version 3 was trained on the merged version 2: materialising it merges both adapters in order
+    registry.register_candidate(make_candidate(tmp_path / "c3", v2, parent_version="2", seed=4))
+    shutil.rmtree(registry.cache_root)                                    # force a rebuild of the whole chain
+    v3 = registry.materialize("3")
+    assert torch.allclose(_logits(v3, IDS), _logits(lora_model(v2, seed=4), IDS), atol=1e-5)
+    assert registry.materialize("2") == v2                                # rebuilt at the same place
+
+    marker = v3 / ".draftsmith-materialized.json"
+    mtime = marker.stat().st_mtime_ns
+    assert registry.materialize("3") == v3 and marker.stat().st_mtime_ns == mtime   # cached
+
+
+def test_promote_and_rollback_move_aliases_idempotently(registry, base, tmp_path):
+    registry.register_base(base)
+    assert registry.promote("1").changed
+    registry.register_candidate(make_candidate(tmp_path / "c", base, parent_version="1"))
+    move = registry.promote("2", reason="test")
+    assert move.changed and move.champion == "2" and move.old_champion == "1"
+    assert registry.aliases() == {CHAMPION: "2", PREVIOUS: "1"}         # `candidate` is cleared once promoted
+    again = registry.promote("2")
+    assert not again.changed and registry.aliases() == {CHAMPION: "2", PREVIOUS: "1"}
+
+    back = registry.rollback(reason="bad live acceptance")
+    assert back.changed and back.champion == "1" and back.old_champion == "2"
+    assert registry.aliases() == {CHAMPION: "1"}
+    assert registry.get("2").tags["draftsmith.rolled_back_to"] == "1"
+    again = registry.rollback()
+    assert not again.changed and "already rolled back" in again.message
+    assert registry.aliases() == {CHAMPION: "1"}
+
+    fwd = registry.rollback(to="2")
+    assert fwd.changed and registry.champion() == "2"
+    assert not registry.rollback(to="v2").changed and registry.champion() == "2"
+    actions = [(h["action"], h.get("version") or h.get("to")) for h in registry.history()]
+    assert actions == [("promote", "1"), ("register", "2"), ("promote", "2"), ("rollback", "1"), ("rollback", "2")]
+
+
+def test_rollback_with_nothing_recorded_says_what_to_do(registry, base):
+    registry.register_base(base)
+    registry.promote("1")
+    with pytest.raises(UsageError, match="--to VERSION"):
+        registry.rollback()
+    with pytest.raises(UsageError, match="not registered .*registered versions: 1"):
+        registry.rollback(to="7")
+    assert registry.aliases() == {CHAMPION: "1"}
+
+
+def _flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_corrupt_or_missing_artifacts_are_refused_and_aliases_unchanged(registry, base, tmp_path):
+    registry.register_base(base)
+    registry.promote("1")
+    registry.register_candidate(make_candidate(tmp_path / "c", base, parent_version="1"))
+    weights = artifact_dir(registry, "2") / "adapter" / "adapter_model.safetensors"
+    _flip_byte(weights)
+    before = registry.aliases()
+    with pytest.raises(ArtifactError, match="adapter_model.safetensors.* corrupt"):
+        registry.promote("2")
+    assert registry.aliases() == before
+    weights.unlink()
+    with pytest.raises(ArtifactError, match="missing"):
+        registry.materialize("2")
+
+    # a cached, previously good version whose stored artifacts rot is refused too (other
+    # machines materialise from the store, not from this cache)
+    registry.register_candidate(make_candidate(tmp_path / "c3", base, parent_version="1", seed=5))
+    registry.promote("3")
+    assert registry.aliases()[PREVIOUS] == "1"
+    _flip_byte(artifact_dir(registry, "1") / "draft" / "model.safetensors")
+    state = registry.aliases()
+    with pytest.raises(ArtifactError, match="version 1 .*model.safetensors.* corrupt"):
+        registry.rollback()
+    assert registry.aliases() == state
+    with pytest.raises(ArtifactError, match="version 1"):
+        registry.rollback(to="1")
+    assert registry.aliases() == state
+
+
+def test_candidate_folder_errors_are_usage_errors(registry, base, tmp_path):
+    registry.register_base(base)
+    with pytest.raises(UsageError, match="does not exist"):
+        registry.register_candidate(tmp_path / "nope")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(UsageError, match="no candidate.json"):
+        registry.register_candidate(empty)
+    with pytest.raises(UsageError, match="neither a distillation candidate"):
+        registry.register(empty)
+    cand = make_candidate(tmp_path / "c", base, parent_version="1")
+    meta = json.loads((cand / "candidate.json").read_text())
+
+    (cand / "candidate.json").write_text("{not json")
+    with pytest.raises(UsageError, match="not valid JSON"):
+        registry.register_candidate(cand)
+    for patch, pattern in (({"parent_version": None}, "no parent_version"),
+                           ({"parent_version": "5"}, "version 5 is not registered"),
+                           ({"target": "/x/other-model"}, "trained for target"),
+                           ({"metrics": [1, 2]}, "'metrics' must be a JSON object")):
+        (cand / "candidate.json").write_text(json.dumps({**meta, **patch}))
+        with pytest.raises(UsageError, match=pattern):
+            registry.register_candidate(cand)
+    (cand / "candidate.json").write_text(json.dumps(meta))
+    (cand / "adapter" / "adapter_model.safetensors").unlink()
+    with pytest.raises(UsageError, match="adapter_model.safetensors is missing"):
+        registry.register_candidate(cand)
+    with pytest.raises(UsageError, match="positive integer"):
+        registry.get("latest")
+    assert [v.version for v in registry.versions()] == ["1"]
+
+
+def test_live_stats_one_run_per_version_over_time(registry):
+    clock = [1000.0]
+    live = LiveStatsLogger(registry=registry, interval_s=5, clock=lambda: clock[0])
+    for accepted, drafted, steps in ((3, 4, 1), (1, 4, 1)):
+        live.observe({"draft_version": "1", "accepted_tokens": accepted, "draft_tokens": drafted, "steps": steps,
+                      "tokens": accepted + 1, "wall_time_s": 0.5, "energy_j": None})
+    live.update("2", LiveAggregate(acceptance_rate=0.8, mean_accepted_length=3.2, tokens_per_s=40.0,
+                                   joules_per_token=0.25, requests=3, tokens=90))
+    assert live.flush() == 5 + 6
+    assert live.flush() == 0                                     # nothing new since
+    clock[0] += 30
+    live.observe({"draft_version": "1", "accepted_tokens": 4, "draft_tokens": 4, "steps": 1, "tokens": 5,
+                  "wall_time_s": 0.25, "energy_j": 1.0})
+    assert live.flush() == 6
+
+    client = registry.client
+    exp = client.get_experiment_by_name("draftsmith-live")
+    runs = {r.info.run_name: r for r in client.search_runs([exp.experiment_id])}
+    assert set(runs) == {"live-v1", "live-v2"}
+    hist = client.get_metric_history(runs["live-v1"].info.run_id, "acceptance_rate")
+    assert [m.value for m in hist] == pytest.approx([4 / 8, 4 / 4])
+    assert hist[1].step - hist[0].step == 30                      # step = seconds since the run started
+    tps = client.get_metric_history(runs["live-v1"].info.run_id, "tokens_per_s")
+    assert tps[0].value == pytest.approx(6 / 1.0)
+    jpt = client.get_metric_history(runs["live-v1"].info.run_id, "joules_per_token")
+    assert [m.value for m in jpt] == pytest.approx([1.0 / 5])      # first interval had no energy figure
+    assert client.get_run(runs["live-v2"].info.run_id).data.metrics["mean_accepted_length"] == pytest.approx(3.2)
+    # a new logger (e.g. after a restart) keeps using the same run per version
+    live2 = LiveStatsLogger(registry=registry, interval_s=5, clock=lambda: clock[0])
+    live2.update("2", LiveAggregate(0.7, 3.0, 41.0))
+    live2.flush()
+    assert len(client.search_runs([exp.experiment_id])) == 2
+
+
+def test_live_stats_thread_flushes_on_interval(registry):
+    live = LiveStatsLogger(registry=registry, interval_s=0.2).start()
+    live.update("1", LiveAggregate(0.5, 2.0, 10.0))
+    deadline = time.time() + 20
+    client = registry.client
+    while time.time() < deadline:
+        exp = client.get_experiment_by_name("draftsmith-live")
+        if exp and client.search_runs([exp.experiment_id]):
+            break
+        time.sleep(0.1)
+    live.stop()
+    exp = client.get_experiment_by_name("draftsmith-live")
+    (run,) = client.search_runs([exp.experiment_id])
+    assert run.data.metrics["acceptance_rate"] == pytest.approx(0.5)
+
+
+def test_only_registry_imports_mlflow():
+    code = ("import sys, deploy.registry, deploy.gate, deploy.scheduler, deploy.cli; "
+            "print(sorted(m for m in ('mlflow', 'torch', 'peft', 'ray', 'redis') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_against_mlflow_server_backed_by_postgresql(tmp_path, monkeypatch):
+    """The same registry code against `mlflow server` on the local PostgreSQL (proxied artifacts)."""
+    import signal
+    import urllib.request
+    import uuid
+
+    psycopg = pytest.importorskip("psycopg", reason="psycopg is in the test extra")
+    admin = "postgresql://postgres@127.0.0.1:5432/postgres"
+    try:
+        conn = psycopg.connect(admin, autocommit=True, connect_timeout=5)
+    except psycopg.OperationalError as e:
+        pytest.skip(f"no PostgreSQL at 127.0.0.1:5432 ({e})")
+    db = f"draftsmith_test_{uuid.uuid4().hex[:10]}"
+    conn.execute(f'CREATE DATABASE "{db}"')
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"postgresql://postgres@127.0.0.1:5432/{db}",
+         "--artifacts-destination", str(tmp_path / "server-artifacts"), "--host", "127.0.0.1", "--port", str(port),
+         "--workers", "1"],
+        stdout=subprocess.DEVNULL, stderr=open(tmp_path / "server.log", "wb"), start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 90
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            assert time.time() < deadline, "mlflow server did not come up in 90 s"
+            time.sleep(0.3)
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
+        reg = Registry("tiny-target", cache_root=tmp_path / "cache")        # picks the server up from the env
+        assert reg.tracking_uri == url and reg.artifact_root is None
+        base = make_base_draft(tmp_path / "base")
+        reg.register_base(base)
+        reg.promote("1")
+        reg.register_candidate(make_candidate(tmp_path / "c", base, parent_version="1", seed=2))
+        assert reg.promote("2").changed and reg.aliases() == {CHAMPION: "2", PREVIOUS: "1"}
+        merged = reg.materialize("2")                                      # downloaded through the server
+        assert torch.allclose(_logits(merged, IDS), _logits(lora_model(base, seed=2), IDS), atol=1e-5)
+        assert reg.rollback().changed and reg.champion() == "1"
+        assert not reg.rollback().changed
+        # the server's artifact store is what promotion checks
+        stored = next((tmp_path / "server-artifacts").rglob("adapter/adapter_model.safetensors"))
+        _flip_byte(stored)
+        with pytest.raises(ArtifactError, match="corrupt"):
+            reg.promote("2")
+        assert reg.aliases() == {CHAMPION: "1"}
+        live = LiveStatsLogger(registry=reg, interval_s=1)
+        live.update("1", LiveAggregate(0.6, 2.4, 30.0))
+        assert live.flush() == 5
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        conn.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
+        conn.close()
