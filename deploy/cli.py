@@ -110,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--replicas", type=_positive_int, default=1)
     s.add_argument("--api-key", default=os.environ.get("DRAFTSMITH_API_KEY"),
                    help="require this bearer token (default $DRAFTSMITH_API_KEY; none = open)")
+    s.add_argument("--no-bootstrap", action="store_true",
+                   help="with no registered draft, serve target-only instead of building the default draft "
+                        "in the background")
 
     b = sub.add_parser("bootstrap", parents=[common], help="build the first draft, register it as champion")
     b.add_argument("--out", type=Path, default=None, help="output folder (default $DRAFTSMITH_DATA/bootstrap-draft)")
@@ -166,9 +169,41 @@ def cmd_serve(args) -> int:
         from serving.app import serve_forever
     except ImportError as e:
         raise CommandFailed(f"the serving application is not available ({e})") from None
+    if args.draft is None and not args.no_bootstrap:
+        _bootstrap_in_background(args)
     serve_forever(host=args.host, port=args.port, target=args.target, draft=args.draft,
                   replicas=args.replicas, api_key=args.api_key)
     return EXIT_OK
+
+
+def _bootstrap_in_background(args) -> None:
+    """First start on a fresh machine: no draft is registered yet. Serving starts at once (target-only)
+    while `draftsmith bootstrap` builds the default draft in a child process (about 13 minutes on 2
+    cores); it registers and promotes it, and the replicas, which watch the champion alias, hot-swap
+    it in. The service gets faster without a restart, which is the product's point."""
+    import subprocess
+
+    from deploy.registry import data_dir
+    from deploy.scheduler import JobLock
+
+    reg = _registry(args)
+    if reg.champion() is not None:
+        return
+    lock = JobLock(data_dir() / "bootstrap.lock")
+    if lock.holder() is not None:
+        print(f"[serve] no draft registered yet; a bootstrap is already running ({lock.holder()})")
+        return
+    logfile = data_dir() / "bootstrap.log"
+    logfile.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "deploy.cli", "bootstrap"]
+    for flag, value in (("--target", args.target), ("--model-name", args.model_name),
+                        ("--tracking-uri", args.tracking_uri)):
+        if value:
+            cmd += [flag, str(value)]
+    with open(logfile, "ab") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    print(f"[serve] no draft registered yet: serving target-only while `draftsmith bootstrap` (pid {proc.pid}) "
+          f"builds the default draft (~13 min, progress in {logfile}); replicas switch to it when it is promoted")
 
 
 def _bootstrap_builder():
@@ -186,9 +221,18 @@ def cmd_bootstrap(args) -> int:
     if existing and not args.force:
         raise BadInput(f"{reg.name} already has {len(existing)} version(s) (champion: {reg.champion() or 'none'}); "
                        "pass --force to build and register another base draft")
+    from deploy.scheduler import JobLock
+
     out = args.out or data_dir() / "bootstrap-draft"
     build = _bootstrap_builder()
-    folder = Path(build(out, args.target, budget_s=args.budget))
+    lock = JobLock(data_dir() / "bootstrap.lock")
+    if not lock.acquire():
+        raise CommandFailed(f"another bootstrap is running ({lock.holder()})")
+    try:
+        folder = Path(build(out, args.target, budget_s=args.budget,
+                            teacher_cache=data_dir() / "bootstrap" / "teacher.safetensors"))
+    finally:
+        lock.release()
     version = reg.register_base(folder, description="bootstrap base draft")
     move = reg.promote(version, reason="bootstrap")
     print(f"registered {folder} as {reg.name} version {version}; {move.message}")

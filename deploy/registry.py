@@ -3,7 +3,7 @@
 One MLflow registered model per target (`draftsmith-<target>-draft`); each version is one draft:
 - version 1 (and any later `register_base`) is a *base* draft, a full Hugging Face model folder,
   logged as the artifacts `draft/...` of its own run;
-- every distillation candidate (contracts.md) is an *adapter* version: `adapter/...` and
+- every distillation candidate (docs/architecture.md, "Candidate folder") is an *adapter* version: `adapter/...` and
   `candidate.json` as artifacts, the parent version as a tag, the training config and data window as
   run params, the offline acceptance before/after (and every other numeric figure) as run metrics.
 
@@ -485,7 +485,7 @@ class Registry:
         return version
 
     def register_candidate(self, candidate_dir: str | os.PathLike) -> str:
-        """Register a distillation candidate folder (contracts.md) and point the `candidate` alias at it."""
+        """Register a distillation candidate folder (docs/architecture.md, "Candidate folder") and point the `candidate` alias at it."""
         cdir = Path(candidate_dir)
         meta = read_candidate(cdir)
         parent = meta.get("parent_version")
@@ -764,7 +764,7 @@ class Registry:
 
 
 def read_candidate(cdir: Path) -> dict:
-    """Parse and check a candidate folder's layout (contracts.md); UsageError says what is wrong."""
+    """Parse and check a candidate folder's layout (docs/architecture.md, "Candidate folder"); UsageError says what is wrong."""
     cdir = Path(cdir)
     if not cdir.is_dir():
         raise UsageError(f"candidate folder {cdir} does not exist")

@@ -1,6 +1,6 @@
 """Shared helpers for the deploy/ tests: a pre-initialised MLflow SQLite store (creating one costs
 ~6 s of schema migrations, copying it costs milliseconds), a tiny base draft folder and LoRA
-candidates on it in the exact layout of contracts.md."""
+candidates on it in the exact layout of docs/architecture.md ("Candidate folder")."""
 from __future__ import annotations
 
 import json

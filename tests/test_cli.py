@@ -133,7 +133,7 @@ def test_register_and_bootstrap_errors(env, capsys, tmp_path, monkeypatch):
 
     built = []
 
-    def fake_bootstrap(out_dir, target, budget_s):
+    def fake_bootstrap(out_dir, target, budget_s, **kw):
         built.append((Path(out_dir), target, budget_s))
         return make_base_draft(Path(out_dir))
 
