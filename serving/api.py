@@ -1,0 +1,345 @@
+"""The HTTP API (FastAPI) over one replica's Service: OpenAI-compatible completions and chat completions
+(JSON or server-sent events), models, health, Prometheus metrics, and admin endpoints.
+
+    POST /v1/completions, /v1/chat/completions    see serving/protocol.py for fields and defaults
+    GET  /v1/models                              the served model
+    GET  /health                                 200 {"status": "ok", draft_version, ...}; 503 when the
+                                                 engine cannot decode
+    GET  /metrics                                Prometheus text, merged over every replica
+    GET  /v1/admin/draft                         this replica's draft version, the registry champion
+    POST /v1/admin/reload                        load the champion now (other replicas: within seconds)
+    POST /v1/admin/rollback {"to": v?}           move the champion alias back (`draftsmith rollback`)
+
+With an API key configured, every /v1/* route needs `Authorization: Bearer <key>` (401 otherwise);
+/health and /metrics stay open for probes and scrapers. Every error is an OpenAI-style body
+`{"error": {"message", "type", "param", "code"}}`: 400 bad field / malformed JSON, 401, 404 unknown
+model or route, 405, 408 timeout, 413 body over `max_body_bytes`, 429 queue full (Retry-After),
+503 no draft yet for a draft mode / engine unhealthy. A failure after a stream started is sent as
+`data: {"error": ...}` followed by `data: [DONE]`.
+"""
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import logging
+import threading
+import time
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from serving import protocol as P
+from serving.service import Service
+
+log = logging.getLogger(__name__)
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes is answered 413 without reading it all."""
+
+    def __init__(self, app, limit: int = 1 << 20) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        for k, v in scope.get("headers", ()):
+            if k == b"content-length":
+                try:
+                    too_big = int(v) > self.limit
+                except ValueError:
+                    too_big = False
+                if too_big:
+                    return await self._reject(send)
+        state = {"seen": 0, "over": False, "replaced": False}
+
+        async def limited():
+            msg = await receive()
+            if msg["type"] == "http.request":
+                state["seen"] += len(msg.get("body", b""))
+                if state["seen"] > self.limit:
+                    state["over"] = True
+                    raise _TooLarge()
+            return msg
+
+        async def guarded_send(msg):
+            # the app may turn the read error into its own error response: answer 413 instead
+            if state["over"]:
+                if not state["replaced"]:
+                    state["replaced"] = True
+                    await self._reject(send)
+                return
+            await send(msg)
+
+        try:
+            await self.app(scope, limited, guarded_send)
+        except _TooLarge:
+            if not state["replaced"]:
+                await self._reject(send)
+
+    async def _reject(self, send):
+        body = json.dumps(P.error_body(f"the request body is larger than {self.limit} bytes",
+                                       code="request_too_large")).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def _err(e: P.APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def build_app(service: Service) -> FastAPI:
+    app = FastAPI(title="Draftsmith", version="0.1.0",
+                  description="OpenAI-compatible LLM serving with speculative decoding and a continually "
+                              "distilled draft.")
+    svc = service
+    key = svc.s.api_key
+
+    # ---------------------------------------------------------------- errors
+    @app.exception_handler(P.APIError)
+    async def _api_error(_req, e: P.APIError):
+        svc.telemetry.inc("request_errors_total", code=str(e.status))
+        return _err(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_req, e: RequestValidationError):
+        svc.telemetry.inc("request_errors_total", code="400")
+        return _err(P.validation_error(list(e.errors())))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_req, e: StarletteHTTPException):
+        kind = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "invalid_request_error")
+        return JSONResponse(P.error_body(str(e.detail), kind, None, kind), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal(_req, e: Exception):
+        log.exception("internal error")
+        svc.telemetry.inc("request_errors_total", code="500")
+        return JSONResponse(P.error_body(f"internal error: {type(e).__name__}", "server_error", None,
+                                         "internal_error"), status_code=500)
+
+    def auth(request: Request) -> None:
+        if not key:
+            return
+        got = request.headers.get("authorization", "")
+        scheme, _, token = got.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise P.APIError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
+                             type="authentication_error", code="invalid_api_key")
+
+    # ---------------------------------------------------------------- probes
+    @app.get("/health")
+    async def health():
+        ok, info = svc.health()
+        return JSONResponse(info, status_code=200 if ok else 503)
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics():
+        return PlainTextResponse(await svc.metrics_text(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models", dependencies=[Depends(auth)])
+    async def models():
+        return {"object": "list", "data": [{"id": svc.model_name, "object": "model", "created": 0,
+                                            "owned_by": "draftsmith", "draft_version": svc.engine.draft_version}]}
+
+    # ---------------------------------------------------------------- generation
+    @app.post("/v1/completions", dependencies=[Depends(auth)])
+    async def completions(body: P.CompletionRequest, request: Request):
+        return await _guarded(_generate(body, request, chat=False))
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
+    async def chat_completions(body: P.ChatRequest, request: Request):
+        return await _guarded(_generate(body, request, chat=True))
+
+    async def _guarded(coro):
+        """Internal faults become a 500 error body here, so the connection stays usable (an exception
+        reaching Starlette's outermost handler closes the keep-alive connection)."""
+        try:
+            return await coro
+        except P.APIError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            log.exception("internal error")
+            svc.telemetry.inc("request_errors_total", code="500")
+            return JSONResponse(P.error_body(f"internal error: {type(e).__name__}: {e}", "server_error", None,
+                                             "internal_error"), status_code=500)
+
+    def _prompt_ids(body, chat: bool) -> list[int]:
+        tok = svc.engine.tokenizer
+        if chat:
+            if not getattr(tok, "chat_template", None):
+                raise P.APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+            msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in body.messages]
+            ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+            return [int(i) for i in ids]
+        if isinstance(body.prompt, str):
+            return [int(i) for i in tok(body.prompt, add_special_tokens=False)["input_ids"]]
+        ids = list(body.prompt)
+        bad = [i for i in ids if not 0 <= i < svc.engine.vocab_size]
+        if bad:
+            raise P.APIError(400, f"prompt token id {bad[0]} is outside [0, {svc.engine.vocab_size})", param="prompt")
+        return ids
+
+    async def _generate(body, request: Request, chat: bool):
+        t0 = time.monotonic()
+        if body.model not in (None, svc.model_name, svc.s.target):
+            raise P.APIError(404, f"the model {body.model!r} does not exist; this server serves {svc.model_name!r}",
+                             param="model", code="model_not_found")
+        prompt = _prompt_ids(body, chat)
+        if not prompt:
+            raise P.APIError(400, "the prompt is empty after tokenisation", param="prompt")
+        ctx = svc.engine.max_context
+        if len(prompt) >= ctx:
+            raise P.APIError(400, f"the prompt has {len(prompt)} tokens; this model's context is {ctx} tokens",
+                             param="messages" if chat else "prompt", code="context_length_exceeded")
+        max_tokens = (body.max_completion_tokens if chat and body.max_completion_tokens else None) or body.max_tokens
+        if max_tokens is None:
+            max_tokens = min(svc.s.max_tokens_limit, ctx - len(prompt)) if chat else 16
+        if max_tokens > svc.s.max_tokens_limit:
+            raise P.APIError(400, f"max_tokens is {max_tokens}; this server allows at most {svc.s.max_tokens_limit}",
+                             param="max_tokens")
+        if len(prompt) + max_tokens > ctx:
+            raise P.APIError(400, f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds this "
+                             f"model's context of {ctx} tokens; lower max_tokens", param="max_tokens",
+                             code="context_length_exceeded")
+        try:
+            sampling = P.sampling_params(body, max_tokens)
+        except ValueError as e:
+            raise P.APIError(400, str(e)) from None
+        spec = P.spec_params(body, svc.engine.draft is not None)
+        rid = P.new_id("chatcmpl" if chat else "cmpl")
+        deadline = t0 + svc.s.request_timeout_s
+        ts = P.TextStream(svc.engine.tokenizer, body.stop)
+        cancel = threading.Event()
+        agen = svc.stream(prompt, sampling, spec, request_id=rid, log_mode=body.log_mode, deadline=deadline,
+                          cancel=cancel)
+        if body.stream:
+            if svc.waiting >= svc.s.max_waiting and svc.running >= svc.s.max_running:
+                await agen.aclose()
+                raise P.APIError(429, "the server is busy; retry shortly", type="rate_limit_exceeded",
+                                 code="queue_full", headers={"Retry-After": "1"})
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(_sse(agen, ts, rid, chat, len(prompt), include_usage, t0, cancel),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
+        text, n, stats, reason, ttft = [], 0, None, None, None
+        async with contextlib.aclosing(agen):
+            async for out in agen:
+                if ttft is None and out.token_ids:
+                    ttft = time.monotonic() - t0
+                n += len(out.token_ids)
+                text.append(ts.push(out.token_ids))
+                stats = out.stats
+                if ts.stopped:
+                    reason = "stop"
+                    break
+                if out.finish_reason is not None:
+                    reason = P.finish_reason(out.finish_reason, False)
+                    text.append(ts.finish())
+                    break
+                if await request.is_disconnected():
+                    cancel.set()
+                    svc.telemetry.inc("request_errors_total", code="499")
+                    return JSONResponse(P.error_body("client disconnected", code="client_closed"), status_code=499)
+        st = stats.to_dict() if stats is not None else {}
+        reason = reason or "length"
+        svc.record(st, len(prompt), reason, time.monotonic() - t0, ttft)
+        return P.completion_body(rid, svc.model_name, chat, "".join(text), reason, P.usage(len(prompt), n), st)
+
+    async def _sse(agen, ts: P.TextStream, rid: str, chat: bool, n_prompt: int, include_usage: bool, t0: float,
+                   cancel: threading.Event):
+        created = int(time.time())
+        first, n, stats, reason, ttft = True, 0, None, None, None
+
+        def event(obj) -> str:
+            return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+        try:
+            async with contextlib.aclosing(agen):
+                async for out in agen:
+                    if ttft is None and out.token_ids:
+                        ttft = time.monotonic() - t0
+                    n += len(out.token_ids)
+                    stats = out.stats
+                    delta = ts.push(out.token_ids)
+                    if out.finish_reason is not None and not ts.stopped:
+                        delta += ts.finish()
+                    if delta or first:
+                        yield event(P.chunk_body(rid, svc.model_name, chat, delta, None, first=first, created=created))
+                        first = False
+                    if ts.stopped:
+                        reason = "stop"
+                        break
+                    if out.finish_reason is not None:
+                        reason = P.finish_reason(out.finish_reason, False)
+                        break
+            reason = reason or "length"
+            yield event(P.chunk_body(rid, svc.model_name, chat, None if chat else "", reason, created=created))
+            st = stats.to_dict() if stats is not None else {}
+            if include_usage:
+                yield event(P.usage_chunk(rid, svc.model_name, chat, P.usage(n_prompt, n), st, created=created))
+            svc.record(st, n_prompt, reason, time.monotonic() - t0, ttft)
+        except P.APIError as e:
+            svc.telemetry.inc("request_errors_total", code=str(e.status))
+            yield event(e.body())
+        except Exception as e:  # noqa: BLE001 - a stream ends with an error event, never a dropped socket
+            log.exception("error while streaming %s", rid)
+            svc.telemetry.inc("request_errors_total", code="500")
+            yield event(P.error_body(f"internal error: {type(e).__name__}: {e}", "server_error", None, "internal_error"))
+        finally:
+            cancel.set()
+        yield "data: [DONE]\n\n"
+
+    # ---------------------------------------------------------------- admin
+    @app.get("/v1/admin/draft", dependencies=[Depends(auth)])
+    async def admin_draft():
+        champion = None
+        if svc.registry is not None:
+            try:
+                champion = await run_in_threadpool(svc.registry.champion)
+            except Exception as e:  # noqa: BLE001
+                champion = f"unknown ({e})"
+        return {"replica": svc.s.replica_id, "draft_version": svc.engine.draft_version, "champion": champion,
+                "swap_error": svc.swap_error}
+
+    @app.post("/v1/admin/reload", dependencies=[Depends(auth)])
+    async def admin_reload():
+        if svc.registry is None:
+            raise P.APIError(409, "this server serves an explicit draft folder (--draft); there is no registry "
+                             "to reload from", code="no_registry")
+        version = await run_in_threadpool(svc.check_champion)
+        if svc.swap_error:
+            raise P.APIError(409, svc.swap_error, code="draft_load_failed")
+        return {"replica": svc.s.replica_id, "draft_version": version,
+                "note": "other replicas load the champion within their watch interval"}
+
+    @app.post("/v1/admin/rollback", dependencies=[Depends(auth)])
+    async def admin_rollback(body: P.RollbackRequest):
+        if svc.registry is None:
+            raise P.APIError(409, "this server serves an explicit draft folder (--draft); nothing to roll back",
+                             code="no_registry")
+        from deploy.registry import RegistryError, UsageError
+
+        try:
+            move = await run_in_threadpool(lambda: svc.registry.rollback(body.to, reason=body.reason or "http admin"))
+        except UsageError as e:
+            raise P.APIError(400, str(e), param="to") from None
+        except RegistryError as e:
+            raise P.APIError(409, str(e), code="rollback_failed") from None
+        version = await run_in_threadpool(svc.check_champion)
+        return {"changed": move.changed, "champion": move.champion, "old_champion": move.old_champion,
+                "message": move.message, "replica_draft_version": version}
+
+    app.add_middleware(BodyLimit, limit=svc.s.max_body_bytes)
+    return app

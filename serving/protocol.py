@@ -1,0 +1,333 @@
+"""The OpenAI-compatible wire format: request schemas, their translation into engine parameters,
+OpenAI-style errors, response/chunk builders and stop-string handling. No I/O, no torch.
+
+Requests (pydantic v2; the FastAPI app publishes them in its OpenAPI document):
+    POST /v1/completions       CompletionRequest   prompt: str | [str] (one) | [int] (token ids)
+    POST /v1/chat/completions  ChatRequest         messages: [{role, content}] through the chat template
+Common fields: model, max_tokens, temperature (0..2, 0 = greedy), top_p (0, 1], top_k (0 or -1 = off),
+stop (str or up to 4 str), seed, stream, stream_options.include_usage, n (1 only), and two extensions:
+    speculative: {mode, gamma, beams, tau, params: {mode knobs}}   (serving/config.py MODES / MODE_KNOBS)
+    log_mode: "full" | "ids_only" | "none"   what the replay buffer may keep of this request
+Defaults where a field is absent: temperature 1, top_k 20, top_p 0.9 (the MJSD paper's warp, which is
+what the draft is distilled under), mode mjsd with gamma 4, 8 beams, tau 0.1.
+
+Errors are `{"error": {"message", "type", "param", "code"}}` with a 4xx/5xx status (APIError).
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+
+from serving.config import DEFAULT_MODE, DEFAULT_TOP_K, DEFAULT_TOP_P, MODES, SamplingParams, SpecParams
+
+MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 128
+MAX_MESSAGES = 256
+MAX_PROMPT_CHARS = 200_000   # checked before tokenizing; the token limit is the model's context
+
+
+# ----------------------------------------------------------------------------- errors
+class APIError(Exception):
+    """An error the client caused or must wait out; rendered as an OpenAI-style error body."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def validation_error(errors: list[dict]) -> APIError:
+    """A pydantic/FastAPI validation error list -> one 400 naming the first bad field."""
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_type_tag(p)]
+    param = ".".join(loc) or None
+    kind = first.get("type", "invalid")
+    if kind == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON: {first.get('msg', '')}".rstrip(": "),
+                        code="invalid_json")
+    msg = first.get("msg", "invalid value")
+    where = f"'{param}'" if param else "the request body"
+    more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
+    return APIError(400, f"{where}: {msg}{more}", param=param, code=kind)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "constrained-str", "constrained-int"}
+
+
+def _is_type_tag(part) -> bool:
+    """pydantic puts the tried union member into `loc` ('str', 'list[int]', 'function-after[...]')."""
+    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or "-" in part)
+
+
+# ----------------------------------------------------------------------------- schemas
+class SpeculativeOptions(BaseModel):
+    """Extension field: which decoding rule answers this request."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    mode: Literal[MODES] = DEFAULT_MODE  # type: ignore[valid-type]
+    gamma: StrictInt | None = Field(None, ge=1, le=16, description="draft tokens per verification step")
+    beams: StrictInt | None = Field(None, ge=1, le=32, description="MJSD beam-sampling width")
+    tau: float | None = Field(None, ge=0, le=1e6, description="MJSD joint-ratio threshold")
+    params: dict[str, Union[StrictInt, float]] = Field(default_factory=dict,
+                                                        description="the mode's other knobs (MODE_KNOBS)")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: StrictBool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model: str | None = Field(None, max_length=256)
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: StrictInt | None = Field(None, ge=-1, le=100_000)
+    stop: str | list[str] | None = None
+    seed: StrictInt | None = Field(None, ge=0, le=2**63 - 1)
+    n: StrictInt = Field(1, ge=1, le=1, description="only n=1 is supported")
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, max_length=256)
+    speculative: SpeculativeOptions | None = None
+    log_mode: Literal["full", "ids_only", "none"] = "full"
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        if v is None:
+            return []
+        items = [v] if isinstance(v, str) else list(v)
+        if len(items) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        for s in items:
+            if not s:
+                raise ValueError("stop strings must be non-empty")
+            if len(s) > MAX_STOP_CHARS:
+                raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters")
+        return items
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[StrictInt] | list[str] = Field(..., description="text, [text] or token ids")
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v):
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("the prompt is empty")
+            if isinstance(v[0], str):
+                if len(v) != 1:
+                    raise ValueError("batched prompts are not supported: send one prompt per request")
+                v = v[0]
+        if isinstance(v, str):
+            if not v:
+                raise ValueError("the prompt is empty")
+            if len(v) > MAX_PROMPT_CHARS:
+                raise ValueError(f"the prompt is longer than {MAX_PROMPT_CHARS} characters")
+        return v
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatRequest(_Common):
+    messages: list[Message] = Field(..., min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+
+    @field_validator("messages")
+    @classmethod
+    def _chars(cls, v):
+        if sum(len(m.text()) for m in v) > MAX_PROMPT_CHARS:
+            raise ValueError(f"the messages are longer than {MAX_PROMPT_CHARS} characters in all")
+        return v
+
+
+class RollbackRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    to: str | StrictInt | None = Field(None, description="version to roll back to (default: the previous one)")
+    reason: str = Field("", max_length=500)
+
+
+# ----------------------------------------------------------------------------- translation
+def sampling_params(req: _Common, max_tokens: int, stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
+    top_k = DEFAULT_TOP_K if req.top_k is None else max(0, req.top_k)
+    return SamplingParams(temperature=1.0 if req.temperature is None else req.temperature, top_k=top_k,
+                          top_p=DEFAULT_TOP_P if req.top_p is None else req.top_p, max_tokens=max_tokens,
+                          seed=req.seed, stop_token_ids=stop_token_ids)
+
+
+def spec_params(req: _Common, draft_loaded: bool) -> SpecParams:
+    """The request's decoding rule. With no `speculative` field and no draft loaded yet (first start,
+    bootstrap still running) the default falls back to target-only decoding; an explicit draft mode
+    without a draft is an APIError(503)."""
+    opts = req.speculative
+    if opts is None:
+        return SpecParams(mode=DEFAULT_MODE if draft_loaded else "target")
+    kw: dict[str, Any] = {"mode": opts.mode, "extra": dict(opts.params)}
+    for name in ("gamma", "beams", "tau"):
+        if getattr(opts, name) is not None:
+            kw[name] = getattr(opts, name)
+    try:
+        spec = SpecParams(**kw)
+    except ValueError as e:
+        raise APIError(400, str(e), param="speculative") from None
+    if spec.needs_draft and not draft_loaded:
+        raise APIError(503, f"mode {spec.mode!r} needs a draft model and none is loaded yet (the first draft is "
+                       "still being built or failed to load); use mode 'target' or 'ngram', or retry later",
+                       type="service_unavailable", param="speculative.mode", code="draft_unavailable",
+                       headers={"Retry-After": "30"})
+    return spec
+
+
+# ----------------------------------------------------------------------------- stop strings
+class TextStream:
+    """Incremental detokenisation with stop strings.
+
+    `push(ids)` returns the text that is safe to send now: characters that cannot yet be the start of a
+    stop string and do not end in an incomplete UTF-8 sequence are released; once a stop string appears
+    the text before it is released and `stopped` is set (the stop string itself is not returned, as in
+    OpenAI's API). `finish()` releases what was held back.
+    """
+
+    def __init__(self, tokenizer, stops: list[str]) -> None:
+        self.tok = tokenizer
+        self.stops = list(stops or [])
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.ids: list[int] = []
+        self.sent = 0
+        self.stopped = False
+        self.text = ""
+
+    def _decode(self) -> str:
+        return self.tok.decode(self.ids, skip_special_tokens=True)
+
+    def push(self, ids: list[int]) -> str:
+        if self.stopped or not ids:
+            return ""
+        self.ids.extend(int(i) for i in ids)
+        text = self._decode()
+        self.text = text
+        if self.stops:
+            start = max(0, self.sent - self.hold)
+            hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
+            if hits:
+                cut = min(hits)
+                self.stopped = True
+                self.text = text[:cut]
+                out = text[self.sent:cut]
+                self.sent = max(self.sent, cut)
+                return out
+        safe = len(text) - self.hold
+        while safe > self.sent and text[safe - 1] == "\ufffd":
+            safe -= 1
+        if safe <= self.sent:
+            return ""
+        out = text[self.sent:safe]
+        self.sent = safe
+        return out
+
+    def finish(self) -> str:
+        if self.stopped:
+            return ""
+        out = self.text[self.sent:]
+        self.sent = len(self.text)
+        return out
+
+
+# ----------------------------------------------------------------------------- responses
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def spec_metrics(stats: dict) -> dict:
+    """The response's `metrics.speculative_decoding` block from GenerationStats.to_dict()."""
+    return {
+        "mode": stats.get("mode"),
+        "draft_version": stats.get("draft_version"),
+        "gamma": stats.get("gamma"),
+        "steps": stats.get("steps"),
+        "draft_tokens": stats.get("draft_tokens"),
+        "accepted_tokens": stats.get("accepted_tokens"),
+        "accepted_per_position": stats.get("accepted_per_position"),
+        "mean_acceptance_length": stats.get("mean_accepted_length"),
+        "acceptance_rate": stats.get("acceptance_rate"),
+        "draft_time_s": stats.get("draft_time_s"),
+        "target_time_s": stats.get("target_time_s"),
+        "wall_time_s": stats.get("wall_time_s"),
+        "tokens_per_s": stats.get("tokens_per_s"),
+        "energy_j": stats.get("energy_j"),
+        "energy_reason": stats.get("energy_reason"),
+    }
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def finish_reason(engine_reason: str | None, stopped_by_string: bool) -> str | None:
+    if stopped_by_string:
+        return "stop"
+    if engine_reason in ("stop", "length"):
+        return engine_reason
+    return None if engine_reason is None else "stop"
+
+
+def completion_body(rid: str, model: str, chat: bool, text: str, reason: str, usage_: dict, stats: dict) -> dict:
+    choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": [choice], "usage": usage_,
+            "metrics": {"speculative_decoding": spec_metrics(stats)}}
+
+
+def chunk_body(rid: str, model: str, chat: bool, text: str | None, reason: str | None, *, first: bool = False,
+               created: int | None = None) -> dict:
+    choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
+    if chat:
+        delta: dict[str, Any] = {}
+        if first:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice["delta"] = delta
+    else:
+        choice["text"] = text or ""
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "model": model,
+            "created": created or int(time.time()), "choices": [choice]}
+
+
+def usage_chunk(rid: str, model: str, chat: bool, usage_: dict, stats: dict, created: int | None = None) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "model": model,
+            "created": created or int(time.time()), "choices": [], "usage": usage_,
+            "metrics": {"speculative_decoding": spec_metrics(stats)}}

@@ -1,0 +1,355 @@
+"""One serving replica's core, independent of Ray and HTTP: the engine, the replay-buffer writer, the
+draft watcher (hot-swap), admission control, telemetry, and an async token stream per request.
+
+Scheduling: every admitted request runs its own generator of decoding steps (serving/engine.py) in a
+thread pool of `max_running` threads; each step takes the engine lock, so concurrent requests interleave
+step by step (round-robin at step granularity, about 0.1 s per step on 2 CPU cores) instead of one
+request waiting for another to finish. There is no batching across requests: N running requests each get
+about 1/N of the replica's decoding rate. Requests beyond `max_running` wait in a queue of at most
+`max_waiting`; beyond that the answer is 429 with Retry-After. A request that is not finished within
+`request_timeout_s` (queueing included) is cancelled and answered 408 (or an error event mid-stream).
+
+Hot-swap: a watcher thread polls the registry's `champion` alias every `watch_interval_s` seconds; when it
+names another version, the replica materialises it (verified against its manifest), loads it, and swaps
+it in between two decoding steps (`Engine.swap_draft` takes the engine lock). Requests in flight finish
+with the draft they started with for the steps already run; every response names the draft version that
+produced its tokens. A failed load keeps the old draft; the reason is in /health and in
+`draft_swaps_total{result="failed"}`, and the same version is not retried until the alias moves again.
+With an explicit `draft` folder the replica serves that folder as version "local" and does not watch.
+
+Faults: Redis down -> the writer drops and counts records (buffer_records_dropped_total), requests are
+unaffected; MLflow down -> no hot-swap and no live charts until it is back, requests are unaffected.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import logging
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AsyncIterator
+
+from serving.metrics import MetricsHub, Telemetry
+from serving.protocol import APIError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServiceSettings:
+    """How a replica runs (the Ray Serve app passes these as a plain dict)."""
+
+    target: str | None = None               # model id or local HF folder (default: SmolLM2-135M-Instruct)
+    draft: str | None = None                # explicit draft folder: served as version "local", no watching
+    served_model_name: str | None = None    # the `model` clients send (default: the target's name)
+    registry_model: str | None = None       # registered model name (default draftsmith-<target>-draft)
+    tracking_uri: str | None = None         # MLflow (default MLFLOW_TRACKING_URI or the local SQLite store)
+    redis_url: str | None = None            # replay buffer (default REDIS_URL or the embedded server)
+    buffer: bool = True                     # log verification steps to the replay buffer
+    buffer_prefix: str = "draftsmith:buf"
+    api_key: str | None = None              # when set: Bearer auth on /v1/* (admin endpoints included)
+    device: str | None = None               # cpu / cuda (default: cuda when available)
+    max_running: int = 4                    # requests decoding at once (interleaved step by step)
+    max_waiting: int = 16                   # queue bound; beyond it 429
+    request_timeout_s: float = 300.0
+    max_tokens_limit: int = 2048
+    max_body_bytes: int = 1 << 20
+    watch_interval_s: float = 2.0
+    torch_threads: int | None = None
+    live_interval_s: float = 15.0
+    replica_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+
+    def __post_init__(self) -> None:
+        for name in ("max_running", "max_waiting", "max_tokens_limit", "max_body_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < (0 if name == "max_waiting" else 1):
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        for name in ("request_timeout_s", "watch_interval_s", "live_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+
+
+class _LocalHub:
+    """Hub access for an in-process MetricsHub (tests, single process)."""
+
+    def __init__(self, hub: MetricsHub) -> None:
+        self.hub = hub
+
+    def push(self, snapshot: dict) -> None:
+        self.hub.push(snapshot)
+
+    def observe(self, stats: dict) -> None:
+        self.hub.observe(stats)
+
+    async def render(self) -> str:
+        return self.hub.render()
+
+
+class _RayHub:
+    """Hub access through the named Ray actor; pushes are fire-and-forget and never raise."""
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+
+    def push(self, snapshot: dict) -> None:
+        try:
+            self.handle.push.remote(snapshot)
+        except Exception:  # noqa: BLE001
+            pass
+
+    def observe(self, stats: dict) -> None:
+        try:
+            self.handle.observe.remote(stats)
+        except Exception:  # noqa: BLE001
+            pass
+
+    async def render(self) -> str:
+        return await asyncio.wait_for(asyncio.wrap_future(self.handle.render.remote().future()), timeout=5.0)
+
+
+def _next(gen):
+    return next(gen, None)
+
+
+class Service:
+    """A replica. Pass `engine`, `registry`, `sink` or `hub` to inject them (tests); else they are built
+    from `settings`. `hub` may be a MetricsHub or a Ray actor handle of one."""
+
+    def __init__(self, settings: ServiceSettings | None = None, *, engine=None, registry=None, sink=None,
+                 hub=None) -> None:
+        self.s = settings or ServiceSettings()
+        if self.s.torch_threads:
+            import torch
+
+            torch.set_num_threads(self.s.torch_threads)
+        self.telemetry = Telemetry(self.s.replica_id)
+        if hub is None:
+            hub = MetricsHub(self.s.tracking_uri, self.s.target, self.s.registry_model,
+                             live_interval_s=self.s.live_interval_s, live_stats=self.s.draft is None)
+        self.hub = _LocalHub(hub) if isinstance(hub, MetricsHub) else _RayHub(hub)
+        self.registry = registry
+        if self.registry is None and self.s.draft is None:
+            from deploy.registry import Registry
+
+            self.registry = Registry(self.s.target, name=self.s.registry_model, tracking_uri=self.s.tracking_uri)
+        self.sink = sink if sink is not None else self._make_sink()
+        self.swap_error: str | None = None
+        self._failed_version: str | None = None
+        self._swap_lock = threading.Lock()
+        self.engine = engine if engine is not None else self._make_engine()
+        self.model_name = self.s.served_model_name or self._default_model_name()
+        self._pool = cf.ThreadPoolExecutor(max_workers=self.s.max_running + 1, thread_name_prefix="decode")
+        self._slots: asyncio.Semaphore | None = None
+        self.running = 0
+        self.waiting = 0
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._publish_loop, name="telemetry", daemon=True)]
+        if self.registry is not None and self.s.draft is None:
+            self._threads.append(threading.Thread(target=self._watch_loop, name="draft-watcher", daemon=True))
+        for t in self._threads:
+            t.start()
+
+    # ------------------------------------------------------------------ construction
+    def _default_model_name(self) -> str:
+        from serving.models import DEFAULT_TARGET
+
+        t = self.s.target
+        return DEFAULT_TARGET if t in (None, "", DEFAULT_TARGET) else Path(str(t)).name
+
+    def _make_sink(self):
+        if not self.s.buffer:
+            return None
+        try:
+            from buffer.redis_store import BufferConfig, ReplayBufferWriter
+
+            return ReplayBufferWriter(self.s.redis_url, BufferConfig(prefix=self.s.buffer_prefix))
+        except Exception as e:  # noqa: BLE001 - no buffer is a degraded service, not a dead one
+            log.warning("replay buffer unavailable (%s); serving without logging verification steps", e)
+            self.telemetry.set_gauge("buffer_available", 0)
+            return None
+
+    def _make_engine(self):
+        import torch
+
+        from serving.engine import Engine
+
+        device = self.s.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        engine = Engine.from_paths(self.s.target, None, device=device, sink=self.sink)
+        if self.s.draft is not None:
+            engine.swap_draft(self.s.draft, "local")
+        else:
+            self.check_champion(engine)
+        return engine
+
+    # ------------------------------------------------------------------ hot-swap
+    def check_champion(self, engine=None) -> str:
+        """Load the registry's champion if it is not the live draft. Returns the live version."""
+        engine = engine or self.engine
+        if self.registry is None:
+            return engine.draft_version
+        with self._swap_lock:
+            try:
+                version = self.registry.champion()
+            except Exception as e:  # noqa: BLE001 - MLflow down: keep serving what we have
+                self.swap_error = f"cannot read the champion alias: {e}"
+                return engine.draft_version
+            if version is None or version == engine.draft_version:
+                return engine.draft_version
+            if version == self._failed_version:
+                return engine.draft_version
+            t0 = time.perf_counter()
+            try:
+                path = self.registry.materialize(version, verify=True)
+                engine.swap_draft(path, version)
+            except Exception as e:  # noqa: BLE001 - a failed load keeps the old draft
+                self._failed_version = version
+                self.swap_error = f"draft version {version} failed to load ({e}); still serving " \
+                                  f"version {engine.draft_version}"
+                log.error(self.swap_error)
+                self.telemetry.inc("draft_swaps_total", result="failed")
+                return engine.draft_version
+            self._failed_version = None
+            self.swap_error = None
+            self.telemetry.inc("draft_swaps_total", result="ok")
+            log.info("replica %s now serves draft version %s (swap took %.1f s)", self.s.replica_id, version,
+                     time.perf_counter() - t0)
+            return version
+
+    def _watch_loop(self) -> None:
+        while not self._stop.wait(self.s.watch_interval_s):
+            try:
+                self.check_champion()
+            except Exception as e:  # noqa: BLE001 - the watcher must not die
+                log.warning("draft watcher: %s", e)
+
+    # ------------------------------------------------------------------ telemetry
+    def publish(self) -> dict:
+        t = self.telemetry
+        t.set_gauge("num_requests_running", self.running)
+        t.set_gauge("num_requests_waiting", self.waiting)
+        t.clear_gauge("draft_version_info")
+        t.set_gauge("draft_version_info", 1, replica=self.s.replica_id, version=self.engine.draft_version)
+        if self.sink is not None and hasattr(self.sink, "stats"):
+            st = self.sink.stats()
+            t.set_counter("buffer_records_written_total", st.get("written", 0))
+            t.set_counter("buffer_records_dropped_total", st.get("dropped", 0))
+        snap = t.snapshot()
+        self.hub.push(snap)
+        return snap
+
+    def _publish_loop(self) -> None:
+        while not self._stop.wait(1.0):
+            try:
+                self.publish()
+            except Exception as e:  # noqa: BLE001
+                log.debug("telemetry publish failed: %s", e)
+
+    async def metrics_text(self) -> str:
+        self.publish()
+        try:
+            return await self.hub.render()
+        except Exception as e:  # noqa: BLE001 - the hub is gone: this replica's own figures
+            from serving.metrics import merge, render
+
+            log.warning("metrics hub unavailable (%s); /metrics shows this replica only", e)
+            return render(merge([self.telemetry.snapshot()]))
+
+    def health(self) -> tuple[bool, dict]:
+        ok, why = self.engine.healthy()
+        info = {"status": "ok" if ok else "unhealthy", "reason": why, "replica": self.s.replica_id,
+                "draft_version": self.engine.draft_version, "draft_loaded": self.engine.draft is not None,
+                "swap_error": self.swap_error, "running": self.running, "waiting": self.waiting,
+                "buffer": None if self.sink is None else {k: v for k, v in self.sink.stats().items()
+                                                          if k in ("written", "dropped", "queued")}}
+        return ok, info
+
+    # ------------------------------------------------------------------ decoding
+    async def stream(self, prompt_ids: list[int], sampling, spec, *, request_id: str, log_mode: str = "full",
+                     deadline: float, cancel: threading.Event | None = None) -> AsyncIterator:
+        """Admit the request, then yield StepOutput objects as the engine produces them.
+
+        Raises APIError 429 (queue full) or 408 (deadline passed, queued or decoding). The caller
+        stops the stream (disconnect, stop string) by closing the iterator or setting `cancel`; the
+        engine's generator is then closed in the decode pool after its current step.
+        """
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.s.max_running)
+        if self.waiting >= self.s.max_waiting and self._slots.locked():
+            raise APIError(429, f"the server is busy ({self.running} requests decoding, {self.waiting} queued); "
+                           "retry shortly", type="rate_limit_exceeded", code="queue_full",
+                           headers={"Retry-After": "1"})
+        self.waiting += 1
+        try:
+            await asyncio.wait_for(self._slots.acquire(), timeout=max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            raise APIError(408, "the request timed out waiting for a decoding slot", type="timeout",
+                           code="request_timeout") from None
+        finally:
+            self.waiting -= 1
+        self.running += 1
+        cancel = cancel or threading.Event()
+        gen = self.engine.generate(prompt_ids, sampling, spec, request_id=request_id, cancel=cancel,
+                                   log_mode=log_mode)
+        pending: cf.Future | None = None
+        try:
+            while True:
+                pending = self._pool.submit(_next, gen)
+                left = deadline - time.monotonic()
+                try:
+                    out = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(pending)), timeout=max(0.0, left))
+                except asyncio.TimeoutError:
+                    raise APIError(408, f"the request did not finish within {self.s.request_timeout_s:g} s",
+                                   type="timeout", code="request_timeout") from None
+                pending = None
+                if out is None:
+                    return
+                yield out
+                if out.finish_reason is not None:
+                    return
+        finally:
+            cancel.set()
+            self._close_later(gen, pending)
+            self.running -= 1
+            self._slots.release()
+
+    def _close_later(self, gen, pending: cf.Future | None) -> None:
+        """Close the engine generator in the pool once its in-flight step (if any) is done."""
+        def close(_=None):
+            try:
+                self._pool.submit(gen.close)
+            except RuntimeError:  # pool shut down
+                pass
+        if pending is None or pending.done():
+            close()
+        else:
+            pending.add_done_callback(close)
+
+    def record(self, stats: dict, prompt_tokens: int, reason: str, latency_s: float, ttft_s: float | None) -> None:
+        self.telemetry.record_request(stats, prompt_tokens, reason)
+        self.telemetry.observe("e2e_request_latency_seconds", latency_s)
+        if ttft_s is not None:
+            self.telemetry.observe("time_to_first_token_seconds", ttft_s)
+        self.hub.observe(stats)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.sink is not None and hasattr(self.sink, "close"):
+            self.sink.close(timeout_s=2.0)
+
+
+def settings_from_env(**overrides) -> ServiceSettings:
+    """ServiceSettings from DRAFTSMITH_* environment variables, then `overrides` (None values ignored)."""
+    env = os.environ
+    kw: dict = {}
+    for name, conv in (("max_running", int), ("max_waiting", int), ("request_timeout_s", float),
+                       ("max_tokens_limit", int), ("watch_interval_s", float)):
+        v = env.get(f"DRAFTSMITH_{name.upper()}")
+        if v:
+            kw[name] = conv(v)
+    kw.update({k: v for k, v in overrides.items() if v is not None})
+    return ServiceSettings(**kw)

@@ -1,0 +1,413 @@
+"""The HTTP API over real HTTP (uvicorn) with tiny models: OpenAI client and raw HTTP, streaming, stop
+strings, every kind of bad input, overload, timeouts, disconnects, API keys, metrics, the replay buffer
+(real Redis), and a Redis restart under load."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tiny_models
+from api_helpers import REDIS_URL, LiveServer, sse_events, tiny_service
+from serving.config import SamplingParams, SpecParams
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return tiny_models.save_pair(tmp_path_factory.mktemp("pair"))
+
+
+@pytest.fixture(scope="module")
+def server(pair):
+    srv = LiveServer(tiny_service(*pair)).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+def complete(client, **body):
+    body.setdefault("prompt", "the quick brown fox")
+    return client.post("/v1/completions", json=body)
+
+
+def assert_error(resp, status, param=None, code=None):
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+# ----------------------------------------------------------------------------- happy paths
+def test_greedy_http_output_equals_the_engine_and_speculative_is_lossless(client, server):
+    eng = server.service.engine
+    prompt = eng.tokenizer("the quick brown fox", add_special_tokens=False)["input_ids"]
+    ref = eng.generate_all(prompt, SamplingParams(temperature=0, max_tokens=24), SpecParams(mode="target"))
+    for mode in ("target", "speculative"):
+        r = complete(client, max_tokens=24, temperature=0, speculative={"mode": mode, "gamma": 3})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["choices"][0]["text"] == eng.tokenizer.decode(ref.token_ids, skip_special_tokens=True)
+        assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": len(ref.token_ids),
+                                 "total_tokens": len(prompt) + len(ref.token_ids)}
+        m = body["metrics"]["speculative_decoding"]
+        assert m["mode"] == mode and m["draft_version"] == ("local" if mode != "target" else "none")
+        if mode == "speculative":
+            assert m["draft_tokens"] > 0 and 0 <= m["accepted_tokens"] <= m["draft_tokens"]
+            assert m["acceptance_rate"] == pytest.approx(m["accepted_tokens"] / m["draft_tokens"])
+            assert sum(m["accepted_per_position"]) == m["accepted_tokens"]
+            assert m["energy_j"] is None and "CPU" in m["energy_reason"]
+
+
+def test_openai_client_chat_stream_and_models(server):
+    openai = pytest.importorskip("openai")
+    oc = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in oc.models.list().data] == ["tiny"]
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    full = oc.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0,
+                                      extra_body={"speculative": {"mode": "mjsd", "gamma": 3, "beams": 4, "tau": 0.2}})
+    assert full.choices[0].message.role == "assistant" and full.usage.completion_tokens >= 1
+    block = full.model_extra["metrics"]["speculative_decoding"]
+    assert block["mode"] == "mjsd" and block["gamma"] == 3
+    chunks = list(oc.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0, stream=True,
+                                             stream_options={"include_usage": True},
+                                             extra_body={"speculative": {"mode": "speculative"}}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 1
+    greedy = oc.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0,
+                                        extra_body={"speculative": {"mode": "target"}})
+    assert text == greedy.choices[0].message.content     # lossless + greedy: same text, streamed or not
+
+
+def test_raw_sse_stream_has_chunks_usage_and_done(client):
+    r = complete(client, max_tokens=16, temperature=0, stream=True, stream_options={"include_usage": True},
+                 speculative={"mode": "speculative"})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    usage = events[-2]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 16
+    assert usage["metrics"]["speculative_decoding"]["draft_tokens"] > 0
+    text = "".join(e["choices"][0]["text"] for e in events[:-2])
+    plain = complete(client, max_tokens=16, temperature=0, speculative={"mode": "target"}).json()
+    assert text == plain["choices"][0]["text"]
+    assert events[-3]["choices"][0]["finish_reason"] == "length"
+
+
+def test_stop_strings_cut_the_output_streamed_and_not(client):
+    base = complete(client, max_tokens=30, temperature=0, speculative={"mode": "target"}).json()["choices"][0]["text"]
+    stop = base[10:13]
+    expect = base[: base.index(stop)]
+    r = complete(client, max_tokens=30, temperature=0, stop=[stop, "\u2603never"], speculative={"mode": "target"})
+    assert r.json()["choices"][0]["text"] == expect and r.json()["choices"][0]["finish_reason"] == "stop"
+    events = sse_events(complete(client, max_tokens=30, temperature=0, stop=stop, stream=True,
+                                 speculative={"mode": "speculative"}))
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == expect
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_seeded_sampling_is_reproducible_over_http(client):
+    a = complete(client, max_tokens=20, temperature=1.0, seed=7).json()["choices"][0]["text"]
+    b = complete(client, max_tokens=20, temperature=1.0, seed=7).json()["choices"][0]["text"]
+    assert a == b
+
+
+def test_every_mode_answers(client):
+    for mode in ("mjsd", "speculative", "target", "typical", "mentored", "spectr", "bild", "ngram", "staged"):
+        r = complete(client, max_tokens=8, temperature=0.7, seed=1, speculative={"mode": mode})
+        assert r.status_code == 200, (mode, r.text)
+        assert r.json()["usage"]["completion_tokens"] >= 1
+
+
+# ----------------------------------------------------------------------------- bad input
+BAD = [
+    ({"prompt": "x", "max_tokens": -1}, "max_tokens", None),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens", None),
+    ({"prompt": "x", "max_tokens": 10**9}, "max_tokens", None),
+    ({"prompt": "x", "max_tokens": "ten"}, "max_tokens", None),
+    ({"prompt": "x", "max_tokens": 4.5}, "max_tokens", None),
+    ({"prompt": "x", "temperature": -0.1}, "temperature", None),
+    ({"prompt": "x", "temperature": "hot"}, "temperature", None),
+    ({"prompt": "x", "top_p": 0}, "top_p", None),
+    ({"prompt": "x", "top_p": 1.5}, "top_p", None),
+    ({"prompt": "x", "top_k": -5}, "top_k", None),
+    ({"prompt": ""}, "prompt", None),
+    ({"prompt": []}, "prompt", None),
+    ({"prompt": ["a", "b"]}, "prompt", None),
+    ({"prompt": [1, 2, 99999]}, "prompt", None),
+    ({"prompt": "x" * 3000}, "prompt", "context_length_exceeded"),
+    ({"prompt": "x", "max_tokens": 512}, "max_tokens", "context_length_exceeded"),
+    ({}, "prompt", "missing"),
+    ({"prompt": 5}, "prompt", None),
+    ({"prompt": "x", "n": 2}, "n", None),
+    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop", None),
+    ({"prompt": "x", "stop": [""]}, "stop", None),
+    ({"prompt": "x", "stream": "yes"}, "stream", None),
+    ({"prompt": "x", "seed": -1}, "seed", None),
+    ({"prompt": "x", "speculative": {"mode": "nope"}}, "speculative.mode", None),
+    ({"prompt": "x", "speculative": {"gamma": 0}}, "speculative.gamma", None),
+    ({"prompt": "x", "speculative": {"gamma": 99}}, "speculative.gamma", None),
+    ({"prompt": "x", "speculative": {"beams": "8"}}, "speculative.beams", None),
+    ({"prompt": "x", "speculative": {"tau": -1}}, "speculative.tau", None),
+    ({"prompt": "x", "speculative": {"color": 1}}, "speculative.color", None),
+    ({"prompt": "x", "speculative": {"mode": "mentored", "params": {"kl_budget": -1}}}, "speculative", None),
+    ({"prompt": "x", "speculative": {"mode": "mjsd", "params": {"kl_budget": 1}}}, "speculative", None),
+    ({"prompt": "x", "log_mode": "everything"}, "log_mode", None),
+]
+
+
+@pytest.mark.parametrize("body,param,code", BAD, ids=[str(i) for i in range(len(BAD))])
+def test_bad_fields_get_a_400_naming_the_field(client, body, param, code):
+    err = assert_error(client.post("/v1/completions", json=body), 400, param=param, code=code)
+    assert err["type"] == "invalid_request_error"
+
+
+def test_bad_chat_messages_and_unknown_model(client):
+    assert_error(client.post("/v1/chat/completions", json={"messages": []}), 400, param="messages")
+    assert_error(client.post("/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]}), 400,
+                 param="messages.0.role")
+    assert_error(client.post("/v1/chat/completions", json={"messages": [{"role": "user"}]}), 400,
+                 param="messages.0.content")
+    assert_error(complete(client, model="gpt-4"), 404, param="model", code="model_not_found")
+
+
+def test_malformed_json_oversized_body_and_unknown_routes(client):
+    for raw in (b"{bad json", b"", b"[1, 2", b"\xff\xfe", b"null", b"[]", b'{"prompt": "x", "temperature": NaN}',
+                b'{"prompt": "x", "top_p": Infinity}'):
+        r = client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+        assert_error(r, 400)
+    assert_error(client.post("/v1/completions", content=b"{" + b" " * (2 << 20) + b"}",
+                             headers={"content-type": "application/json"}), 413, code="request_too_large")
+    assert_error(client.get("/v1/nothing"), 404)
+    assert_error(client.get("/v1/completions"), 405)
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False, allow_infinity=False)
+                    | st.text(max_size=20), lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c,
+                                                                                                   max_size=3),
+                    max_leaves=6)
+FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream",
+          "stream_options", "n", "speculative", "log_mode"]
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+@given(route=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+       body=st.dictionaries(st.sampled_from(FIELDS), JSON, max_size=6))
+def test_fuzzed_request_bodies_never_get_a_5xx(client, route, body):
+    """A fuzzing pass over the request schema: random JSON in every field -> 2xx or a well-formed 4xx."""
+    if isinstance(body.get("max_tokens"), int):
+        body["max_tokens"] = min(max(body["max_tokens"], -3), 4)   # keep accepted requests short
+    r = client.post(route, json=body)
+    assert r.status_code < 500, (body, r.text)
+    if r.status_code >= 400:
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+# ----------------------------------------------------------------------------- overload, time, disconnects
+def never_stopping(svc):
+    """The tiny model may emit EOS early; long-request tests need one that runs to max_tokens."""
+    svc.engine.eos_token_ids = set()
+    return svc
+
+
+def test_request_timeout_answers_408_and_frees_the_slot(pair):
+    srv = LiveServer(never_stopping(tiny_service(*pair, max_running=1, request_timeout_s=0.5))).start()
+    try:
+        with httpx.Client(base_url=srv.url, timeout=30) as c:
+            t0 = time.monotonic()
+            r = c.post("/v1/completions", json=LONG)
+            assert_error(r, 408, code="request_timeout")
+            assert time.monotonic() - t0 < 5
+            events = sse_events(c.post("/v1/completions", json={**LONG, "stream": True}))
+            assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "request_timeout"
+            ok = c.post("/v1/completions", json={"prompt": "b", "max_tokens": 2})
+            assert ok.status_code == 200            # the slot came back after the timeouts
+    finally:
+        srv.stop()
+
+
+LONG = {"prompt": "a", "max_tokens": 450, "temperature": 0, "speculative": {"mode": "target"}}
+
+
+def test_full_queue_answers_429_with_retry_after(pair):
+    srv = LiveServer(never_stopping(tiny_service(*pair, max_running=1, max_waiting=0))).start()
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            holder = threading.Thread(target=lambda: c.post("/v1/completions", json={**LONG, "max_tokens": 500}))
+            holder.start()
+            deadline = time.time() + 10
+            while srv.service.running == 0 and time.time() < deadline:
+                time.sleep(0.01)
+            with httpx.Client(base_url=srv.url, timeout=30) as c2:
+                busy = c2.post("/v1/completions", json={"prompt": "b", "max_tokens": 2})
+                assert_error(busy, 429, code="queue_full")
+                assert busy.headers["retry-after"] == "1"
+                busy = c2.post("/v1/completions", json={"prompt": "b", "max_tokens": 2, "stream": True})
+                assert_error(busy, 429, code="queue_full")
+            holder.join()
+            assert c.post("/v1/completions", json={"prompt": "b", "max_tokens": 2}).status_code == 200
+    finally:
+        srv.stop()
+
+
+def test_client_disconnect_stops_decoding(pair):
+    srv = LiveServer(never_stopping(tiny_service(*pair))).start()
+    try:
+        before = srv.service.telemetry.snapshot()["counters"].get("generation_tokens_total", 0)
+        with httpx.Client(base_url=srv.url, timeout=30) as c:
+            with c.stream("POST", "/v1/completions", json={"prompt": "a", "max_tokens": 480, "temperature": 0,
+                                                           "stream": True, "speculative": {"mode": "target"}}) as r:
+                lines = r.iter_lines()
+                got = [next(lines) for _ in range(3)]
+                assert any(g.startswith("data: ") for g in got)
+        deadline = time.time() + 10
+        while srv.service.running and time.time() < deadline:
+            time.sleep(0.02)
+        assert srv.service.running == 0
+        time.sleep(0.3)
+        after = srv.service.telemetry.snapshot()["counters"].get("generation_tokens_total", 0)
+        assert after == before          # the abandoned request was not counted as served
+        assert srv.service.engine.healthy()[0]
+    finally:
+        srv.stop()
+
+
+# ----------------------------------------------------------------------------- auth, metrics, buffer
+def test_api_key_guards_v1_and_admin_but_not_probes(pair):
+    srv = LiveServer(tiny_service(*pair, api_key="s3cret")).start()
+    try:
+        with httpx.Client(base_url=srv.url, timeout=30) as c:
+            assert_error(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}), 401, code="invalid_api_key")
+            assert_error(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                                headers={"Authorization": "Bearer wrong"}), 401)
+            assert_error(c.post("/v1/admin/reload"), 401)
+            assert_error(c.post("/v1/admin/rollback", json={}), 401)
+            assert_error(c.get("/v1/models"), 401)
+            auth = {"Authorization": "Bearer s3cret"}
+            assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=auth).status_code == 200
+            r = c.post("/v1/admin/reload", headers=auth)
+            assert_error(r, 409, code="no_registry")          # an explicit --draft has no registry to reload
+            assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200
+    finally:
+        srv.stop()
+
+
+def test_metrics_are_prometheus_and_match_the_responses(pair):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    srv = LiveServer(tiny_service(*pair)).start()
+    try:
+        with httpx.Client(base_url=srv.url, timeout=30) as c:
+            blocks = [complete(c, max_tokens=12, temperature=0.8, seed=i, speculative={"mode": "speculative"})
+                      .json()["metrics"]["speculative_decoding"] for i in range(3)]
+            text = c.get("/metrics").text
+        fams = {f.name: f for f in text_string_to_metric_families(text)}
+        value = {s.name + json.dumps(s.labels, sort_keys=True): s.value for f in fams.values() for s in f.samples}
+
+        def v(name, **labels):
+            return value["draftsmith:" + name + json.dumps(labels, sort_keys=True)]
+
+        assert v("spec_decode_num_draft_tokens_total") == sum(b["draft_tokens"] for b in blocks)
+        assert v("spec_decode_num_accepted_tokens_total") == sum(b["accepted_tokens"] for b in blocks)
+        assert v("spec_decode_num_drafts_total") == sum(b["steps"] for b in blocks)
+        for pos in range(4):
+            assert v("spec_decode_num_accepted_tokens_per_pos_total", position=str(pos)) == \
+                sum(b["accepted_per_position"][pos] for b in blocks)
+        assert v("request_success_total", finished_reason="length") == 3
+        assert v("e2e_request_latency_seconds_count") == 3
+        assert v("time_to_first_token_seconds_count") == 3
+        assert v("num_requests_waiting") == 0
+        assert v("draft_version_info", replica=srv.service.s.replica_id, version="local") == 1
+        assert "draftsmith:buffer_records_dropped_total" in value.__repr__()
+    finally:
+        srv.stop()
+
+
+def test_each_verification_step_reaches_the_replay_buffer(pair):
+    from buffer.redis_store import BufferConfig, ReplayBufferReader, connect
+
+    svc = tiny_service(*pair)
+    srv = LiveServer(svc).start()
+    try:
+        with httpx.Client(base_url=srv.url, timeout=30) as c:
+            r = complete(c, max_tokens=10, temperature=0.5, seed=3, speculative={"mode": "mjsd"})
+            m = r.json()["metrics"]["speculative_decoding"]
+            r2 = complete(c, max_tokens=10, temperature=0.5, seed=3, log_mode="none")
+            assert r2.status_code == 200
+        assert svc.sink.flush(5)
+        cfg = BufferConfig(prefix=svc.s.buffer_prefix)
+        assert connect(REDIS_URL).xlen(cfg.steps_key) == m["steps"]      # the opted-out request left nothing
+        entries = ReplayBufferReader(REDIS_URL, cfg).newest(100)
+        assert len(entries) == m["steps"]
+        assert {e.record.draft_version for e in entries} == {"local"}
+        assert {e.record.algorithm for e in entries} == {"mjsd"}
+        assert sum(e.record.num_accepted for e in entries) == m["accepted_tokens"]
+    finally:
+        srv.stop()
+        client = connect(REDIS_URL)
+        keys = list(client.scan_iter(match=f"{svc.s.buffer_prefix}:*"))
+        if keys:
+            client.delete(*keys)
+
+
+def test_serving_survives_a_redis_restart_mid_load(pair, tmp_path):
+    """Own redis-server, stopped and restarted while 2 clients keep sending: every request answers 200,
+    the writer counts what it dropped, and writing resumes."""
+    import torch  # noqa: F401
+
+    from buffer.embedded import EmbeddedRedis
+    from buffer.redis_store import BufferConfig, ReplayBufferWriter, connect
+    from serving.engine import Engine
+
+    own = EmbeddedRedis(tmp_path / "redis", transport="tcp", persist=False)
+    url = own.start()
+    cfg = BufferConfig(prefix="test:api:restart", flush_interval_s=0.002)
+    sink = ReplayBufferWriter(url, cfg)
+    engine = Engine.from_paths(str(pair[0]), str(pair[1]), dtype=torch.float32, draft_version="local", sink=sink)
+    svc = tiny_service(*pair, engine=engine, buffer=False)
+    svc.sink = sink
+    srv = LiveServer(svc).start()
+    statuses, stop = [], threading.Event()
+
+    def load():
+        with httpx.Client(base_url=srv.url, timeout=30) as c:
+            while not stop.is_set():
+                statuses.append(complete(c, max_tokens=8, temperature=0.7, speculative={"mode": "speculative"})
+                                .status_code)
+
+    workers = [threading.Thread(target=load) for _ in range(2)]
+    try:
+        for w in workers:
+            w.start()
+        time.sleep(1.0)
+        own.stop()
+        time.sleep(1.5)
+        own.start()
+        deadline = time.time() + 15
+        while connect(url).xlen(cfg.steps_key) < 5 and time.time() < deadline:
+            time.sleep(0.1)
+        assert connect(url).xlen(cfg.steps_key) >= 5          # writing resumed into the fresh server
+    finally:
+        stop.set()
+        for w in workers:
+            w.join()
+        srv.stop()
+        own.stop()
+    assert statuses and set(statuses) == {200}, statuses
+    assert sink.stats()["reconnects"] >= 1
