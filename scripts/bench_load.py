@@ -1,0 +1,231 @@
+"""HTTP load benchmark: concurrent streaming clients against the Ray Serve app.
+
+    .venv/bin/python scripts/bench_load.py [--url http://127.0.0.1:8000] [--clients 1 4 8] [--seconds 60]
+        [--max-tokens 64] [--mode mjsd] [--engine-seconds 60] [--out docs/results/load]
+
+Without --url it starts `draftsmith serve --port <free>` (the champion draft from the registry) and stops
+it at the end. Each level runs N client threads for --seconds; each client sends streaming chat requests
+(prompts from the gsm8k train split, temperature 0.7, `stream_options.include_usage`) back to back.
+Reported per level: completed requests, output tokens/s (sum over clients), per-request latency and
+time-to-first-token p50/p99, 5xx and other failures. Before the server starts, --engine-seconds of the
+same requests run in-process through Engine (same draft, same settings, one at a time): HTTP + Ray
+overhead at 1 client = 1 - (HTTP tokens/s / in-process tokens/s).
+Writes bench_load.json and bench_load.png to --out and prints a markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    v = sorted(values)
+    return v[min(len(v) - 1, int(round(q * (len(v) - 1))))]
+
+
+def engine_baseline(prompts: list[str], args) -> dict:
+    """In-process tokens/s over the same requests (no HTTP, no Ray)."""
+    import torch
+
+    from deploy.registry import Registry
+    from serving.config import SamplingParams, SpecParams
+    from serving.engine import Engine
+    from training.prompts import chat_prompt_ids
+
+    torch.set_num_threads(os.cpu_count() or 2)
+    reg = Registry(None)
+    version = reg.champion()
+    draft = str(reg.materialize(version)) if version else None
+    eng = Engine.from_paths(None, draft, draft_version=version or "none")
+    spec = SpecParams(mode=args.mode if draft else "target")
+    for j in range(2):   # warm-up (first calls pay for kernel selection and allocations)
+        eng.generate_all(chat_prompt_ids(eng.tokenizer, prompts[-1 - j]), SamplingParams(max_tokens=8, seed=j), spec)
+    tokens, t0, i = 0, time.perf_counter(), 0
+    while time.perf_counter() - t0 < args.engine_seconds:
+        ids = chat_prompt_ids(eng.tokenizer, prompts[i % len(prompts)])
+        r = eng.generate_all(ids, SamplingParams(temperature=0.7, max_tokens=args.max_tokens, seed=i), spec)
+        tokens += len(r.token_ids)
+        i += 1
+    dt = time.perf_counter() - t0
+    print(f"[engine] {i} requests, {tokens} tokens in {dt:.1f} s: {tokens / dt:.1f} tok/s (draft {version})",
+          flush=True)
+    del eng
+    return {"requests": i, "tokens": tokens, "seconds": dt, "tokens_per_s": tokens / dt, "draft_version": version}
+
+
+def run_level(url: str, n: int, prompts: list[str], args) -> dict:
+    import httpx
+
+    results, stop = [], threading.Event()
+    lock = threading.Lock()
+
+    def client(cid: int):
+        k = 0
+        with httpx.Client(base_url=url, timeout=300) as c:
+            while not stop.is_set():
+                body = {"messages": [{"role": "user", "content": prompts[(cid * 997 + k) % len(prompts)]}],
+                        "max_tokens": args.max_tokens, "temperature": 0.7, "stream": True,
+                        "stream_options": {"include_usage": True}, "speculative": {"mode": args.mode}}
+                k += 1
+                t0 = time.perf_counter()
+                ttft, tokens, status, err, version = None, 0, None, None, None
+                try:
+                    with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                        status = r.status_code
+                        for line in r.iter_lines():
+                            if not line.startswith("data: ") or line == "data: [DONE]":
+                                continue
+                            ev = json.loads(line[6:])
+                            if "error" in ev:
+                                err = ev["error"]["message"]
+                                continue
+                            if ev.get("choices") and ev["choices"][0]["delta"].get("content") and ttft is None:
+                                ttft = time.perf_counter() - t0
+                            if ev.get("usage"):
+                                tokens = ev["usage"]["completion_tokens"]
+                                version = ev["metrics"]["speculative_decoding"]["draft_version"]
+                except Exception as e:  # noqa: BLE001 - counted as a failure
+                    err = f"{type(e).__name__}: {e}"
+                end = time.perf_counter()
+                with lock:
+                    results.append({"start": t0, "end": end, "ttft": ttft, "tokens": tokens, "status": status,
+                                    "error": err, "draft_version": version})
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(n)]
+    t_start = time.perf_counter()
+    for t in threads:
+        t.start()
+    time.sleep(args.seconds)
+    stop.set()
+    for t in threads:
+        t.join(timeout=300)
+    t_end = max([r["end"] for r in results] + [t_start + args.seconds])
+    ok = [r for r in results if r["status"] == 200 and r["error"] is None]
+    lat = [r["end"] - r["start"] for r in ok]
+    ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
+    out = {"clients": n, "requests": len(results), "ok": len(ok),
+           "status_5xx": sum(1 for r in results if r["status"] and r["status"] >= 500),
+           "failed": len(results) - len(ok), "tokens": sum(r["tokens"] for r in ok),
+           "seconds": t_end - t_start, "latency_p50_s": pct(lat, 0.5), "latency_p99_s": pct(lat, 0.99),
+           "ttft_p50_s": pct(ttft, 0.5), "ttft_p99_s": pct(ttft, 0.99),
+           "errors": sorted({r["error"] for r in results if r["error"]})[:5]}
+    out["tokens_per_s"] = out["tokens"] / out["seconds"]
+    print(f"[load] {n} clients: {out['ok']}/{out['requests']} ok, {out['tokens_per_s']:.1f} tok/s, "
+          f"latency p50 {out['latency_p50_s']}, ttft p50 {out['ttft_p50_s']}", flush=True)
+    return out
+
+
+def start_server(port: int) -> subprocess.Popen:
+    import httpx
+
+    proc = subprocess.Popen([str(ROOT / ".venv" / "bin" / "draftsmith"), "serve", "--port", str(port), "--no-bootstrap"],
+                            stdout=open("/tmp/bench_load_serve.log", "wb"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit("draftsmith serve exited; see /tmp/bench_load_serve.log")
+        try:
+            h = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+            if h.status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    proc.terminate()
+    raise SystemExit("the server did not become healthy in 300 s")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", default=None)
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8])
+    p.add_argument("--seconds", type=float, default=60)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--mode", default="mjsd")
+    p.add_argument("--engine-seconds", type=float, default=60)
+    p.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "load")
+    args = p.parse_args()
+    from training.prompts import load_prompts
+
+    prompts = load_prompts("gsm8k", "train", 200)
+    report = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
+    if args.engine_seconds > 0:
+        report["engine"] = engine_baseline(prompts, args)
+    proc = None
+    url = args.url
+    if url is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        print(f"[load] starting draftsmith serve on port {port}", flush=True)
+        proc = start_server(port)
+        url = f"http://127.0.0.1:{port}"
+    try:
+        report["levels"] = [run_level(url, n, prompts, args) for n in args.clients]
+    finally:
+        if proc is not None:
+            import signal
+
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+    eng = report.get("engine", {}).get("tokens_per_s")
+    lines = ["| clients | requests ok/all | 5xx | tokens/s | latency p50 / p99 (s) | TTFT p50 / p99 (s) |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    f = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+    for lv in report["levels"]:
+        lines.append(f"| {lv['clients']} | {lv['ok']}/{lv['requests']} | {lv['status_5xx']} | {lv['tokens_per_s']:.1f} "
+                     f"| {f(lv['latency_p50_s'])} / {f(lv['latency_p99_s'])} | {f(lv['ttft_p50_s'])} / {f(lv['ttft_p99_s'])} |")
+    if eng:
+        one = next((lv for lv in report["levels"] if lv["clients"] == 1), None)
+        if one:
+            report["http_overhead_at_1_client"] = 1 - one["tokens_per_s"] / eng
+            lines.append(f"\nIn-process engine: {eng:.1f} tok/s; HTTP + Ray at 1 client: {one['tokens_per_s']:.1f} tok/s "
+                         f"(overhead {100 * report['http_overhead_at_1_client']:.1f}%)")
+    table = "\n".join(lines)
+    print(table)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_load.json").write_text(json.dumps(report, indent=2))
+    (args.out / "bench_load.md").write_text(table + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+    xs = [lv["clients"] for lv in report["levels"]]
+    ax[0].plot(xs, [lv["tokens_per_s"] for lv in report["levels"]], "o-", label="HTTP (Ray Serve)")
+    if eng:
+        ax[0].axhline(eng, color="gray", ls="--", label="in-process engine, 1 request")
+    ax[0].set_xlabel("concurrent streaming clients")
+    ax[0].set_ylabel("output tokens/s")
+    ax[0].legend()
+    for key, lab in (("latency_p50_s", "latency p50"), ("latency_p99_s", "latency p99"), ("ttft_p50_s", "TTFT p50"),
+                     ("ttft_p99_s", "TTFT p99")):
+        ax[1].plot(xs, [lv[key] or 0 for lv in report["levels"]], "o-", label=lab)
+    ax[1].set_xlabel("concurrent streaming clients")
+    ax[1].set_ylabel("seconds")
+    ax[1].legend()
+    fig.tight_layout()
+    fig.savefig(args.out / "bench_load.png", dpi=110)
+    print(f"wrote {args.out}/bench_load.json, bench_load.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
