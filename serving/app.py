@@ -20,7 +20,7 @@ import time
 from ray import serve
 
 from serving.metrics import HUB_NAME, HUB_NAMESPACE, MetricsHub
-from serving.service import Service, ServiceSettings
+from serving.service import Service, ServiceSettings, settings_from_env
 
 log = logging.getLogger(__name__)
 APP_NAME = "draftsmith"
@@ -110,7 +110,7 @@ def serve_forever(host: str = "127.0.0.1", port: int = 8000, target: str | None 
 
     from deploy.registry import default_tracking_uri
 
-    s = ServiceSettings(target=target, draft=draft, api_key=api_key, **settings)
+    s = settings_from_env(target=target, draft=draft, api_key=api_key, **settings)
     s.tracking_uri = s.tracking_uri or default_tracking_uri()
     if s.buffer and s.redis_url is None and not os.environ.get("REDIS_URL"):
         from buffer.embedded import ensure_embedded
