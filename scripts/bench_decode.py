@@ -31,16 +31,18 @@ def perplexity(model, prompt: list[int], output: list[int]) -> tuple[float, int]
     """Sum of NLL of `output` under `model` given `prompt`, and the token count."""
     if not output:
         return 0.0, 0
-    ids = torch.tensor([prompt + output])
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt + output], device=device)
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt) - 1: -1].float()
-    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(output), reduction="sum")
+    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(output, device=device), reduction="sum")
     return float(nll), len(output)
 
 
 def run_engine_mode(engine, prompts, sampling, spec, label):
     agg = dict(label=label, tokens=0, wall=0.0, draft=0.0, target=0.0, steps=0, draft_tokens=0,
-               accepted=0, nll=0.0, nll_tokens=0, energy=0.0, energy_known=True, outputs=[])
+               accepted=0, nll=0.0, nll_tokens=0, energy=0.0, energy_known=True, outputs=[],
+               accepted_per_position=[0] * (spec.gamma if spec.mode != "target" else 0))
     for i, prompt in enumerate(prompts):
         s = SamplingParams(**{**sampling.__dict__, "seed": 1000 + i})
         t0 = time.perf_counter()
@@ -53,6 +55,7 @@ def run_engine_mode(engine, prompts, sampling, spec, label):
         agg["steps"] += st.steps
         agg["draft_tokens"] += st.draft_tokens
         agg["accepted"] += st.accepted_tokens
+        agg["accepted_per_position"] = [a + b for a, b in zip(agg["accepted_per_position"], st.accepted_per_position)]
         if st.energy_j is None:
             agg["energy_known"] = False
         else:
@@ -79,7 +82,7 @@ def run_hf_assisted(engine, prompts, sampling, gamma, label):
         torch.manual_seed(1000 + i)
         kw = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=sampling.temperature,
                                                        top_k=sampling.top_k or None, top_p=sampling.top_p)
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=next(tm.parameters()).device)
         t0 = time.perf_counter()
         with torch.no_grad():
             out = tm.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=dm,
@@ -92,10 +95,12 @@ def run_hf_assisted(engine, prompts, sampling, gamma, label):
     return agg
 
 
-def summarise(rows, prompts, target_model):
-    base = rows[0]["tokens"] / rows[0]["wall"]
+def summarise(rows, prompts, target_model, base_tokens_per_s: float | None = None):
+    """One table row per run; speed-up against `base_tokens_per_s` (default: the first row's tokens/s)."""
+    base = base_tokens_per_s or rows[0]["tokens"] / rows[0]["wall"]
     table = []
     for r in rows:
+        r["nll"], r["nll_tokens"] = 0.0, 0
         for prompt, out in zip(prompts, r["outputs"]):
             nll, n = perplexity(target_model, prompt, out)
             r["nll"] += nll

@@ -6,11 +6,48 @@ and raise `ValueError` with a message that names the field, so the HTTP layer ca
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
-# Decoding modes the engine understands. "target" is plain target-only decoding (the baseline).
-MODES = ("mjsd", "speculative", "target")
+# Decoding modes the engine understands. "target" is plain target-only decoding (the baseline);
+# "target" and "ngram" need no draft model (DRAFT_FREE_MODES).
+MODES = ("mjsd", "speculative", "target", "typical", "mentored", "spectr", "bild", "ngram", "staged")
+DRAFT_FREE_MODES = ("target", "ngram")
 DEFAULT_MODE = "mjsd"
+
+# Per-mode knobs, carried in SpecParams.extra, with their defaults (sources in serving/decoding/*):
+#   typical   posterior_threshold eps = 0.09, posterior_alpha delta = 0.3 (Medusa's defaults);
+#             accept x iff P(x) > min(eps, delta exp(-H(P)))
+#   mentored  kl_budget D >= 0 nats (inf allowed): KL(target || output) <= D per position; 0 = speculative
+#   spectr    num_drafts k: i.i.d. draft chains verified with K-SEQ (k = 1 is speculative sampling)
+#   bild      fallback_threshold: the draft hands over once its max probability < this (or after gamma
+#             tokens); rollback_threshold: roll back the first token with -log target(x) > this (fork
+#             defaults (0.9, 3) for llama)
+#   ngram     max_ngram >= min_ngram >= 1: prompt-lookup suffix lengths tried, longest first
+#   staged    the same n-gram knobs, for the proposer that feeds the draft model
+MODE_KNOBS: dict[str, dict[str, float | int]] = {
+    "typical": {"posterior_threshold": 0.09, "posterior_alpha": 0.3},
+    "mentored": {"kl_budget": 0.1},
+    "spectr": {"num_drafts": 4},
+    "bild": {"fallback_threshold": 0.9, "rollback_threshold": 3.0},
+    "ngram": {"max_ngram": 3, "min_ngram": 1},
+    "staged": {"max_ngram": 3, "min_ngram": 1},
+}
+MAX_NUM_DRAFTS = 16
+MAX_NGRAM = 16
+
+
+def _non_negative(name: str, value) -> float:
+    """A number >= 0 (inf allowed: 'never' / 'no bound'); ValueError naming the field otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
+        raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+    return float(value)
+
+
+def _int_in(name: str, value, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not (low <= value <= high):
+        raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+    return value
 
 # MJSD paper, Appendix D: top-k 20 then top-p 0.9, gamma 4, 8 beams, tau 0.1.
 DEFAULT_TOP_K = 20
@@ -53,8 +90,11 @@ class SamplingParams:
 class SpecParams:
     """Which decoding rule runs and its parameters.
 
-    gamma: draft tokens proposed per step; beams: MJSD beam-sampling width; tau: MJSD joint-ratio
+    gamma: draft tokens proposed per step (ngram: the longest lookup continuation; bild: the most
+    draft tokens before the target must verify); beams: MJSD beam-sampling width; tau: MJSD joint-ratio
     threshold (accept the longest prefix with min(1, p/q) > tau; tau <= 0 accepts every draft token).
+    extra: the mode's knobs (MODE_KNOBS); missing ones get their defaults, so after construction
+    `extra` holds every knob of the mode and nothing else (an unknown key is a ValueError).
     """
 
     mode: str = DEFAULT_MODE
@@ -73,6 +113,29 @@ class SpecParams:
         if not isinstance(self.tau, (int, float)) or isinstance(self.tau, bool):
             raise ValueError(f"tau must be a number, got {self.tau!r}")
         self.tau = float(self.tau)
+        if not isinstance(self.extra, dict):
+            raise ValueError(f"extra must be a dict of the mode's parameters, got {type(self.extra).__name__}")
+        known = MODE_KNOBS.get(self.mode, {})
+        unknown = sorted(set(self.extra) - set(known))
+        if unknown:
+            raise ValueError(f"unknown parameter(s) {', '.join(map(repr, unknown))} for mode {self.mode!r}; "
+                             f"it takes {', '.join(known) or 'none'}")
+        knobs = {**known, **self.extra}
+        for name in ("posterior_threshold", "posterior_alpha", "kl_budget", "fallback_threshold",
+                     "rollback_threshold"):
+            if name in knobs:
+                knobs[name] = _non_negative(name, knobs[name])
+        if "num_drafts" in knobs:
+            _int_in("num_drafts", knobs["num_drafts"], 1, MAX_NUM_DRAFTS)
+        if "max_ngram" in knobs:
+            _int_in("max_ngram", knobs["max_ngram"], 1, MAX_NGRAM)
+            _int_in("min_ngram", knobs["min_ngram"], 1, knobs["max_ngram"])
+        self.extra = knobs
+
+    @property
+    def needs_draft(self) -> bool:
+        """Whether the mode drafts with the draft model (every mode but DRAFT_FREE_MODES)."""
+        return self.mode not in DRAFT_FREE_MODES
 
     def to_dict(self) -> dict:
         return asdict(self)

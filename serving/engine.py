@@ -9,6 +9,31 @@ Cache invariants (batch 1, one request):
   drafting, the missing tokens are fed in one forward, so a step never re-encodes the whole prefix.
 After a verification the caches are cropped back to the accepted prefix (rollback).
 
+Modes (SpecParams.mode; rules in serving/decoding/, knobs in SpecParams.extra, see config.MODE_KNOBS):
+- target: target-only sampling (the baseline);
+- speculative / mentored / typical: a chain of gamma draft tokens, one target pass, then the rule
+  (lossless / lossy within a KL budget / Medusa's lossy typical acceptance);
+- mjsd: beam-sampled draft, joint-likelihood verification (lossy);
+- bild: the draft runs until its max probability < fallback_threshold (or gamma tokens), then the
+  target verifies with the rollback threshold (lossy). The confidence is the warped draft row (the
+  fork); at temperature 0 that row is one-hot, so there it is the raw softmax (the greedy original);
+- spectr: k i.i.d. draft chains (draft cache repeated to k rows), ONE batched target pass over the
+  distinct chains (target cache repeated to those rows), sequence-level K-SEQ (lossless); the caches
+  then keep the chosen row only;
+- ngram: prompt lookup drafts from the context, no draft model. Its proposal is deterministic, so it
+  is verified by speculative sampling with a one-hot draft distribution: accept x w.p. target(x),
+  else sample target restricted to tokens != x (lossless; at temperature 0 exactly the greedy
+  token-match rule of HF prompt lookup);
+- staged: staged speculation (Spector & Re 2023; paper 003): n-gram lookup proposes for the DRAFT
+  model, which checks the proposal in one forward with the same one-hot speculative rule
+  (`ngram.staged_accept`), so its gamma tokens are exact draft samples produced in fewer sequential
+  draft forwards; the target then verifies them by speculative sampling (lossless).
+
+Randomness: one torch.Generator per request, seeded from SamplingParams.seed, on the target's device
+(CPU or CUDA), so every rule draws where its probability rows live; a seed reproduces a run on the
+same device (CPU and CUDA streams differ). On CUDA `_Runner.feed` synchronises, so the draft/target
+time split in the stats is real time, not kernel-launch time.
+
 Concurrency: per-request state (sequence, caches, generator) lives in the `generate()` generator.
 The engine lock is held for one *step* at a time, so concurrent requests interleave step by step
 (round-robin time slicing) instead of queueing whole requests behind each other.
@@ -28,8 +53,13 @@ import torch
 
 from buffer.records import RecordSink, SequenceRecord, StepRecord
 from serving.config import SamplingParams, SpecParams
+from serving.decoding.bild import bild_should_fallback, bild_verify
+from serving.decoding.mentored import mentored_verify
 from serving.decoding.mjsd import beam_sample_finalize, beam_sample_step, mjsd_verify
+from serving.decoding.ngram import ngram_propose, staged_accept
+from serving.decoding.spectr import spectr_verify
 from serving.decoding.speculative import speculative_verify
+from serving.decoding.typical import typical_verify
 from serving.decoding.types import VerifyResult
 from serving.decoding.warp import sample, warp_logprobs
 from serving.energy import EnergyMeter
@@ -45,10 +75,18 @@ from serving.models import (
 
 log = logging.getLogger(__name__)
 
-# Verification rules with the uniform signature of serving/decoding/types.py, by mode name.
+# Verification rules with the uniform signature of serving/decoding/types.py, by mode name ("spectr"
+# verifies a tree of k chains and has its own path; "target" verifies nothing).
 VERIFY_RULES = {
     "speculative": lambda d, dp, tp, g, spec: speculative_verify(d, dp, tp, g),
+    "staged": lambda d, dp, tp, g, spec: speculative_verify(d, dp, tp, g),
+    "ngram": lambda d, dp, tp, g, spec: speculative_verify(d, dp, tp, g),   # dp is one-hot
     "mjsd": lambda d, dp, tp, g, spec: mjsd_verify(d, dp, tp, g, tau=spec.tau),
+    "typical": lambda d, dp, tp, g, spec: typical_verify(
+        d, dp, tp, g, posterior_threshold=spec.extra["posterior_threshold"],
+        posterior_alpha=spec.extra["posterior_alpha"]),
+    "mentored": lambda d, dp, tp, g, spec: mentored_verify(d, dp, tp, g, kl_budget=spec.extra["kl_budget"]),
+    "bild": lambda d, dp, tp, g, spec: bild_verify(d, dp, tp, g, rollback_threshold=spec.extra["rollback_threshold"]),
 }
 
 
@@ -115,6 +153,7 @@ class _Runner:
         self.vocab_size = vocab_size
         self.cache = None
         self.length = 0
+        self.batch = 1
         self.device = next(self.model.parameters()).device
 
     def feed(self, tokens: list[int] | torch.Tensor, keep: int) -> torch.Tensor:
@@ -133,6 +172,8 @@ class _Runner:
         self.cache = out.past_key_values
         self.length += ids.shape[1]
         logits = out.logits[:, -keep:].float()
+        if self.device.type == "cuda":   # kernels run asynchronously: finish them so the caller's timer is honest
+            torch.cuda.synchronize(self.device)
         out_ids = self.loaded.output_token_ids
         if out_ids is not None:  # reduced output layer: scatter back, other tokens impossible
             full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
@@ -151,13 +192,31 @@ class _Runner:
         """A copy whose cache is repeated `batch` times (for beam sampling); self is unchanged."""
         other = copy.copy(self)
         other.cache = copy.deepcopy(self.cache)
-        if other.cache is not None and batch > 1:
-            other.cache.batch_repeat_interleave(batch)
+        other.repeat(batch)
         return other
 
+    def repeat(self, batch: int) -> None:
+        """In place: a batch-1 cache becomes `batch` identical rows (no copy of self is kept)."""
+        if self.batch != 1:
+            raise RuntimeError(f"repeat needs a batch-1 cache, this one has {self.batch} rows")
+        if self.cache is not None and batch > 1:
+            self.cache.batch_repeat_interleave(batch)
+        self.batch = batch
+
     def select(self, rows: torch.Tensor) -> None:
+        """Keep the cache rows `rows` ([n] long), in that order."""
         if self.cache is not None:
             self.cache.batch_select_indices(rows.to(self.device))
+        self.batch = len(rows)
+
+
+def _bild_stop(threshold: float, sampling: SamplingParams):
+    """BiLD's fallback test on the draft's confidence max_v q(v): on the warped q, as the fork's sampling
+    BiLD; at temperature 0 the warped q is one-hot (max 1, never unsure), so there it is the raw softmax,
+    as in the greedy original."""
+    if sampling.temperature == 0:
+        return lambda probs, logits: bild_should_fallback(torch.softmax(logits, dim=-1), threshold)
+    return lambda probs, logits: bild_should_fallback(probs, threshold)
 
 
 def _top_k_record(logits: torch.Tensor, k: int) -> tuple:
@@ -192,6 +251,7 @@ class Engine:
         cfg_max = getattr(target.model.config, "max_position_embeddings", 2048) or 2048
         self.max_context = min(max_context or cfg_max, cfg_max)
         self.eos_token_ids = self._eos_ids()
+        self._rng_device = next(target.model.parameters()).device
         self._lock = threading.Lock()
         self._energy = EnergyMeter(device)
         self._broken: str | None = None
@@ -286,14 +346,14 @@ class Engine:
         if any(t < 0 or t >= self.vocab_size for t in prompt):
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
         mode = spec.mode
-        if mode != "target" and self.draft is None:
-            raise ValueError(f"mode {mode!r} needs a draft model and none is loaded; use mode 'target'")
+        if spec.needs_draft and self.draft is None:
+            raise ValueError(f"mode {mode!r} needs a draft model and none is loaded; use mode 'target' or 'ngram'")
         request_id = request_id or uuid.uuid4().hex
-        gen = torch.Generator(device="cpu")
+        gen = torch.Generator(device=self._rng_device)   # on the model's device: rules sample where the rows are
         gen.manual_seed(sampling.seed if sampling.seed is not None else int.from_bytes(uuid.uuid4().bytes[:6], "little"))
         stop_ids = self.eos_token_ids | set(sampling.stop_token_ids)
         gamma = spec.gamma if mode != "target" else 0
-        stats = GenerationStats(mode=mode, draft_version=self.draft_version if mode != "target" else "none",
+        stats = GenerationStats(mode=mode, draft_version=self.draft_version if spec.needs_draft else "none",
                                 gamma=gamma, accepted_per_position=[0] * gamma)
         state = _RequestState(self, prompt)
         sink = self.sink if log_mode != "none" else None
@@ -393,47 +453,69 @@ class _RequestState:
         self.seq.append(tok)
         return [tok]
 
-    # -- speculative / MJSD ----------------------------------------------------------
+    # -- every drafted mode --------------------------------------------------------------
     def spec_step(self, sampling: SamplingParams, spec: SpecParams, gen: torch.Generator,
                   stats: GenerationStats, request_id: str, sink: RecordSink | None) -> list[int]:
-        self._sync_draft()
+        """One propose -> verify -> accept step; returns the emitted tokens (accepted + 1)."""
+        mode = spec.mode
+        if spec.needs_draft:
+            self._sync_draft()
         warp = lambda lg: warp_logprobs(lg, sampling.temperature, sampling.top_k, sampling.top_p)
         start = len(self.seq)
-        if spec.mode == "mjsd":
-            draft_tokens, draft_probs = self._propose_beams(spec, warp, gen, stats)
+        if mode == "spectr":
+            draft_tokens, target_logits, res = self._spectr_step(spec, warp, gen, stats)
         else:
-            draft_tokens, draft_probs = self._propose_chain(spec.gamma, warp, gen, stats)
-        target_logits = self._target_verify(draft_tokens, stats)           # [gamma + 1, vocab]
-        target_probs = warp(target_logits).exp()
-        rule = VERIFY_RULES[spec.mode]
-        res: VerifyResult = rule(torch.tensor(draft_tokens), draft_probs, target_probs, gen, spec)
+            if mode == "mjsd":
+                draft_tokens, draft_probs = self._propose_beams(spec, warp, gen, stats)
+            elif mode == "ngram":
+                draft_tokens, draft_probs = self._propose_ngram(spec)
+            elif mode == "staged":
+                draft_tokens, draft_probs = self._propose_staged(spec, warp, gen, stats)
+            elif mode == "bild":
+                draft_tokens, draft_probs = self._propose_chain(
+                    spec.gamma, warp, gen, stats, stop=_bild_stop(spec.extra["fallback_threshold"], sampling))
+            else:
+                draft_tokens, draft_probs = self._propose_chain(spec.gamma, warp, gen, stats)
+            target_logits = self._target_verify(draft_tokens, stats)           # [g + 1, vocab]
+            target_probs = warp(target_logits).exp()
+            res = VERIFY_RULES[mode](torch.tensor(draft_tokens, dtype=torch.long), draft_probs, target_probs, gen, spec)
         n = res.num_accepted
         emitted = draft_tokens[:n] + [int(res.next_token)]
         self.seq.extend(emitted)
         # rollback: target keeps seq[:-1]; draft keeps at most that
         self.target.truncate(len(self.seq) - 1)
-        self.draft.truncate(min(self.draft.length, len(self.seq) - 1))
+        if self.draft is not None:
+            self.draft.truncate(min(self.draft.length, len(self.seq) - 1))
         stats.steps += 1
         stats.draft_tokens += len(draft_tokens)
         stats.accepted_tokens += n
         for i in range(n):
             stats.accepted_per_position[i] += 1
-        if sink is not None:
+        if sink is not None and draft_tokens:
             try:
                 ids, lps = _top_k_record(target_logits, self.engine.record_top_k)
                 sink.push_step(StepRecord(
                     request_id=request_id, position=start, draft_tokens=draft_tokens, num_accepted=n,
-                    target_topk_ids=ids, target_topk_logprobs=lps, algorithm=spec.mode,
-                    draft_version=self.engine.draft_version, temperature=sampling.temperature,
-                    top_k=sampling.top_k, top_p=sampling.top_p, timestamp=time.time(),
-                    next_token=int(res.next_token)))
+                    target_topk_ids=ids, target_topk_logprobs=lps, algorithm=mode,
+                    draft_version=self.engine.draft_version if spec.needs_draft else "none",
+                    temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                    timestamp=time.time(), next_token=int(res.next_token)))
                 self.recorded_steps += 1
             except Exception as exc:
                 log.warning("replay buffer push failed: %s", exc)
         return emitted
 
-    def _propose_chain(self, gamma: int, warp, gen, stats) -> tuple[list[int], torch.Tensor]:
-        """Autoregressive draft: gamma tokens, each sampled from the warped draft distribution."""
+    def _draft_feed(self, tokens, keep: int, stats: GenerationStats) -> torch.Tensor:
+        t0 = time.perf_counter()
+        logits = self.draft.feed(tokens, keep=keep)
+        stats.draft_time_s += time.perf_counter() - t0
+        return logits
+
+    def _propose_chain(self, gamma: int, warp, gen, stats, stop=None) -> tuple[list[int], torch.Tensor]:
+        """Autoregressive draft: up to gamma tokens, each sampled from the warped draft distribution;
+        `stop(probs [vocab], logits [vocab]) -> bool`, checked after each token, ends the chain early
+        (BiLD's fallback; the token that triggered it is kept). Returns tokens [g] and their
+        distributions [g, vocab]."""
         logits = self._draft_catch_up(stats)
         tokens, probs = [], []
         for i in range(gamma):
@@ -441,11 +523,81 @@ class _RequestState:
             tok = int(sample(p, gen))
             tokens.append(tok)
             probs.append(p)
-            if i + 1 < gamma:
-                t0 = time.perf_counter()
-                logits = self.draft.feed([tok], keep=1)[-1]
-                stats.draft_time_s += time.perf_counter() - t0
+            if i + 1 == gamma or (stop is not None and stop(p, logits)):
+                break
+            logits = self._draft_feed([tok], 1, stats)[-1]
         return tokens, torch.stack(probs)
+
+    def _propose_ngram(self, spec: SpecParams) -> tuple[list[int], torch.Tensor]:
+        """Prompt lookup over seq: up to gamma tokens (cut after a stop token), one-hot 'draft' rows."""
+        tokens = ngram_propose(self.seq, spec.extra["max_ngram"], spec.gamma, spec.extra["min_ngram"])
+        for i, tok in enumerate(tokens):
+            if tok in self.engine.eos_token_ids:
+                tokens = tokens[: i + 1]
+                break
+        onehot = torch.zeros(len(tokens), self.engine.vocab_size, device=self.target.device)
+        onehot[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)] = 1.0
+        return tokens, onehot
+
+    def _propose_staged(self, spec: SpecParams, warp, gen, stats) -> tuple[list[int], torch.Tensor]:
+        """Staged speculation: gamma exact draft samples, in fewer sequential draft forwards.
+
+        Each inner step looks up an n-gram continuation of seq + drafted tokens (at most the room
+        left minus one), feeds [unfed tokens, proposal] to the draft in ONE forward, and
+        `staged_accept` keeps n proposal tokens plus one draft-sampled token; the draft cache is
+        cropped back to the kept tokens. As in the chain, the last drafted token is left unfed.
+        """
+        gamma, max_ngram, min_ngram = spec.gamma, spec.extra["max_ngram"], spec.extra["min_ngram"]
+        pending = self.seq[self.draft.length:]                               # >= 1 token (cache <= seq[:-1])
+        tokens: list[int] = []
+        probs: list[torch.Tensor] = []
+        while len(tokens) < gamma:
+            room = gamma - len(tokens) - 1
+            proposal = ngram_propose(self.seq + tokens, max_ngram, room, min_ngram) if room else []
+            rows = warp(self._draft_feed(pending + proposal, len(proposal) + 1, stats)).exp()   # [m + 1, vocab]
+            n, nxt = staged_accept(proposal, rows, gen)
+            self.draft.truncate(self.draft.length - (len(proposal) - n))
+            tokens += proposal[:n] + [nxt]
+            probs.append(rows[: n + 1])
+            pending = [nxt]
+        return tokens, torch.cat(probs)
+
+    def _spectr_step(self, spec: SpecParams, warp, gen, stats) -> tuple[list[int], torch.Tensor, VerifyResult]:
+        """SpecTr: k i.i.d. draft chains, one batched target pass, K-SEQ over the tree.
+
+        The draft and target caches are repeated to k (resp. #distinct chains) rows in place; after
+        verification both keep only the row of the chosen chain. Returns that chain's tokens, its
+        target logits [gamma + 1, vocab] (for the record) and the rule's result.
+        """
+        k, gamma = spec.extra["num_drafts"], spec.gamma
+        logits = self._draft_catch_up(stats)                                  # [vocab]
+        probs = warp(logits).exp().expand(k, -1)                              # [k, vocab]
+        tokens_hist, probs_hist = [], []
+        for i in range(gamma):
+            tok = sample(probs, gen)                                          # [k]
+            tokens_hist.append(tok)
+            probs_hist.append(probs)
+            if i + 1 == gamma:
+                break
+            if i == 0:
+                self.draft.repeat(k)
+            probs = warp(self._draft_feed(tok[:, None], 1, stats)[:, -1]).exp()   # [k, vocab]
+        chains = torch.stack(tokens_hist, dim=1)                              # [k, gamma]
+        draft_probs = torch.stack(probs_hist, dim=1)                          # [k, gamma, vocab]
+        # Identical chains need one target row: verify the distinct ones, index back.
+        distinct, inverse = torch.unique(chains, dim=0, return_inverse=True)  # [u, gamma], [k]
+        t0 = time.perf_counter()
+        missing = torch.tensor(self.seq[self.target.length:], dtype=torch.long, device=distinct.device)
+        self.target.repeat(len(distinct))
+        feed = torch.cat([missing.expand(len(distinct), -1), distinct], dim=1)
+        target_logits = self.target.feed(feed, keep=gamma + 1)                # [u, gamma + 1, vocab]
+        stats.target_time_s += time.perf_counter() - t0
+        target_probs = warp(target_logits).exp()[inverse]                     # [k, gamma + 1, vocab]
+        row, res = spectr_verify(chains, draft_probs, target_probs, gen)
+        self.target.select(inverse[row: row + 1])
+        if self.draft.batch > 1:
+            self.draft.select(torch.tensor([row]))
+        return chains[row].tolist(), target_logits[int(inverse[row])], res
 
     def _propose_beams(self, spec: SpecParams, warp, gen, stats) -> tuple[list[int], torch.Tensor]:
         """MJSD draft: beam *sampling* of gamma tokens; returns the top beam and the warped draft
@@ -454,7 +606,7 @@ class _RequestState:
         logits = self._draft_catch_up(stats)                               # [vocab]
         t0 = time.perf_counter()
         step_logprobs = warp(logits)[None]                                 # [1, vocab]
-        beam_logq = torch.zeros(1)
+        beam_logq = torch.zeros(1, device=logits.device)
         parents_hist, tokens_hist, probs_hist = [], [], []
         runner = None
         for i in range(spec.gamma):
