@@ -1,0 +1,363 @@
+"""Replay-buffer records -> packed, teacher-forced training units for the draft.
+
+A StepRecord at `position` P with draft tokens d[0..gamma-1] holds the target's raw top-k at gamma+1
+verified positions: row i (0..gamma) is the target's next-token distribution after the context
+`sequence[:P] + d[:i]` (row gamma is the bonus position). The draft, teacher-forced on the same
+input, must produce at input index P-1+i a distribution compared with row i.
+
+**Which rows.** Default `rows="all"`: all gamma+1 rows, as DistillSpec and OSD use the whole
+proposed block. Rows after the first rejected draft token are still exact targets: the target
+scored them conditioned on the draft's own prefix, which is precisely the on-policy state the draft
+will be in again. `rows="accepted"` keeps rows 0..num_accepted (the contexts that made it into the
+output).
+
+**Packing (one forward per request chunk, not per step).** Rows 0..m of a step, where m = how many
+leading draft tokens equal the sequence's tokens at P.. (m = num_accepted unless the output was cut),
+have contexts that are prefixes of the final sequence: their hidden states are those of ONE causal
+pass over the sequence, at indices P-1+i. Only the rejected suffix d[m..] needs its own tokens: it is
+appended after the sequence as a *branch* that attends to `sequence[:P+m]` and to its own earlier
+tokens, with position ids P+m, P+m+1, ... (tree attention through a custom 4D mask). A request with S
+steps thus costs ~len(sequence) + (rejected tokens) instead of S full contexts.
+
+**Left truncation.** A unit holds at most `max_len` tokens (sequence chunk + branches). A request
+that does not fit is split into chunks; a new chunk starts `max_len // 2` tokens before its first
+step's position, so every step keeps at least min(P, max_len // 2) tokens of left context (the tokens
+before the chunk start are dropped). Position ids restart at 0 in each chunk
+(rotary attention only sees relative positions).
+
+**Held-out split.** `is_heldout(request_id, fraction)`: the first 8 bytes of sha256(request_id)
+as a number in [0, 1) below `fraction`. It depends on nothing else, so every job trains on the same
+complement and the gate's before/after figures of different jobs are comparable.
+
+**Reading.** `read_training_window` consumes the steps stream through a consumer group (default
+"distill"); `heldout_window` (evaluation) and `replay_window` (older training records replayed next
+to the new ones) are read-only newest-first windows (XREVRANGE; nothing consumed). Delivery is
+at-least-once; entries are deduplicated by stream id within a job.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from buffer.codec import DecodeError, decode_step
+from buffer.records import SequenceRecord, StepRecord
+from buffer.redis_store import FIELD, BufferEntry, ReplayBufferReader
+
+log = logging.getLogger(__name__)
+
+ROW_MODES = ("all", "accepted")
+
+
+# ----------------------------------------------------------------------------- split and ids
+def is_heldout(request_id: str, fraction: float) -> bool:
+    """True iff sha256(request_id)[:8] / 2**64 < fraction (deterministic, the same in every job)."""
+    if not (0.0 <= fraction < 1.0):
+        raise ValueError(f"heldout_fraction must be in [0, 1), got {fraction!r}")
+    h = int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "big")
+    return h / 2.0 ** 64 < fraction
+
+
+def stream_id_key(stream_id: str) -> tuple[int, int]:
+    """'<ms>-<seq>' -> (ms, seq), for ordering Redis stream ids; ValueError on anything else."""
+    try:
+        ms, _, seq = str(stream_id).partition("-")
+        return int(ms), int(seq or 0)
+    except ValueError:
+        raise ValueError(f"not a Redis stream id: {stream_id!r} (expected '<ms>-<seq>')") from None
+
+
+# ----------------------------------------------------------------------------- units
+@dataclass
+class Unit:
+    """One packed forward pass: a chunk of one request's sequence followed by branches.
+
+    Token t of the packed input is either a sequence token (t < seq_len; causal) or a branch token
+    (branch[t] >= 0) that sees the first `visible_seq[t]` sequence tokens and its own branch up to t.
+    Row r is scored at packed index `row_index[r]` against the target's top-k `target_ids[r]` /
+    `target_logprobs[r]`; it is row `row_offset[r]` (0..gamma) of step `row_step[r]` (index into
+    `stream_ids`).
+    """
+
+    request_id: str
+    source: str
+    stream_ids: list[str]
+    seq_start: int                 # sequence index of packed token 0 (left truncation)
+    input_ids: np.ndarray          # [L] int64
+    position_ids: np.ndarray       # [L] int64
+    seq_len: int                   # tokens [0, seq_len) are the sequence chunk
+    visible_seq: np.ndarray        # [L] int64: sequence tokens token t may attend to
+    branch: np.ndarray             # [L] int64: branch id of token t, -1 for sequence tokens
+    row_index: np.ndarray          # [R] int64
+    row_step: np.ndarray           # [R] int64
+    row_offset: np.ndarray         # [R] int64
+    target_ids: np.ndarray         # [R, k] int64 (full-vocabulary ids)
+    target_logprobs: np.ndarray    # [R, k] float32 (raw, temperature 1)
+    temperature: np.ndarray        # [R] float32: the record's warp, for offline acceptance
+    top_k: np.ndarray              # [R] int64
+    top_p: np.ndarray              # [R] float32
+    step_gamma: list[int] = field(default_factory=list)   # per step
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.row_index.shape[0])
+
+    def attention_mask(self) -> np.ndarray:
+        """[L, L] bool, True = query t may attend to key u."""
+        L = self.num_tokens
+        u = np.arange(L)
+        seq_part = (u[None, :] < self.seq_len) & (u[None, :] < self.visible_seq[:, None])
+        same_branch = (self.branch[None, :] == self.branch[:, None]) & (self.branch[:, None] >= 0)
+        return seq_part | (same_branch & (u[None, :] <= u[:, None]))
+
+
+@dataclass
+class _Planned:
+    entry: BufferEntry
+    m: int                         # leading draft tokens found in the sequence
+    rows: int                      # rows 0..rows-1 are scored
+    end: int                       # sequence tokens needed: [0, end)
+
+    @property
+    def branch_len(self) -> int:
+        return max(0, self.rows - 1 - self.m)
+
+
+def _plan(entry: BufferEntry, seq: np.ndarray, rows_mode: str) -> _Planned | str:
+    """How a step maps onto its sequence, or a reason string to skip it."""
+    st: StepRecord = entry.record
+    p, d, n = int(st.position), st.draft_tokens.astype(np.int64), int(st.num_accepted)
+    if p < 1 or p > len(seq):
+        return "position outside its sequence"
+    avail = seq[p: p + len(d)]
+    match = np.flatnonzero(avail != d[: len(avail)])
+    m = int(match[0]) if match.size else int(len(avail))
+    rows = len(d) + 1 if rows_mode == "all" else n + 1
+    return _Planned(entry, m, rows, p + min(m, rows - 1))
+
+
+def _unit(request_id: str, source: str, seq: np.ndarray, lo: int, plans: list[_Planned]) -> Unit:
+    hi = max(pl.end for pl in plans)
+    tokens = list(seq[lo:hi])
+    positions = list(range(hi - lo))
+    visible = list(range(1, hi - lo + 1))
+    branch = [-1] * (hi - lo)
+    r_idx, r_step, r_off, t_ids, t_lps, temp, tk, tp = [], [], [], [], [], [], [], []
+    for s, pl in enumerate(plans):
+        st: StepRecord = pl.entry.record
+        p = int(st.position)
+        for i in range(min(pl.m, pl.rows - 1) + 1):          # rows inside the sequence
+            r_idx.append(p - 1 + i - lo)
+        if pl.branch_len:
+            start = len(tokens)
+            for j in range(pl.branch_len):
+                tokens.append(int(st.draft_tokens[pl.m + j]))
+                positions.append(p + pl.m + j - lo)
+                visible.append(p + pl.m - lo)
+                branch.append(s)
+            r_idx.extend(range(start, start + pl.branch_len))
+        r_step.extend([s] * pl.rows)
+        r_off.extend(range(pl.rows))
+        t_ids.append(st.target_topk_ids[: pl.rows].astype(np.int64))
+        t_lps.append(st.target_topk_logprobs[: pl.rows].astype(np.float32))
+        temp.extend([st.temperature] * pl.rows)
+        tk.extend([st.top_k] * pl.rows)
+        tp.extend([st.top_p] * pl.rows)
+    return Unit(
+        request_id=request_id, source=source, stream_ids=[pl.entry.stream_id for pl in plans], seq_start=lo,
+        input_ids=np.asarray(tokens, dtype=np.int64), position_ids=np.asarray(positions, dtype=np.int64),
+        seq_len=hi - lo, visible_seq=np.asarray(visible, dtype=np.int64), branch=np.asarray(branch, dtype=np.int64),
+        row_index=np.asarray(r_idx, dtype=np.int64), row_step=np.asarray(r_step, dtype=np.int64),
+        row_offset=np.asarray(r_off, dtype=np.int64), target_ids=np.concatenate(t_ids),
+        target_logprobs=np.concatenate(t_lps), temperature=np.asarray(temp, dtype=np.float32),
+        top_k=np.asarray(tk, dtype=np.int64), top_p=np.asarray(tp, dtype=np.float32),
+        step_gamma=[len(pl.entry.record.draft_tokens) for pl in plans])
+
+
+def build_units(entries: list[BufferEntry], sequences: dict[str, SequenceRecord], *, max_len: int = 1024,
+                rows: str = "all") -> tuple[list[Unit], dict[str, int]]:
+    """Pack step entries (with their requests' SequenceRecords) into Units; returns (units, skipped
+    counts by reason). Duplicate stream ids are used once."""
+    if rows not in ROW_MODES:
+        raise ValueError(f"rows must be one of {', '.join(ROW_MODES)}, got {rows!r}")
+    if not isinstance(max_len, int) or max_len < 16:
+        raise ValueError(f"max_len must be an integer >= 16, got {max_len!r}")
+    skipped: dict[str, int] = {}
+    by_req: dict[str, list[BufferEntry]] = {}
+    seen: set[str] = set()
+    for e in entries:
+        if e.stream_id in seen:
+            skipped["duplicate"] = skipped.get("duplicate", 0) + 1
+            continue
+        seen.add(e.stream_id)
+        by_req.setdefault(e.record.request_id, []).append(e)
+    units: list[Unit] = []
+    for rid, group in by_req.items():
+        seq_rec = sequences.get(rid)
+        if seq_rec is None:
+            skipped["no sequence"] = skipped.get("no sequence", 0) + len(group)
+            continue
+        seq = seq_rec.token_ids.astype(np.int64)
+        plans: list[_Planned] = []
+        for e in sorted(group, key=lambda e: e.record.position):
+            pl = _plan(e, seq, rows)
+            if isinstance(pl, str):
+                skipped[pl] = skipped.get(pl, 0) + 1
+            elif len(e.record.draft_tokens) + 2 > max_len // 2:   # rows 0..gamma must fit a fresh chunk
+                skipped["block longer than max_len"] = skipped.get("block longer than max_len", 0) + 1
+            else:
+                plans.append(pl)
+        chunk: list[_Planned] = []
+        lo = 0
+        for pl in plans:
+            size = (max([pl.end] + [c.end for c in chunk]) - lo) + sum(c.branch_len for c in chunk) + pl.branch_len
+            if chunk and size <= max_len:
+                chunk.append(pl)
+                continue
+            if chunk:
+                units.append(_unit(rid, seq_rec.source, seq, lo, chunk))
+            lo = max(0, int(pl.entry.record.position) - max_len // 2) if pl.end + pl.branch_len > max_len else 0
+            chunk = [pl]
+        if chunk:
+            units.append(_unit(rid, seq_rec.source, seq, lo, chunk))
+    return units, skipped
+
+
+# ----------------------------------------------------------------------------- reading
+@dataclass
+class TrainingWindow:
+    """What a job read from the consumer group. `entries` are usable training steps (delivered to
+    this reader, not acked yet); `sequences` their requests' records; `skipped` counts by reason."""
+
+    entries: list[BufferEntry]
+    sequences: dict[str, SequenceRecord]
+    skipped: dict[str, int]
+    left_pending: list[str]        # released without ack (request still in flight): a later job retries
+
+    def summary(self, stream: str) -> dict:
+        """The candidate's data_window (first_id/last_id = oldest/newest stream id used)."""
+        ids = sorted((e.stream_id for e in self.entries), key=stream_id_key)
+        sources: dict[str, int] = {}
+        for e in self.entries:
+            src = self.sequences[e.record.request_id].source or "unlabelled"
+            sources[src] = sources.get(src, 0) + 1
+        return {"stream": stream, "first_id": ids[0] if ids else None, "last_id": ids[-1] if ids else None,
+                "steps": len(self.entries), "requests": len({e.record.request_id for e in self.entries}),
+                "sources": dict(sorted(sources.items())), "skipped": dict(self.skipped),
+                "left_pending": len(self.left_pending)}
+
+
+def read_training_window(reader: ReplayBufferReader, *, max_records: int, heldout_fraction: float,
+                         read_batch: int = 512) -> TrainingWindow:
+    """Consume up to `max_records` usable training steps from the reader's group (oldest first).
+
+    Where the group starts is the reader's `start_id` (the job passes the scheduler's cursor); once
+    the group exists, its own delivery state (new entries + re-claimed pending ones) decides.
+    Acked at once (never trained on): steps of held-out requests. Released without
+    ack (left pending for a later job): steps whose request has no SequenceRecord yet (still in
+    flight). The usable entries stay pending until the caller acks them after the training step
+    that used them (at-least-once).
+    """
+    if not isinstance(max_records, int) or max_records < 1:
+        raise ValueError(f"max_records must be an integer >= 1, got {max_records!r}")
+    usable: list[BufferEntry] = []
+    sequences: dict[str, SequenceRecord] = {}
+    skipped: dict[str, int] = {}
+    pending_release: list[str] = []
+    seen: set[str] = set()
+    while len(usable) < max_records:
+        batch = reader.read(count=min(read_batch, max_records - len(usable)), block_ms=0)
+        fresh = [e for e in batch if e.stream_id not in seen]
+        if not fresh:
+            break
+        seen.update(e.stream_id for e in fresh)
+        to_ack: list[str] = []
+        candidates: list[BufferEntry] = []
+        for e in fresh:
+            if is_heldout(e.record.request_id, heldout_fraction):
+                skipped["held out"] = skipped.get("held out", 0) + 1
+                to_ack.append(e.stream_id)
+            else:
+                candidates.append(e)
+        need = {e.record.request_id for e in candidates} - sequences.keys()
+        sequences.update(reader.get_sequences(need))
+        for e in candidates:
+            if e.record.request_id in sequences:
+                usable.append(e)
+            else:
+                skipped["request in flight"] = skipped.get("request in flight", 0) + 1
+                pending_release.append(e.stream_id)
+        reader.ack(to_ack)
+    reader.release(pending_release)
+    used = {e.record.request_id for e in usable}
+    return TrainingWindow(usable, {r: s for r, s in sequences.items() if r in used}, skipped, pending_release)
+
+
+def heldout_window(reader: ReplayBufferReader, n: int, *, heldout_fraction: float, source: str | None = None,
+                   max_scan: int | None = None) -> tuple[list[BufferEntry], dict[str, SequenceRecord]]:
+    """The newest `n` held-out steps (newest first), optionally of one traffic `source`, with their
+    SequenceRecords. Read-only (XREVRANGE); steps without a stored sequence are left out. Scans at most
+    `max_scan` entries (default 50 * n / max(heldout_fraction, 0.01))."""
+    return newest_steps(reader, n, heldout=True, heldout_fraction=heldout_fraction, source=source,
+                        max_scan=max_scan or int(50 * n / max(heldout_fraction, 0.01)))
+
+
+def replay_window(reader: ReplayBufferReader, n: int, *, before_id: str, heldout_fraction: float,
+                  max_scan: int | None = None) -> tuple[list[BufferEntry], dict[str, SequenceRecord]]:
+    """The newest `n` training (not held-out) steps strictly older than `before_id`, read-only: older
+    traffic replayed next to a job's new records so that adapting to new traffic does not erase what
+    the draft does on the old (continual-learning replay)."""
+    return newest_steps(reader, n, heldout=False, heldout_fraction=heldout_fraction, before_id=before_id,
+                        max_scan=max_scan or 20 * n)
+
+
+def newest_steps(reader: ReplayBufferReader, n: int, *, heldout: bool, heldout_fraction: float,
+                 before_id: str | None = None, source: str | None = None,
+                 max_scan: int = 100_000) -> tuple[list[BufferEntry], dict[str, SequenceRecord]]:
+    """The newest `n` steps (newest first) whose request is (`heldout=True`) or is not held out, older
+    than `before_id` if given, of `source` if given, with their SequenceRecords; steps without a
+    stored sequence are left out. Read-only XREVRANGE pages, at most `max_scan` entries scanned."""
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be an integer >= 1, got {n!r}")
+    if before_id is not None:
+        stream_id_key(before_id)
+    key = reader.config.steps_key
+    out: list[BufferEntry] = []
+    sequences: dict[str, SequenceRecord] = {}
+    missing: set[str] = set()
+    hi, scanned = ("(" + before_id) if before_id else "+", 0
+    while len(out) < n and scanned < max_scan:
+        page = reader.client.xrevrange(key, max=hi, min="-", count=min(1000, max_scan - scanned))
+        if not page:
+            break
+        scanned += len(page)
+        hi = "(" + _s(page[-1][0])
+        batch = []
+        for sid, fields in page:
+            try:
+                rec = decode_step((fields or {}).get(FIELD))
+            except DecodeError as exc:
+                log.warning("skipping an undecodable step %s: %s", _s(sid), exc)
+                continue
+            if is_heldout(rec.request_id, heldout_fraction) == heldout:
+                batch.append(BufferEntry(_s(sid), rec))
+        need = {e.record.request_id for e in batch} - sequences.keys() - missing
+        found = reader.get_sequences(need)
+        sequences.update(found)
+        missing |= need - found.keys()
+        for e in batch:
+            seq = sequences.get(e.record.request_id)
+            if seq is not None and (source is None or seq.source == source) and len(out) < n:
+                out.append(e)
+    used = {e.record.request_id for e in out}
+    return out, {r: s for r, s in sequences.items() if r in used}
+
+
+def _s(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -1,0 +1,356 @@
+"""LoRA distillation of a draft on packed replay-buffer units, and offline acceptance.
+
+**Model.** The draft folder is loaded in fp32 with SDPA attention; peft LoRA adapters (rank r,
+alpha = 2r by default, no dropout) go on q/k/v/o/gate/up/down projections; embeddings, norms and the
+output layer stay frozen. The output layer is applied only to the scored rows and only over the
+draft's output vocabulary, exactly as serving computes it (Engine._load_draft / _Runner.feed): the
+rows of `draftsmith.json` `output_token_ids`, or the first len(tokenizer) rows when there is none.
+A target top-k id outside that vocabulary maps to column -1 (losses put it in the tail cell;
+acceptance gives the draft probability 0 there).
+
+**Training.** Units (training/data.py) are grouped into batches of about `batch_tokens` padded tokens
+(similar lengths together), right-padded, each with its own tree-attention mask; AdamW on the LoRA
+parameters, linear warm-up then linear decay to 10% of `lr`, gradient-norm clipping; one optimizer
+step per batch. Throughput counts real (unpadded) packed tokens per second of training time.
+
+**Offline acceptance** on held-out units, per draft position (rows 0..gamma-1; the bonus row is
+trained on but not scored): alpha = sum_x min(p(x), q(x)), with
+  p = the target's stored top-k log-probs renormalised over the top-k and warped with the record's
+      temperature / top_k / top_p (exact for the serving default top_k <= k = 20, since then the
+      warped target lives inside its top-k; with top_k = 0 or > k the tail is ignored), and
+  q = the draft's distribution over its output vocabulary under the same warp.
+Temperature 0 makes both one-hot, so alpha = 1[argmax q == argmax p] (greedy acceptance).
+Expected accepted length at gamma = 4, per step, from its own positions:
+  E[L] = sum_{i=1..G} prod_{j=1..i} alpha_j,  G = min(4, step gamma),
+i.e. the mean number of accepted draft tokens if position j is accepted with probability alpha_j
+given the earlier ones (the recorded draft prefix is the context of each position, which is the
+context speculative sampling reaches when it accepts that prefix). Reported: the mean of alpha over
+positions and the mean of E[L] over steps.
+"""
+from __future__ import annotations
+
+import logging
+import resource
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+import torch
+
+from serving.decoding.warp import warp_logprobs
+from serving.models import load_tokenizer, read_output_token_ids
+from training.data import Unit
+from training.losses import LOSSES, get_loss
+
+log = logging.getLogger(__name__)
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+EAL_GAMMA = 4
+
+
+@dataclass
+class TrainConfig:
+    """Distillation hyper-parameters (validated). steps: optimizer steps (None: `epochs` passes)."""
+
+    loss: str = "jsd"
+    beta: float = 0.5
+    lr: float = 1e-3
+    steps: int | None = None
+    epochs: int = 1
+    lora_r: int = 16
+    lora_alpha: float | None = None        # None: 2 * lora_r
+    batch_tokens: int = 4096
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    seed: int = 0
+    log_every: int = 10
+
+    def __post_init__(self) -> None:
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
+        get_loss(self.loss, self.beta)     # validates beta for jsd
+        if not (isinstance(self.lr, (int, float)) and 0 < self.lr < 1):
+            raise ValueError(f"lr must be in (0, 1), got {self.lr!r}")
+        for name in ("lora_r", "batch_tokens", "epochs", "log_every"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.steps is not None and (isinstance(self.steps, bool) or not isinstance(self.steps, int)
+                                       or self.steps < 1):
+            raise ValueError(f"steps must be an integer >= 1 or None, got {self.steps!r}")
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
+        if self.lora_alpha is not None and not (self.lora_alpha > 0):
+            raise ValueError(f"lora_alpha must be > 0, got {self.lora_alpha!r}")
+        if not (self.grad_clip > 0) or self.weight_decay < 0:
+            raise ValueError("grad_clip must be > 0 and weight_decay >= 0")
+
+
+# ----------------------------------------------------------------------------- the draft
+@dataclass
+class Batch:
+    input_ids: torch.Tensor        # [B, L] long
+    position_ids: torch.Tensor     # [B, L] long
+    attention_mask: torch.Tensor   # [B, 1, L, L] bool, True = attend
+    row_b: torch.Tensor            # [R] long
+    row_t: torch.Tensor            # [R] long
+    target_cols: torch.Tensor      # [R, k] long: draft-vocabulary column, -1 outside it
+    target_logprobs: torch.Tensor  # [R, k] float32
+    tokens: int                    # real (unpadded) tokens
+    units: list[Unit] = field(default_factory=list)
+
+
+class Draft:
+    """A draft folder ready for LoRA training (`lora_r` set), or for evaluation only (`lora_r=None`),
+    optionally with a trained adapter folder applied (`adapter`, frozen)."""
+
+    def __init__(self, folder: str | Path, *, lora_r: int | None = 16, lora_alpha: float | None = None,
+                 adapter: str | Path | None = None) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.folder = Path(folder)
+        base = AutoModelForCausalLM.from_pretrained(self.folder, dtype=torch.float32, attn_implementation="sdpa")
+        vocab = len(load_tokenizer(self.folder))
+        head = base.get_output_embeddings()
+        out_ids = read_output_token_ids(self.folder)
+        rows = torch.tensor(out_ids, dtype=torch.long) if out_ids else torch.arange(min(vocab, head.weight.shape[0]))
+        if int(rows.max()) >= head.weight.shape[0]:
+            raise ValueError(f"{self.folder}: output_token_ids reach {int(rows.max())}, beyond the "
+                             f"{head.weight.shape[0]} rows of its output layer")
+        self.out_rows = rows                                                   # [V_out]
+        self.head_weight = head.weight.detach()[rows].clone()                  # [V_out, H], frozen
+        self.head_bias = head.bias.detach()[rows].clone() if getattr(head, "bias", None) is not None else None
+        self.vocab_index = torch.full((max(vocab, int(rows.max()) + 1),), -1, dtype=torch.long)
+        self.vocab_index[rows] = torch.arange(len(rows))
+        if adapter is not None and lora_r is not None:
+            raise ValueError("pass either lora_r (train a new adapter) or adapter (evaluate a trained one)")
+        if adapter is not None:
+            from peft import PeftModel
+
+            self.model = PeftModel.from_pretrained(base, str(adapter), is_trainable=False)
+        elif lora_r is not None:
+            from peft import LoraConfig, get_peft_model
+
+            cfg = LoraConfig(r=lora_r, lora_alpha=lora_alpha or 2 * lora_r, lora_dropout=0.0, bias="none",
+                             target_modules=list(LORA_TARGETS))
+            self.model = get_peft_model(base, cfg)
+        else:
+            self.model = base
+            for p in base.parameters():
+                p.requires_grad_(False)
+        self.decoder = base.get_decoder()
+        self.model.eval()
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def columns(self, target_ids: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary ids [..] -> draft output columns, -1 where the draft cannot emit the token."""
+        inside = (target_ids >= 0) & (target_ids < len(self.vocab_index))
+        return torch.where(inside, self.vocab_index[target_ids.clamp(0, len(self.vocab_index) - 1)],
+                           torch.full_like(target_ids, -1))
+
+    def collate(self, units: list[Unit]) -> Batch:
+        L = max(u.num_tokens for u in units)
+        B = len(units)
+        ids = torch.zeros(B, L, dtype=torch.long)
+        pos = torch.zeros(B, L, dtype=torch.long)
+        mask = torch.eye(L, dtype=torch.bool).repeat(B, 1, 1, 1)          # padding queries see themselves
+        row_b, row_t, cols, lps = [], [], [], []
+        for b, u in enumerate(units):
+            n = u.num_tokens
+            ids[b, :n] = torch.from_numpy(u.input_ids)
+            pos[b, :n] = torch.from_numpy(u.position_ids)
+            mask[b, 0, :n, :n] = torch.from_numpy(u.attention_mask())
+            row_b.append(torch.full((u.num_rows,), b, dtype=torch.long))
+            row_t.append(torch.from_numpy(u.row_index))
+            cols.append(self.columns(torch.from_numpy(u.target_ids)))
+            lps.append(torch.from_numpy(u.target_logprobs))
+        return Batch(ids, pos, mask, torch.cat(row_b), torch.cat(row_t), torch.cat(cols), torch.cat(lps),
+                     tokens=sum(u.num_tokens for u in units), units=list(units))
+
+    def row_logits(self, batch: Batch) -> torch.Tensor:
+        """Draft logits [R, V_out] (fp32) at the batch's scored rows."""
+        hidden = self.decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                              position_ids=batch.position_ids, use_cache=False).last_hidden_state
+        h = hidden[batch.row_b, batch.row_t]                                   # [R, H]
+        logits = h @ self.head_weight.T
+        return logits + self.head_bias if self.head_bias is not None else logits
+
+    def save_adapter(self, folder: str | Path) -> Path:
+        """peft save_pretrained (adapter_config.json + adapter_model.safetensors)."""
+        folder = Path(folder)
+        self.model.save_pretrained(str(folder), safe_serialization=True)
+        return folder
+
+
+def make_batches(units: list[Unit], batch_tokens: int) -> list[list[Unit]]:
+    """Similar lengths together; a batch holds at most `batch_tokens` padded tokens (a longer unit
+    forms a batch alone)."""
+    batches: list[list[Unit]] = []
+    cur: list[Unit] = []
+    for u in sorted(units, key=lambda u: u.num_tokens):
+        if cur and (len(cur) + 1) * u.num_tokens > batch_tokens:
+            batches.append(cur)
+            cur = []
+        cur.append(u)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+# ----------------------------------------------------------------------------- acceptance
+def row_acceptance(draft_logits: torch.Tensor, target_cols: torch.Tensor, target_logprobs: torch.Tensor,
+                   temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """alpha per row = sum_j min(p_j, q(col_j)) over the target's top-k entries (module docstring).
+
+    draft_logits [R, V_out]; target_cols [R, k] (-1: the draft cannot emit it, q = 0);
+    target_logprobs [R, k] raw. Returns [R] fp32 in [0, 1].
+    """
+    p = warp_logprobs(target_logprobs.float(), temperature, top_k, top_p).exp()          # [R, k]
+    q_all = warp_logprobs(draft_logits.float(), temperature, top_k, top_p).exp()         # [R, V_out]
+    q = torch.where(target_cols >= 0, q_all.gather(1, target_cols.clamp(min=0)), torch.zeros_like(p))
+    return torch.minimum(p, q).sum(-1).clamp(max=1.0)
+
+
+def expected_accepted_length(alphas: Iterable[float], gamma: int = EAL_GAMMA) -> float:
+    """sum_{i=1..G} prod_{j<=i} alpha_j for the first G = min(gamma, len) per-position alphas."""
+    total, prod = 0.0, 1.0
+    for a in list(alphas)[:gamma]:
+        prod *= float(a)
+        total += prod
+    return total
+
+
+@dataclass
+class AcceptanceReport:
+    acceptance: float | None               # mean alpha over scored positions
+    expected_accepted_length: float | None  # mean E[L] (gamma = 4) over steps
+    positions: int
+    steps: int
+    by_source: dict[str, dict] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@torch.no_grad()
+def offline_acceptance(draft: Draft, units: list[Unit], *, batch_tokens: int = 4096) -> AcceptanceReport:
+    """Offline acceptance of `draft` on (held-out) units; see the module docstring."""
+    was_training = draft.model.training
+    draft.model.eval()
+    per_src: dict[str, dict[str, list[float]]] = {}
+    try:
+        for group in make_batches(units, batch_tokens):
+            batch = draft.collate(group)
+            logits = draft.row_logits(batch)
+            alpha = torch.empty(logits.shape[0])
+            temp = np.concatenate([u.temperature for u in group])
+            tk = np.concatenate([u.top_k for u in group])
+            tp = np.concatenate([u.top_p for u in group])
+            for t, k, p in {(float(a), int(b), float(c)) for a, b, c in zip(temp, tk, tp)}:
+                sel = torch.from_numpy((temp == np.float32(t)) & (tk == k) & (tp == np.float32(p)))
+                alpha[sel] = row_acceptance(logits[sel], batch.target_cols[sel], batch.target_logprobs[sel],
+                                            t, k, p)
+            start = 0
+            for u in group:
+                a = alpha[start: start + u.num_rows].numpy()
+                start += u.num_rows
+                acc = per_src.setdefault(u.source or "unlabelled", {"alpha": [], "eal": []})
+                for s, gamma in enumerate(u.step_gamma):
+                    rows = (u.row_step == s)
+                    order = np.argsort(u.row_offset[rows])
+                    step_alpha = a[rows][order][:gamma]        # draft positions only, not the bonus row
+                    acc["alpha"].extend(step_alpha.tolist())
+                    acc["eal"].append(expected_accepted_length(step_alpha))
+    finally:
+        draft.model.train(was_training)
+
+    def summary(alphas: list[float], eals: list[float]) -> dict:
+        return {"acceptance": float(np.mean(alphas)) if alphas else None,
+                "expected_accepted_length": float(np.mean(eals)) if eals else None,
+                "positions": len(alphas), "steps": len(eals)}
+
+    all_a = [x for v in per_src.values() for x in v["alpha"]]
+    all_e = [x for v in per_src.values() for x in v["eal"]]
+    return AcceptanceReport(**summary(all_a, all_e),
+                            by_source={s: summary(v["alpha"], v["eal"]) for s, v in sorted(per_src.items())})
+
+
+# ----------------------------------------------------------------------------- training
+@dataclass
+class TrainReport:
+    steps: int
+    loss_first: float
+    loss_final: float            # mean loss over the last min(10, steps) steps
+    tokens: int                  # real packed tokens processed
+    rows: int                    # scored positions processed
+    seconds: float
+    tokens_per_s: float
+    rows_per_s: float
+
+
+def train(draft: Draft, units: list[Unit], cfg: TrainConfig, *,
+          on_step: Callable[[list[Unit]], None] | None = None,
+          log_metrics: Callable[[int, dict], None] | None = None,
+          progress: Callable[[str], None] = print) -> TrainReport:
+    """Train the draft's LoRA parameters on `units` (module docstring). `on_step(units)` runs after
+    each optimizer step with the units it used (the job acks their records there)."""
+    if not units:
+        raise ValueError("no training units")
+    params = draft.trainable_parameters()
+    if not params:
+        raise ValueError("the draft has no trainable parameters (load it with lora_r set)")
+    loss_fn = get_loss(cfg.loss, cfg.beta)
+    batches = make_batches(units, cfg.batch_tokens)
+    total = cfg.steps or cfg.epochs * len(batches)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    warm = max(1, min(cfg.warmup_steps, total // 5))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warm) * max(0.1, 1.0 - max(0, s - warm) / max(1, total - warm)))
+    rng = np.random.default_rng(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    draft.model.train()
+    step, tokens, rows, losses = 0, 0, 0, []
+    t0 = time.perf_counter()
+    while step < total:
+        for i in rng.permutation(len(batches)):
+            if step >= total:
+                break
+            batch = draft.collate(batches[i])
+            logits = draft.row_logits(batch)
+            mask = torch.ones(logits.shape[0], dtype=torch.bool)
+            loss = loss_fn(logits, batch.target_cols, batch.target_logprobs, mask)
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"non-finite {cfg.loss} loss at step {step + 1}")
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            opt.step()
+            sched.step()
+            step += 1
+            tokens += batch.tokens
+            rows += int(logits.shape[0])
+            losses.append(float(loss.detach()))
+            if on_step is not None:
+                on_step(batch.units)
+            if step % cfg.log_every == 0 or step == total:
+                el = time.perf_counter() - t0
+                m = {"loss": losses[-1], "tokens_per_s": tokens / el, "rows_per_s": rows / el,
+                     "lr": sched.get_last_lr()[0]}
+                progress(f"[distill] step {step}/{total} loss {m['loss']:.4f} {m['tokens_per_s']:.0f} tok/s "
+                         f"{m['rows_per_s']:.0f} rows/s lr {m['lr']:.2e}")
+                if log_metrics is not None:
+                    log_metrics(step, m)
+    draft.model.eval()
+    el = time.perf_counter() - t0
+    tail = losses[-min(10, len(losses)):]
+    return TrainReport(step, losses[0], float(np.mean(tail)), tokens, rows, el, tokens / el, rows / el)
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process (ru_maxrss, KiB on Linux) in MiB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0

@@ -1,0 +1,433 @@
+"""The distillation job: buffer window -> LoRA training -> candidate folder, logged to MLflow.
+
+    run_distillation(cfg: dict) -> Path        # what `draftsmith distill` (deploy/cli.py) calls
+    pending_records(since_id) -> int           # step records after the scheduler's cursor
+    python -m training.job --parent-version 3 --base-draft-path DIR [--since-id ID] [--config cfg.yaml]
+                           [--set loss=reverse_kl --set steps=200] [--ray [--num-cpus 2]]
+    ray job submit --working-dir . -- python -m training.job ... --ray
+
+One job:
+1. consume up to `max_records` step records from the consumer group `group` (default "distill";
+   created at `since_id` when it does not exist yet, afterwards its own delivery state decides what
+   is new); held-out requests are never trained on; steps of requests still in flight stay pending;
+   with `replay_ratio` r > 0, also read (not consume) the newest r x (new records) older training
+   records and train on both, so that adapting to new traffic does not erase the old;
+2. read the newest `eval_records` held-out steps (read-only, optionally of one `eval_source`);
+3. pack both into units (training/data.py), measure offline acceptance of the parent draft, train
+   LoRA (training/distill.py), acking each record right after the optimizer step that used it
+   (a crash before that leaves it pending: a later job re-claims it after `claim_idle_ms`), measure
+   again;
+4. write `<out_dir>/adapter/` (peft, safetensors) + `candidate.json` (docs/architecture.md,
+   "Candidate folder"); `data_window.last_id` is the newest stream id trained on (the cursor).
+Too few usable records or held-out records -> NotEnoughRecords (nothing acked that was not used);
+the scheduler then leaves the champion as it is.
+
+Ray: `--ray` runs `run_distillation` as a Ray task with `num_cpus` CPUs, on the cluster of
+RAY_ADDRESS (set by `ray job submit`) or on a local Ray started for it. Redis URL, tracking URI and
+output folder are resolved in the driver, so the task does not depend on its working directory.
+
+Importing this module does not import torch, peft, MLflow or Ray.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+EXPERIMENT = "draftsmith-distill"
+ROOT = Path(__file__).resolve().parent.parent
+_COUNT_SCRIPT = """
+local r = redis.call('XRANGE', KEYS[1], ARGV[1], '+', 'COUNT', ARGV[2])
+if #r == 0 then return {0, ''} end
+return {#r, r[#r][1]}
+"""
+
+
+class NotEnoughRecords(RuntimeError):
+    """The buffer holds too few usable (or held-out) records for a job; nothing was trained."""
+
+
+@dataclass
+class JobConfig:
+    """Everything but the training hyper-parameters (those are training.distill.TrainConfig's keys)."""
+
+    base_draft_path: str
+    parent_version: str | None = None
+    target: str | None = None
+    since_id: str | None = None
+    max_records: int = 20_000
+    min_records: int = 16
+    heldout_fraction: float = 0.1
+    replay_ratio: float = 0.0
+    eval_records: int = 1000
+    min_heldout: int = 1
+    eval_source: str | None = None
+    max_len: int = 1024
+    rows: str = "all"
+    redis_url: str | None = None
+    buffer_prefix: str = "draftsmith:buf"
+    group: str = "distill"
+    consumer: str | None = None
+    claim_idle_ms: int = 60_000
+    out_dir: str | None = None
+    mlflow: bool = True
+    tracking_uri: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.base_draft_path:
+            raise ValueError("base_draft_path is required (the parent draft's model folder)")
+        if not (Path(self.base_draft_path) / "config.json").is_file():
+            raise ValueError(f"base_draft_path {self.base_draft_path!r} is not a model folder (no config.json)")
+        if self.since_id is not None:
+            from training.data import stream_id_key
+
+            stream_id_key(self.since_id)
+        for name in ("max_records", "min_records", "eval_records", "max_len", "min_heldout"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if isinstance(self.claim_idle_ms, bool) or not isinstance(self.claim_idle_ms, int) or self.claim_idle_ms < 0:
+            raise ValueError(f"claim_idle_ms must be an integer >= 0, got {self.claim_idle_ms!r}")
+        if isinstance(self.replay_ratio, bool) or not isinstance(self.replay_ratio, (int, float)) \
+                or not (0.0 <= self.replay_ratio <= 10.0):
+            raise ValueError(f"replay_ratio must be a number in [0, 10], got {self.replay_ratio!r}")
+        if not (0.0 < self.heldout_fraction < 1.0):
+            raise ValueError(f"heldout_fraction must be in (0, 1), got {self.heldout_fraction!r}")
+        if self.rows not in ("all", "accepted"):
+            raise ValueError(f"rows must be 'all' or 'accepted', got {self.rows!r}")
+
+
+def parse_config(cfg: dict):
+    """A flat dict (CLI/YAML/scheduler keys) -> (JobConfig, TrainConfig); unknown keys are an error."""
+    from training.distill import TrainConfig
+
+    if not isinstance(cfg, dict):
+        raise ValueError(f"the job config must be a mapping, got {type(cfg).__name__}")
+    job_keys = {f.name for f in dataclasses.fields(JobConfig)}
+    train_keys = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(cfg) - job_keys - train_keys)
+    if unknown:
+        raise ValueError(f"unknown distillation setting(s) {', '.join(unknown)}; known: "
+                         f"{', '.join(sorted(job_keys | train_keys))}")
+    job = JobConfig(**{k: v for k, v in cfg.items() if k in job_keys})
+    return job, TrainConfig(**{k: v for k, v in cfg.items() if k in train_keys})
+
+
+# ----------------------------------------------------------------------------- buffer helpers
+def _redis_url(url: str | None) -> str:
+    from buffer.embedded import ensure_embedded
+    from buffer.redis_store import redis_url_from_env
+
+    return url or redis_url_from_env() or ensure_embedded()
+
+
+def pending_records(since_id: str | None = None, *, redis_url: str | None = None,
+                    buffer_prefix: str = "draftsmith:buf", page: int = 10_000) -> int:
+    """Number of step records with a stream id after `since_id` (all of them when None).
+
+    Counted inside Redis (a Lua script over XRANGE pages of `page` ids), so no record is transferred.
+    """
+    from buffer.redis_store import BufferConfig, connect
+    from training.data import stream_id_key
+
+    key = BufferConfig(prefix=buffer_prefix).steps_key
+    client = connect(_redis_url(redis_url))
+    try:
+        if since_id is None:
+            return int(client.xlen(key))
+        stream_id_key(since_id)
+        script = client.register_script(_COUNT_SCRIPT)
+        total, start = 0, f"({since_id}"
+        while True:
+            n, last = script(keys=[key], args=[start, page])
+            total += int(n)
+            if int(n) < page:
+                return total
+            start = "(" + (last.decode() if isinstance(last, bytes) else str(last))
+    finally:
+        client.close()
+
+
+# ----------------------------------------------------------------------------- MLflow
+class _Tracking:
+    """One MLflow run in experiment `draftsmith-distill` (params, progress metrics, final metrics).
+
+    Progress logging never fails the job (a warning instead); creating the run does."""
+
+    def __init__(self, uri: str, run_name: str, params: dict, tags: dict) -> None:
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+        self.client = MlflowClient(tracking_uri=uri)
+        exp = self.client.get_experiment_by_name(EXPERIMENT)
+        if exp is None:
+            location = None
+            if uri.startswith("sqlite:///"):
+                location = (Path(uri[len("sqlite:///"):]).resolve().parent / "mlartifacts" / EXPERIMENT).as_uri()
+            try:
+                exp_id = self.client.create_experiment(EXPERIMENT, artifact_location=location)
+            except Exception:  # noqa: BLE001 - created concurrently
+                exp_id = self.client.get_experiment_by_name(EXPERIMENT).experiment_id
+        else:
+            exp_id = exp.experiment_id
+        self.run_id = self.client.create_run(exp_id, run_name=run_name, tags=tags).info.run_id
+        items = [Param(k[:250], str(v)[:6000]) for k, v in params.items()]
+        for i in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, params=items[i:i + 100])
+
+    def log(self, step: int, metrics: dict) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        try:
+            self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()
+                                                        if isinstance(v, (int, float)) and not isinstance(v, bool)])
+        except Exception as e:  # noqa: BLE001
+            log.warning("MLflow progress not logged: %s", e)
+
+    def finish(self, status: str, tags: dict | None = None) -> None:
+        for k, v in (tags or {}).items():
+            self.client.set_tag(self.run_id, k, str(v)[:5000])
+        self.client.set_terminated(self.run_id, status=status)
+
+
+def _flat(prefix: str, obj, out: dict) -> dict:
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            _flat(f"{prefix}.{k}" if prefix else str(k), v, out)
+    else:
+        out[prefix] = obj if isinstance(obj, str) else json.dumps(obj)
+    return out
+
+
+# ----------------------------------------------------------------------------- the job
+def _default_out_dir(parent_version: str | None) -> Path:
+    from buffer.embedded import data_dir
+
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return data_dir() / "candidates" / f"{stamp}-from-v{parent_version or 'none'}-{uuid.uuid4().hex[:6]}"
+
+
+def run_distillation(cfg: dict, progress: Callable[[str], None] = print) -> Path:
+    """One distillation job (module docstring); returns the candidate folder."""
+    from buffer.redis_store import BufferConfig, ReplayBufferReader
+    from training import data, distill
+
+    job, tcfg = parse_config(cfg)
+    url = _redis_url(job.redis_url)
+    bcfg = BufferConfig(prefix=job.buffer_prefix)
+    reader = ReplayBufferReader(url, bcfg, group=job.group, consumer=job.consumer, min_idle_ms=job.claim_idle_ms,
+                                start_id=job.since_id or "0")
+    tracking = None
+    if job.mlflow:
+        from deploy.registry import default_tracking_uri   # one definition of the default store
+
+        params = _flat("", {**{k: v for k, v in asdict(job).items() if k != "redis_url"}, **asdict(tcfg)}, {})
+        tracking = _Tracking(job.tracking_uri or default_tracking_uri(), f"distill-from-v{job.parent_version}",
+                             params, {"draftsmith.parent_version": str(job.parent_version),
+                                      "draftsmith.target": str(job.target)})
+    window = None
+    try:
+        t0 = time.time()
+        window = data.read_training_window(reader, max_records=job.max_records,
+                                           heldout_fraction=job.heldout_fraction)
+        units, skipped = data.build_units(window.entries, window.sequences, max_len=job.max_len, rows=job.rows)
+        in_units = {sid for u in units for sid in u.stream_ids}
+        unusable = [e.stream_id for e in window.entries if e.stream_id not in in_units]
+        progress(f"[distill] read {len(window.entries)} training steps from {len(window.sequences)} requests "
+                 f"({window.skipped or 'none skipped'}; unusable: {skipped or 'none'})")
+        if len(in_units) < job.min_records:
+            raise NotEnoughRecords(
+                f"only {len(in_units)} usable step records in {bcfg.steps_key} for group {job.group!r} "
+                f"(after {job.since_id or 'the start'}); a job needs at least {job.min_records}")
+        held, held_seqs = data.heldout_window(reader, job.eval_records, heldout_fraction=job.heldout_fraction,
+                                              source=job.eval_source)
+        eval_units, _ = data.build_units(held, held_seqs, max_len=job.max_len, rows="all")
+        n_held = sum(len(u.stream_ids) for u in eval_units)
+        if n_held < job.min_heldout:
+            raise NotEnoughRecords(
+                f"only {n_held} held-out step records (heldout_fraction {job.heldout_fraction}"
+                + (f", source {job.eval_source!r}" if job.eval_source else "") + f"); need {job.min_heldout}")
+        reader.ack(unusable)
+        replay = data.TrainingWindow([], {}, {}, [])
+        n_replay = int(round(job.replay_ratio * len(in_units)))
+        if n_replay:
+            first = min(in_units, key=data.stream_id_key)
+            rep, rep_seqs = data.replay_window(reader, n_replay, before_id=first, heldout_fraction=job.heldout_fraction)
+            replay = data.TrainingWindow(rep, rep_seqs, {}, [])
+            rep_units, _ = data.build_units(rep, rep_seqs, max_len=job.max_len, rows=job.rows)
+            units += rep_units
+            progress(f"[distill] replaying {len(rep)} older training steps from {len(rep_seqs)} requests "
+                     f"(before {first})")
+
+        draft = distill.Draft(job.base_draft_path, lora_r=tcfg.lora_r, lora_alpha=tcfg.lora_alpha)
+        before = distill.offline_acceptance(draft, eval_units, batch_tokens=tcfg.batch_tokens)
+        progress(f"[distill] held-out: {n_held} steps from {len(held_seqs)} requests; offline acceptance "
+                 f"before {before.acceptance:.4f}, E[L] {before.expected_accepted_length:.3f}")
+        acked: set[str] = set()
+
+        def ack_used(used_units) -> None:
+            ids = [sid for u in used_units for sid in u.stream_ids if sid in in_units and sid not in acked]
+            reader.ack(ids)
+            acked.update(ids)
+
+        report = distill.train(draft, units, tcfg, on_step=ack_used,
+                               log_metrics=tracking.log if tracking else None, progress=progress)
+        reader.release([sid for sid in in_units if sid not in acked])
+        after = distill.offline_acceptance(draft, eval_units, batch_tokens=tcfg.batch_tokens)
+        progress(f"[distill] offline acceptance {before.acceptance:.4f} -> {after.acceptance:.4f}, "
+                 f"E[L] {before.expected_accepted_length:.3f} -> {after.expected_accepted_length:.3f}")
+
+        used = [e for e in window.entries if e.stream_id in acked]
+        used_window = data.TrainingWindow(used, {e.record.request_id: window.sequences[e.record.request_id]
+                                                 for e in used}, window.skipped, window.left_pending)
+        metrics = {
+            "offline_acceptance_before": before.acceptance, "offline_acceptance_after": after.acceptance,
+            "expected_accepted_length_before": before.expected_accepted_length,
+            "expected_accepted_length_after": after.expected_accepted_length,
+            "heldout_records": n_held, "heldout_positions": after.positions,
+            "train_tokens_per_s": report.tokens_per_s, "train_rows_per_s": report.rows_per_s,
+            "train_steps": report.steps, "train_tokens": report.tokens, "train_seconds": report.seconds,
+            "loss_first": report.loss_first, "loss_final": report.loss_final,
+            "peak_rss_mb": distill.peak_rss_mb(), "job_seconds": time.time() - t0,
+        }
+        for src, b in before.by_source.items():
+            metrics[f"offline_acceptance_before.{src}"] = b["acceptance"]
+            metrics[f"offline_acceptance_after.{src}"] = after.by_source[src]["acceptance"]
+        meta = {
+            "parent_version": job.parent_version,
+            "base_draft_path": str(Path(job.base_draft_path).resolve()),
+            "target": job.target,
+            "loss": tcfg.loss,
+            "train_config": {**asdict(tcfg), "lora_alpha": tcfg.lora_alpha or 2 * tcfg.lora_r,
+                             "lora_targets": list(distill.LORA_TARGETS), "rows": job.rows, "max_len": job.max_len,
+                             "heldout_fraction": job.heldout_fraction},
+            "data_window": {**used_window.summary(bcfg.steps_key), "group": job.group, "since_id": job.since_id,
+                            "replay": {k: v for k, v in replay.summary(bcfg.steps_key).items()
+                                       if k in ("first_id", "last_id", "steps", "requests", "sources")},
+                            "heldout": {"records": n_held, "requests": len(held_seqs), "source": job.eval_source,
+                                        "by_source": {s: v["steps"] for s, v in after.by_source.items()}}},
+            "metrics": metrics,
+            "eval": {"before": before.to_dict(), "after": after.to_dict()},
+            "mlflow_run_id": tracking.run_id if tracking else None,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        out = Path(job.out_dir) if job.out_dir else _default_out_dir(job.parent_version)
+        _write_candidate(out, draft, meta)
+        progress(f"[distill] candidate written to {out}")
+        if tracking:
+            tracking.log(report.steps, {k: v for k, v in metrics.items() if v is not None})
+            tracking.finish("FINISHED", {"draftsmith.candidate_dir": out})
+        return out
+    except BaseException as e:
+        if window is not None:   # whatever was not acked stays pending for a later job
+            reader.release([en.stream_id for en in window.entries])
+        if tracking:
+            tracking.finish("FAILED", {"draftsmith.error": f"{type(e).__name__}: {e}"})
+        raise
+
+
+def _write_candidate(out: Path, draft, meta: dict) -> None:
+    """adapter/ + candidate.json, staged in a sibling folder and renamed into place."""
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"candidate folder {out} already exists and is not empty")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:6]}"
+    try:
+        draft.save_adapter(staging / "adapter")
+        (staging / "candidate.json").write_text(json.dumps(meta, indent=1, default=str))
+        if out.exists():
+            out.rmdir()
+        os.replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+# ----------------------------------------------------------------------------- Ray
+def _ray_task(cfg: dict) -> str:
+    logging.basicConfig(level=logging.INFO)
+    return str(run_distillation(cfg))
+
+
+def run_in_ray(cfg: dict, num_cpus: int = 2) -> Path:
+    """Run `run_distillation(cfg)` as a Ray task with `num_cpus` CPUs (module docstring)."""
+    import ray
+
+    from buffer.embedded import data_dir
+
+    job, _ = parse_config(cfg)                       # fail fast, in the driver
+    cfg = {**cfg, "redis_url": _redis_url(job.redis_url),
+           "base_draft_path": str(Path(job.base_draft_path).resolve()),
+           "out_dir": str(Path(job.out_dir).resolve() if job.out_dir else _default_out_dir(job.parent_version))}
+    if job.mlflow:
+        from deploy.registry import default_tracking_uri
+
+        cfg["tracking_uri"] = job.tracking_uri or default_tracking_uri()
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+           "DRAFTSMITH_DATA": str(data_dir())}
+    if not ray.is_initialized():
+        address = os.environ.get("RAY_ADDRESS")
+        ray.init(address=address or None, num_cpus=None if address else num_cpus, include_dashboard=False,
+                 runtime_env={"env_vars": env})
+    task = ray.remote(num_cpus=num_cpus, max_retries=0)(_ray_task).options(runtime_env={"env_vars": env})
+    return Path(ray.get(task.remote(cfg)))
+
+
+# ----------------------------------------------------------------------------- CLI
+def _parse_value(text: str):
+    import yaml
+
+    return yaml.safe_load(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m training.job", description=__doc__.split("\n\n")[0])
+    p.add_argument("--base-draft-path", required=True, help="parent draft model folder")
+    p.add_argument("--parent-version", default=None, help="registry version of the parent draft")
+    p.add_argument("--target", default=os.environ.get("DRAFTSMITH_TARGET"), help="target model name/folder")
+    p.add_argument("--since-id", default=None, help="buffer cursor: records after this stream id")
+    p.add_argument("--config", type=Path, default=None, help="YAML mapping of distillation settings")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one setting (YAML value), e.g. --set loss=reverse_kl --set steps=200")
+    p.add_argument("--ray", action="store_true", help="run as a Ray task (RAY_ADDRESS or a local Ray)")
+    p.add_argument("--num-cpus", type=int, default=2, help="CPUs of the Ray task (default 2)")
+    args = p.parse_args(argv)
+    cfg: dict = {}
+    if args.config is not None:
+        import yaml
+
+        cfg = yaml.safe_load(args.config.read_text()) or {}
+        if not isinstance(cfg, dict):
+            p.error(f"--config {args.config} must hold a YAML mapping")
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            p.error(f"--set needs KEY=VALUE, got {item!r}")
+        cfg[key.strip()] = _parse_value(value)
+    cfg.update({"base_draft_path": args.base_draft_path, "parent_version": args.parent_version,
+                "target": args.target, "since_id": args.since_id})
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        out = run_in_ray(cfg, args.num_cpus) if args.ray else run_distillation(cfg)
+    except (ValueError, NotEnoughRecords) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
