@@ -52,13 +52,16 @@ EAL_GAMMA = 4
 
 @dataclass
 class TrainConfig:
-    """Distillation hyper-parameters (validated). steps: optimizer steps (None: `epochs` passes)."""
+    """Distillation hyper-parameters (validated). steps: optimizer steps (None: `epochs` passes over the
+    window, but at least `min_steps`: a scheduled job often sees only a few hundred records, a handful of
+    batches, and one pass over them barely moves the adapter; the gate rejects an over-fitted result)."""
 
     loss: str = "jsd"
     beta: float = 0.5
     lr: float = 1e-3
     steps: int | None = None
     epochs: int = 1
+    min_steps: int = 50
     lora_r: int = 16
     lora_alpha: float | None = None        # None: 2 * lora_r
     batch_tokens: int = 4096
@@ -74,7 +77,7 @@ class TrainConfig:
         get_loss(self.loss, self.beta)     # validates beta for jsd
         if not (isinstance(self.lr, (int, float)) and 0 < self.lr < 1):
             raise ValueError(f"lr must be in (0, 1), got {self.lr!r}")
-        for name in ("lora_r", "batch_tokens", "epochs", "log_every"):
+        for name in ("lora_r", "batch_tokens", "epochs", "log_every", "min_steps"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
@@ -306,7 +309,7 @@ def train(draft: Draft, units: list[Unit], cfg: TrainConfig, *,
         raise ValueError("the draft has no trainable parameters (load it with lora_r set)")
     loss_fn = get_loss(cfg.loss, cfg.beta)
     batches = make_batches(units, cfg.batch_tokens)
-    total = cfg.steps or cfg.epochs * len(batches)
+    total = cfg.steps or max(cfg.min_steps, cfg.epochs * len(batches))
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     warm = max(1, min(cfg.warmup_steps, total // 5))
     sched = torch.optim.lr_scheduler.LambdaLR(
