@@ -73,7 +73,9 @@ def build(settings: ServiceSettings, replicas: int = 1, num_cpus: float | None =
     """The bound application for serve.run: `replicas` replicas with `num_cpus` CPUs each."""
     cpus = float(num_cpus if num_cpus is not None else max(0.25, min(1.0, (os.cpu_count() or 2) / (2 * replicas))))
     if settings.torch_threads is None:
-        settings.torch_threads = max(1, int(round((os.cpu_count() or 2) / replicas)))
+        # one core is left to the Serve proxy and HTTP: on 2 cores, 1 torch thread gave 37 tok/s at one
+        # streaming client against 31 tok/s with 2 threads (docs/benchmarks.md)
+        settings.torch_threads = max(1, ((os.cpu_count() or 2) - 1) // replicas)
     opts = {"num_replicas": replicas, "ray_actor_options": {"num_cpus": cpus}}
     fields = {k: getattr(settings, k) for k in settings.__dataclass_fields__ if k != "replica_id"}
     return DraftsmithDeployment.options(**opts).bind(fields)

@@ -347,7 +347,7 @@ def settings_from_env(**overrides) -> ServiceSettings:
     env = os.environ
     kw: dict = {}
     for name, conv in (("max_running", int), ("max_waiting", int), ("request_timeout_s", float),
-                       ("max_tokens_limit", int), ("watch_interval_s", float)):
+                       ("max_tokens_limit", int), ("watch_interval_s", float), ("torch_threads", int)):
         v = env.get(f"DRAFTSMITH_{name.upper()}")
         if v:
             kw[name] = conv(v)
