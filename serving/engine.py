@@ -90,6 +90,9 @@ VERIFY_RULES = {
 }
 
 
+BROKEN_AFTER = 3   # consecutive failed decoding steps before the engine reports itself unhealthy
+
+
 @dataclass
 class GenerationStats:
     mode: str
@@ -255,6 +258,7 @@ class Engine:
         self._lock = threading.Lock()
         self._energy = EnergyMeter(device)
         self._broken: str | None = None
+        self._failures = 0
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -373,10 +377,15 @@ class Engine:
                     yield StepOutput([], finish, self._finish_stats(stats, t_start, energy0))
                     return
                 with self._lock:
-                    if mode == "target" or room <= gamma + 1:
-                        new = state.target_step(sampling, gen, stats)
-                    else:
-                        new = state.spec_step(sampling, spec, gen, stats, request_id, sink)
+                    try:
+                        if mode == "target" or room <= gamma + 1:
+                            new = state.target_step(sampling, gen, stats)
+                        else:
+                            new = state.spec_step(sampling, spec, gen, stats, request_id, sink)
+                    except Exception as exc:
+                        self._step_failed(exc)
+                        raise
+                    self._failures = 0
                 # stop tokens, then length
                 out: list[int] = []
                 for t in new:
@@ -403,6 +412,15 @@ class Engine:
                         meta={"log_mode": log_mode}))
                 except Exception as exc:  # a sink must never take a request down
                     log.warning("replay buffer push failed: %s", exc)
+
+    def _step_failed(self, exc: Exception) -> None:
+        """A decoding step raised (device error, out of memory, a corrupt model): after
+        BROKEN_AFTER consecutive failures the engine reports itself unhealthy (/health -> 503, and Ray
+        Serve's health check restarts the replica)."""
+        self._failures += 1
+        log.error("decoding step failed (%d in a row): %s: %s", self._failures, type(exc).__name__, exc)
+        if self._failures >= BROKEN_AFTER:
+            self._broken = f"{self._failures} consecutive decoding steps failed; last: {type(exc).__name__}: {exc}"
 
     def _finish_stats(self, stats: GenerationStats, t_start: float, energy0) -> GenerationStats:
         stats.wall_time_s = time.perf_counter() - t_start

@@ -411,3 +411,29 @@ def test_serving_survives_a_redis_restart_mid_load(pair, tmp_path):
         own.stop()
     assert statuses and set(statuses) == {200}, statuses
     assert sink.stats()["reconnects"] >= 1
+
+
+def test_a_failing_engine_answers_500_bodies_then_health_503(pair):
+    """Faults inside decoding (a device error, say) give OpenAI-style 500 bodies, never a dropped
+    connection; after 3 consecutive failed steps /health says 503 (Ray Serve then restarts the replica)."""
+    svc = tiny_service(*pair)
+    srv = LiveServer(svc).start()
+    try:
+        with httpx.Client(base_url=srv.url, timeout=30) as c:
+            assert c.get("/health").status_code == 200
+            real = svc.engine.target.model.forward
+
+            def broken(*a, **k):
+                raise RuntimeError("CUDA error: device-side assert (simulated)")
+
+            svc.engine.target.model.forward = broken
+            for i in range(3):
+                err = assert_error(complete(c, max_tokens=4, speculative={"mode": "target"}), 500)
+                assert err["type"] == "server_error" and "simulated" in err["message"]
+            events = sse_events(complete(c, max_tokens=4, stream=True, speculative={"mode": "target"}))
+            assert events[-1] == "[DONE]" and events[-2]["error"]["type"] == "server_error"
+            h = c.get("/health")
+            assert h.status_code == 503 and "consecutive decoding steps failed" in h.json()["reason"]
+            svc.engine.target.model.forward = real
+    finally:
+        srv.stop()
