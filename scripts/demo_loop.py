@@ -10,7 +10,8 @@ What it does, with every component real (Ray Serve, the embedded Redis, MLflow o
 3. starts the scheduler, `draftsmith distill --min-records N --poll 15s`, in the background;
 4. sends chat requests from prompt source A (--source-a, default gsm8k) for --phase seconds with
    --clients concurrent clients, then from source B (default gpqa) for --phase seconds;
-5. runs `draftsmith rollback` once and keeps sending B traffic for --tail seconds;
+5. waits (B traffic going on, at most --wait-promotion s) until a distilled version is champion, runs
+   `draftsmith rollback` once and keeps sending B traffic for --tail seconds;
 6. writes responses.jsonl, summary.json, summary.md (a table per draft version) and acceptance.png
    (acceptance rate of each response over time, rolling mean, version changes marked) into --out.
 
@@ -165,6 +166,9 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8011)
     ap.add_argument("--phase", type=float, default=300.0, help="seconds of traffic per prompt source")
     ap.add_argument("--tail", type=float, default=90.0, help="seconds of traffic after the rollback")
+    ap.add_argument("--wait-promotion", type=float, default=300.0,
+                    help="after the second phase, keep its traffic up to this long until a distilled version "
+                         "is champion, then roll back")
     ap.add_argument("--clients", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--mode", default="speculative")
@@ -220,6 +224,12 @@ def main() -> None:
         events.append((time.time() - traffic.t0, f"traffic -> {args.source_b}"))
         traffic.set_source(args.source_b)
         time.sleep(args.phase)
+        deadline = time.time() + args.wait_promotion
+        while time.time() < deadline and "champion" not in " ".join(
+                line for line in cli(env, "versions", check=False).stdout.splitlines()[2:]
+                if not line.split()[:1] == ["1"]):
+            log("no distilled version promoted yet; more traffic from the second source")
+            time.sleep(20)
         res = cli(env, "rollback", "--reason", "demo rollback", check=False)
         events.append((time.time() - traffic.t0, "rollback"))
         if res.returncode != 0:
