@@ -220,9 +220,19 @@ def test_fuzzed_request_bodies_never_get_a_5xx(client, route, body):
 
 
 # ----------------------------------------------------------------------------- overload, time, disconnects
-def never_stopping(svc):
-    """The tiny model may emit EOS early; long-request tests need one that runs to max_tokens."""
+def never_stopping(svc, step_s: float = 0.01):
+    """Long-request tests need a request that runs to max_tokens (the tiny model may emit EOS early) and
+    takes a known minimum time (the tiny model alone can do 1,000+ tokens/s): every target forward is
+    slowed by `step_s`, so 450 tokens take at least 4.5 s however fast the machine is."""
     svc.engine.eos_token_ids = set()
+    model = svc.engine.target.model
+    real = model.forward
+
+    def slow_forward(*a, **k):
+        time.sleep(step_s)
+        return real(*a, **k)
+
+    model.forward = slow_forward
     return svc
 
 
