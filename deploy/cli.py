@@ -5,7 +5,8 @@
     draftsmith distill [--every 10m] [--min-records N] [--margin 0.01]
     draftsmith register CANDIDATE_DIR            (or a full model folder: a new base draft)
     draftsmith promote VERSION [--force]
-    draftsmith rollback [--to VERSION]
+    draftsmith rollback [--to VERSION] [--no-pause]   (pauses scheduled distillation by default)
+    draftsmith resume                              (lets scheduled distillation promote again)
     draftsmith versions
     draftsmith status
 
@@ -142,6 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
     rb = sub.add_parser("rollback", parents=[common], help="move the champion back to the previous version")
     rb.add_argument("--to", type=_version, default=None, metavar="VERSION")
     rb.add_argument("--reason", default="operator rollback")
+    rb.add_argument("--no-pause", action="store_true",
+                    help="do not pause scheduled distillation (by default a rollback pauses it until "
+                         "`draftsmith resume`)")
+    sub.add_parser("resume", parents=[common], help="let scheduled distillation promote again after a rollback")
 
     sub.add_parser("versions", parents=[common], help="list draft versions with aliases and metrics")
     sub.add_parser("status", parents=[common], help="champion, aliases, scheduler state")
@@ -346,8 +351,17 @@ def cmd_promote(args) -> int:
 
 def cmd_rollback(args) -> int:
     reg = _registry(args)
-    move = reg.rollback(args.to, reason=args.reason)
+    move = reg.rollback(args.to, reason=args.reason, pause=not args.no_pause)
     print(move.message + ("" if move.changed else " (nothing changed)"))
+    return EXIT_OK
+
+
+def cmd_resume(args) -> int:
+    reg = _registry(args)
+    if reg.resume_promotions():
+        print(f"{reg.name}: scheduled distillation resumed; the next due job may promote through the gate")
+    else:
+        print(f"{reg.name}: scheduled distillation was not paused (nothing changed)")
     return EXIT_OK
 
 
@@ -387,6 +401,11 @@ def cmd_status(args) -> int:
     if champ:
         info = reg.get(champ)
         print(f"champion offline acceptance: {_fmt(info.offline_acceptance)}")
+    paused = reg.promotions_paused()
+    if paused:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(paused.get("time", 0)))
+        print(f"paused:    scheduled distillation paused since {when} ({paused.get('reason')}); "
+              "`draftsmith resume` lifts it")
     holder = JobLock().holder()
     print("distill:   " + (f"a job is running (pid {holder.get('pid')} on {holder.get('host')})" if holder
                            else "no job running"))
@@ -403,7 +422,8 @@ def cmd_status(args) -> int:
 
 
 COMMANDS = {"serve": cmd_serve, "bootstrap": cmd_bootstrap, "distill": cmd_distill, "register": cmd_register,
-            "promote": cmd_promote, "rollback": cmd_rollback, "versions": cmd_versions, "status": cmd_status}
+            "promote": cmd_promote, "rollback": cmd_rollback, "resume": cmd_resume, "versions": cmd_versions,
+            "status": cmd_status}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,6 +50,7 @@ LIVE_EXPERIMENT = "draftsmith-live"
 MANIFEST = "manifest.json"
 MARKER = ".draftsmith-materialized.json"        # written last into a cached merged folder
 TAG = "draftsmith."                             # prefix of every tag this module writes
+PAUSE_TAG = TAG + "promotions_paused"           # registered-model tag: scheduled distillation paused
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
@@ -725,12 +726,47 @@ class Registry:
             msg = f"version {v} is now the champion" + (f" (previous: {old})" if old else "")
             return AliasMove("promote", v, old, prev, True, msg)
 
-    def rollback(self, to: Any | None = None, *, reason: str = "") -> AliasMove:
+    # ------------------------------------------------------------------ automatic promotion pause
+    def pause_promotions(self, reason: str) -> None:
+        """Stop scheduled distillation from promoting (and running) until `resume_promotions`.
+        Stored as a registered-model tag, so every scheduler sharing this registry sees it."""
+        self._ensure_model()
+        entry = {"time": time.time(), "reason": reason}
+        self.client.set_registered_model_tag(self.name, PAUSE_TAG, json.dumps(entry))
+        self._record_history({"action": "pause", "reason": reason})
+
+    def resume_promotions(self) -> bool:
+        """Clear the pause; False when there was none."""
+        if self.promotions_paused() is None:
+            return False
+        self.client.delete_registered_model_tag(self.name, PAUSE_TAG)
+        self._record_history({"action": "resume"})
+        return True
+
+    def promotions_paused(self) -> dict | None:
+        """{"time", "reason"} while scheduled promotion is paused, else None."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            raw = (self.client.get_registered_model(self.name).tags or {}).get(PAUSE_TAG)
+        except MlflowException:
+            return None
+        if raw is None:
+            return None
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError:
+            return {"time": 0, "reason": raw}
+
+    def rollback(self, to: Any | None = None, *, reason: str = "", pause: bool = True) -> AliasMove:
         """Move `champion` back to `previous` (or to version `to`). Idempotent.
 
         After a rollback `previous` is cleared and the rolled-back version is tagged
         `draftsmith.rolled_back_at`, so repeating the command is a no-op. The target version is
         verified and materialised before any alias moves (ArtifactError leaves everything as it was).
+        With `pause` (the default) a rollback that moved the champion also pauses scheduled
+        distillation (`pause_promotions`), so the scheduler does not promote the next candidate
+        behind the operator's back; `draftsmith resume` lifts it.
         """
         with self._lock:
             champ = self.champion()
@@ -758,9 +794,12 @@ class Registry:
                 self.set_version_tags(champ, {TAG + "rolled_back_at": now, TAG + "rolled_back_to": target})
             self.set_version_tags(target, {TAG + "restored_at": now})
             self._record_history({"action": "rollback", "from": champ, "to": target, "reason": reason})
+            if pause:
+                self.pause_promotions(f"rollback from version {champ} to {target}: {reason or 'no reason given'}")
             return AliasMove("rollback", target, champ, None, True,
                              f"rolled back: version {target} is now the champion"
-                             + (f" (was {champ})" if champ else ""))
+                             + (f" (was {champ})" if champ else "")
+                             + ("; scheduled distillation paused until `draftsmith resume`" if pause else ""))
 
 
 def read_candidate(cdir: Path) -> dict:

@@ -261,6 +261,10 @@ class DistillScheduler:
         """Whether a job should start now, and why (or why not)."""
         if self.schedule is None:
             return True, "no schedule: run now"
+        paused = self.registry.promotions_paused()
+        if paused:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(paused.get("time", 0)))
+            return False, f"paused since {when} ({paused.get('reason')}); `draftsmith resume` to continue"
         now = self.clock()
         sch = self.schedule
         if sch.every_s is not None:

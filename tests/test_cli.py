@@ -111,6 +111,13 @@ def test_operator_workflow(env, capsys, tmp_path):
     assert code == 0 and "already rolled back" in out and "(nothing changed)" in out
     code, out, _ = run(capsys, "status")
     assert code == 0 and "champion:  1" in out and "rollback -> 1 (from 2)" in out and "no job running" in out
+    assert "paused:    scheduled distillation paused" in out and "operator rollback" in out
+    code, out, _ = run(capsys, "resume")
+    assert code == 0 and "resumed" in out
+    code, out, _ = run(capsys, "resume")
+    assert code == 0 and "was not paused" in out
+    code, out, _ = run(capsys, "status")
+    assert "paused:" not in out
 
     # a corrupt artifact: refused with exit 1, aliases unchanged
     reg = Registry(str(target))

@@ -143,7 +143,8 @@ def test_promote_and_rollback_move_aliases_idempotently(registry, base, tmp_path
     assert fwd.changed and registry.champion() == "2"
     assert not registry.rollback(to="v2").changed and registry.champion() == "2"
     actions = [(h["action"], h.get("version") or h.get("to")) for h in registry.history()]
-    assert actions == [("promote", "1"), ("register", "2"), ("promote", "2"), ("rollback", "1"), ("rollback", "2")]
+    assert actions == [("promote", "1"), ("register", "2"), ("promote", "2"), ("rollback", "1"), ("pause", None),
+                       ("rollback", "2"), ("pause", None)]
 
 
 def test_rollback_with_nothing_recorded_says_what_to_do(registry, base):

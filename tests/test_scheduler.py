@@ -170,6 +170,9 @@ class FakeRegistry:
     def last_data_window(self):
         return self.window
 
+    def promotions_paused(self):
+        return None
+
 
 def test_triggers():
     clock = [0.0]
@@ -220,6 +223,32 @@ def test_run_forever_runs_when_due(registry, tmp_path):
     outs = sched.run_forever(max_jobs=2)
     assert [o.status for o in outs] == ["promoted", "promoted"] and len(calls) == 2
     assert list(counts) == [7]                     # four checks: 0, 3 (wait), 7 (job), 7 (job), then stop
+
+
+def test_rollback_pauses_scheduled_promotion_until_resumed(registry, tmp_path):
+    distill, calls = candidate_maker(tmp_path)
+    sched = DistillScheduler(registry, distill, smoke_check=ok_smoke, lock=JobLock(tmp_path / "l.lock"),
+                             schedule=ScheduleConfig(min_records=5, poll_s=0.01),
+                             pending_records=lambda since: 50, progress=lambda m: None)
+    assert sched.run_forever(max_jobs=1)[0].status == "promoted" and registry.champion() == "2"
+    move = registry.rollback(reason="bad live acceptance")
+    assert move.changed and registry.champion() == "1" and "paused" in move.message
+    paused = registry.promotions_paused()
+    assert paused is not None and "bad live acceptance" in paused["reason"]
+    ok, why = sched.due()
+    assert ok is False and "paused" in why and "draftsmith resume" in why
+    stop = threading.Event()
+    threading.Timer(0.3, stop.set).start()
+    assert sched.run_forever(stop) == [] and len(calls) == 1       # no job while paused, records stay pending
+    assert registry.champion() == "1"
+    assert registry.resume_promotions() is True and registry.promotions_paused() is None
+    assert registry.resume_promotions() is False                   # idempotent
+    assert sched.due()[0] is True
+    assert sched.run_forever(max_jobs=1)[0].status == "promoted" and registry.champion() == "3"
+    # an operator can roll back without pausing
+    assert registry.rollback(pause=False).changed and registry.promotions_paused() is None
+    actions = [h["action"] for h in registry.history()]
+    assert actions.count("pause") == 1 and actions.count("resume") == 1
 
 
 def test_schedule_and_duration_validation():

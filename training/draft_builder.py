@@ -35,24 +35,50 @@ from training.teacher import generate_teacher_data, load_examples, save_examples
 log = logging.getLogger(__name__)
 
 
-def make_draft_from_target(target, num_layers: int = 2):
-    """A `num_layers`-layer model of the target's width: embedding, first layers and final norm copied."""
+def make_draft_from_target(target, num_layers: int = 2, layers: list[int] | None = None):
+    """A `num_layers`-layer model of the target's width: embedding and final norm copied, decoder layer j
+    initialised from the target's layer `layers[j]` (default: its first `num_layers` layers)."""
     from transformers import AutoModelForCausalLM
 
+    layers = list(layers) if layers is not None else list(range(num_layers))
+    num_layers = len(layers)
+    n_target = target.config.num_hidden_layers
+    if not layers or min(layers) < 0 or max(layers) >= n_target:
+        raise ValueError(f"draft layers {layers} must be indices of the target's {n_target} layers")
     cfg = copy.deepcopy(target.config)
     cfg.num_hidden_layers = num_layers
     cfg.tie_word_embeddings = True
     if hasattr(cfg, "layer_types") and cfg.layer_types:
-        cfg.layer_types = cfg.layer_types[:num_layers]
+        cfg.layer_types = [cfg.layer_types[i] for i in layers]
     draft = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    state = {k: v.float() for k, v in target.state_dict().items()
-             if not k.startswith("model.layers.") or int(k.split(".")[2]) < num_layers}
+    src = {t: j for j, t in enumerate(layers)}
+    state = {}
+    for k, v in target.state_dict().items():
+        if k.startswith("model.layers."):
+            i = int(k.split(".")[2])
+            if i not in src:
+                continue
+            k = k.replace(f"model.layers.{i}.", f"model.layers.{src[i]}.", 1)
+        state[k] = v.float()
     state.pop("lm_head.weight", None)
     missing, unexpected = draft.load_state_dict(state, strict=False)
     if unexpected or [m for m in missing if m != "lm_head.weight"]:
         raise RuntimeError(f"draft init mismatch: missing={missing} unexpected={unexpected}")
     draft.tie_weights()
     return draft
+
+
+def untie_output(draft, subset: torch.Tensor, head_rows: torch.Tensor) -> None:
+    """Give `draft` its own output layer: the (frozen) input embedding everywhere, `head_rows` on the
+    kept vocabulary `subset` (the rows the engine computes)."""
+    emb = draft.get_input_embeddings().weight.detach()
+    weight = emb.clone()
+    weight[subset] = head_rows.detach().to(weight.dtype)
+    draft.config.tie_word_embeddings = False
+    if getattr(draft.config, "get_text_config", None):
+        draft.config.get_text_config().tie_word_embeddings = False
+    draft.lm_head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    draft.lm_head.weight = torch.nn.Parameter(weight, requires_grad=False)
 
 
 def _vocab_subset(examples: list[dict], tokenizer) -> torch.Tensor:
@@ -110,22 +136,83 @@ def _hidden_rows(draft, batch):
     return h[batch["rows_b"], batch["rows_t"]]
 
 
-def evaluate_agreement(draft, examples, subset, vocab_index, batch_size=16) -> float:
+def evaluate_agreement(draft, examples, out_weight, vocab_index, batch_size=16) -> float:
+    """Top-1 agreement with the target's greedy token on `examples` (output rows `out_weight`)."""
     draft.eval()
     hit = tot = 0
-    W = draft.get_input_embeddings().weight[subset]
     with torch.no_grad():
         for i in range(0, len(examples), batch_size):
             b = _batch(examples[i: i + batch_size], vocab_index)
-            logits = _hidden_rows(draft, b) @ W.T
+            logits = _hidden_rows(draft, b) @ out_weight.T
             hit += int((logits.argmax(-1) == b["hard"]).sum())
             tot += len(b["hard"])
     draft.train()
     return hit / max(1, tot)
 
 
+def train_draft(draft, train_ex: list[dict], held_ex: list[dict], subset: torch.Tensor, *, deadline: float,
+                batch_size: int = 16, lr: float = 1e-3, train_head: bool = True, soft_weight: float = 0.5,
+                progress=print) -> dict:
+    """Train `draft` (decoder layers + final norm; the kept output rows too when `train_head`) on the
+    teacher examples until `deadline` (a time.time() value). The input embedding stays frozen.
+    With `train_head` the draft is untied at the end (its own output layer, see `untie_output`).
+    Returns the figures: steps, epochs, scored tokens, held-out agreement before/after."""
+    vocab = draft.get_input_embeddings().weight.shape[0]
+    vocab_index = torch.full((vocab + 1,), -1, dtype=torch.long)
+    vocab_index[subset] = torch.arange(len(subset))
+    emb = draft.get_input_embeddings().weight
+    emb.requires_grad_(False)
+    head = torch.nn.Parameter(emb.detach()[subset].clone()) if train_head else None
+    W_sub = (lambda: head) if train_head else (lambda: emb[subset])
+    params = [p for p in draft.parameters() if p.requires_grad] + ([head] if train_head else [])
+    n_train = sum(p.numel() for p in params)
+    progress(f"[bootstrap] draft: {draft.config.num_hidden_layers} layers, "
+             f"{sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M params ({n_train / 1e6:.1f}M trained"
+             f"{', own output rows' if train_head else ''}), output vocabulary {len(subset)} of {vocab}")
+    before = evaluate_agreement(draft, held_ex, W_sub(), vocab_index)
+    progress(f"[bootstrap] held-out top-1 agreement before training: {before:.3f}")
+
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    est_steps = max(1, int(deadline - time.time()))      # ~1 step/s on 2 cores at batch 16
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.1, 1 - s / est_steps))
+    draft.train()
+    step, tokens, epoch = 0, 0, 0
+    t_train = time.time()
+    # group by length for less padding; shuffle the groups
+    by_len = sorted(train_ex, key=lambda e: len(e["tokens"]))
+    batches = [by_len[i: i + batch_size] for i in range(0, len(by_len), batch_size)]
+    while time.time() < deadline:
+        random.shuffle(batches)
+        for group in batches:
+            if time.time() >= deadline:
+                break
+            b = _batch(group, vocab_index)
+            loss, agree = distill_loss(_hidden_rows(draft, b), W_sub(), b, soft_weight)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            step += 1
+            tokens += len(b["hard"])
+            if step % 20 == 0:
+                el = time.time() - t_train
+                progress(f"[bootstrap] epoch {epoch} step {step} loss {loss.item():.3f} train-agree {agree:.3f} "
+                         f"{tokens / el:.0f} scored tok/s, {deadline - time.time():.0f} s left")
+        epoch += 1
+    draft.eval()
+    after = evaluate_agreement(draft, held_ex, W_sub(), vocab_index)
+    progress(f"[bootstrap] held-out top-1 agreement after {step} steps ({epoch} epochs): {after:.3f}")
+    if train_head:
+        untie_output(draft, subset, head)
+    return {"train_steps": step, "epochs": epoch, "train_scored_tokens": tokens,
+            "train_seconds": round(time.time() - t_train, 1), "train_head": train_head,
+            "heldout_top1_agreement_before": before, "heldout_top1_agreement_after": after}
+
+
 def bootstrap(out_dir: str | Path, target_path: str | Path | None = None, *, budget_s: float = 780,
-              teacher_share: float = 0.4, num_layers: int = 2, batch_size: int = 16, lr: float = 1e-3,
+              teacher_share: float = 0.55, layers: list[int] | None = None, num_layers: int = 2,
+              batch_size: int = 16, lr: float = 1e-3, train_head: bool = False,
               prompts_source: str = "gsm8k", max_new_tokens: int = 128, heldout: int = 40,
               teacher_cache: str | Path | None = None, seed: int = 0, progress=print) -> Path:
     """Build the default draft into `out_dir` within about `budget_s` seconds; return the folder."""
@@ -162,53 +249,13 @@ def bootstrap(out_dir: str | Path, target_path: str | Path | None = None, *, bud
 
     # 2. draft architecture + kept vocabulary
     target = load_causal_lm(tpath, "cpu", torch.float32)
-    draft = make_draft_from_target(target, num_layers)
+    draft = make_draft_from_target(target, num_layers, layers)
     del target
     subset = _vocab_subset(train_ex, tok)
-    vocab_index = torch.full((len(tok) + 1,), -1, dtype=torch.long)
-    vocab_index[subset] = torch.arange(len(subset))
-    draft.get_input_embeddings().weight.requires_grad_(False)
-    params = [p for p in draft.parameters() if p.requires_grad]
-    n_train = sum(p.numel() for p in params)
-    progress(f"[bootstrap] draft: {num_layers} layers, {sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M "
-             f"params ({n_train / 1e6:.1f}M trained), output vocabulary {len(subset)} of {len(tok)}")
-    before = evaluate_agreement(draft, held_ex, subset, vocab_index)
-    progress(f"[bootstrap] held-out top-1 agreement before training: {before:.3f}")
 
     # 3. train until the budget (minus a margin for evaluation and saving)
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    train_deadline = t_start + budget_s - 45
-    est_steps = max(1, int((train_deadline - time.time()) / 1.0))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.1, 1 - s / est_steps))
-    draft.train()
-    step, tokens, epoch = 0, 0, 0
-    t_train = time.time()
-    # group by length for less padding; shuffle the groups
-    by_len = sorted(train_ex, key=lambda e: len(e["tokens"]))
-    batches = [by_len[i: i + batch_size] for i in range(0, len(by_len), batch_size)]
-    W_sub = lambda: draft.get_input_embeddings().weight[subset]
-    while time.time() < train_deadline:
-        random.shuffle(batches)
-        for group in batches:
-            if time.time() >= train_deadline:
-                break
-            b = _batch(group, vocab_index)
-            loss, agree = distill_loss(_hidden_rows(draft, b), W_sub(), b)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            sched.step()
-            step += 1
-            tokens += len(b["hard"])
-            if step % 20 == 0:
-                el = time.time() - t_train
-                progress(f"[bootstrap] epoch {epoch} step {step} loss {float(loss):.3f} train-agree {agree:.3f} "
-                         f"{tokens / el:.0f} scored tok/s, {train_deadline - time.time():.0f} s left")
-        epoch += 1
-    draft.eval()
-    after = evaluate_agreement(draft, held_ex, subset, vocab_index)
-    progress(f"[bootstrap] held-out top-1 agreement after {step} steps ({epoch} epochs): {after:.3f}")
+    figures = train_draft(draft, train_ex, held_ex, subset, deadline=t_start + budget_s - 45,
+                          batch_size=batch_size, lr=lr, train_head=train_head, progress=progress)
 
     # 4. save a plain HF folder + the kept output rows
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -217,10 +264,9 @@ def bootstrap(out_dir: str | Path, target_path: str | Path | None = None, *, bud
     meta = {
         "output_token_ids": subset.tolist(),
         "built_by": "training.draft_builder.bootstrap",
-        "target": str(tpath), "num_layers": num_layers, "prompts_source": prompts_source,
-        "teacher_examples": len(train_ex), "heldout_examples": len(held_ex), "train_steps": step,
-        "train_scored_tokens": tokens, "heldout_top1_agreement_before": before,
-        "heldout_top1_agreement_after": after, "seconds": round(time.time() - t_start, 1),
+        "target": str(tpath), "layers_from_target": layers or list(range(num_layers)),
+        "prompts_source": prompts_source, "teacher_examples": len(train_ex), "heldout_examples": len(held_ex),
+        **figures, "seconds": round(time.time() - t_start, 1),
     }
     (out_dir / "draftsmith.json").write_text(json.dumps(meta))
     progress(f"[bootstrap] wrote {out_dir} in {time.time() - t_start:.0f} s")

@@ -1,0 +1,97 @@
+"""The bootstrap draft builder (training/draft_builder.py) on tiny models: layer initialisation from the
+target, training on the target's own teacher data, the draft's own output rows surviving save/load, and
+the folder it writes decoding correctly in the engine."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+import tiny_models
+from serving.config import SamplingParams, SpecParams
+from serving.engine import Engine
+from training.draft_builder import _vocab_subset, bootstrap, make_draft_from_target, train_draft
+from training.teacher import generate_teacher_data
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("boot")
+    tok = tiny_models.make_tokenizer()
+    path = root / "target"
+    tiny_models.make_model(0, layers=4, sharp=8.0).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def teacher(target_dir):
+    from transformers import AutoModelForCausalLM
+
+    tok = tiny_models.make_tokenizer()
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    rng = random.Random(0)
+    words = "add the two numbers then multiply by three and tell me the answer please".split()
+    prompts = [tok(" ".join(rng.choices(words, k=6)))["input_ids"] for _ in range(24)]
+    examples = generate_teacher_data(target, tok, prompts, max_new_tokens=12, batch_size=8, progress=lambda m: None)
+    return target, tok, examples
+
+
+def test_draft_layers_are_copied_from_the_chosen_target_layers(teacher):
+    target, _, _ = teacher
+    draft = make_draft_from_target(target, layers=[0, 3])
+    assert draft.config.num_hidden_layers == 2
+    for j, i in enumerate([0, 3]):
+        for name, p in draft.model.layers[j].state_dict().items():
+            assert torch.equal(p, target.model.layers[i].state_dict()[name]), (j, i, name)
+    assert torch.equal(draft.get_input_embeddings().weight, target.get_input_embeddings().weight)
+    with pytest.raises(ValueError, match="must be indices"):
+        make_draft_from_target(target, layers=[0, 4])
+
+
+@pytest.mark.parametrize("train_head", [False, True])
+def test_training_raises_agreement_with_the_teacher(teacher, train_head):
+    target, tok, examples = teacher
+    torch.manual_seed(0)
+    draft = make_draft_from_target(target, layers=[0])
+    subset = _vocab_subset(examples, tok)
+    import time
+
+    fig = train_draft(draft, examples, examples, subset, deadline=time.time() + 4, lr=1e-2,
+                      train_head=train_head, progress=lambda m: None)
+    assert fig["train_steps"] > 0
+    # the examples are the training set here: fitting them is what this checks
+    assert fig["heldout_top1_agreement_after"] > fig["heldout_top1_agreement_before"] + 0.1, fig
+    head = draft.get_output_embeddings().weight
+    emb = draft.get_input_embeddings().weight
+    if train_head:   # own output rows on the kept vocabulary, the input embedding elsewhere
+        assert not torch.equal(head[subset], emb[subset])
+        rest = torch.ones(len(head), dtype=torch.bool)
+        rest[subset] = False
+        assert torch.equal(head[rest], emb[rest])
+    else:
+        assert head.data_ptr() == emb.data_ptr()
+
+
+def test_bootstrap_writes_a_folder_the_engine_decodes_losslessly(target_dir, tmp_path):
+    out = bootstrap(tmp_path / "draft", target_dir, budget_s=52, teacher_share=0.1, layers=[0, 3], train_head=True,
+                    max_new_tokens=8, heldout=4, progress=lambda m: None)
+    meta = json.loads((out / "draftsmith.json").read_text())
+    assert meta["layers_from_target"] == [0, 3] and meta["train_head"] is True
+    assert meta["teacher_examples"] > 0 and meta["train_steps"] > 0
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert reloaded.config.tie_word_embeddings is False
+    rows = torch.tensor(meta["output_token_ids"])
+    assert not torch.equal(reloaded.lm_head.weight[rows], reloaded.get_input_embeddings().weight[rows])
+
+    engine = Engine.from_paths(str(target_dir), str(out), dtype=torch.float32, device="cpu", draft_version="boot")
+    prompt = engine.tokenizer("add the two numbers")["input_ids"]
+    greedy = SamplingParams(max_tokens=16, temperature=0.0)
+    expected = engine.generate_all(prompt, greedy, SpecParams(mode="target")).token_ids
+    res = engine.generate_all(prompt, greedy, SpecParams(mode="speculative", gamma=4))
+    assert res.token_ids == expected
+    assert res.stats.draft_tokens > 0
