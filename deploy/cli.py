@@ -206,7 +206,8 @@ def _bootstrap_in_background(args) -> None:
         if value:
             cmd += [flag, str(value)]
     with open(logfile, "ab") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})   # progress lines reach the log
     print(f"[serve] no draft registered yet: serving target-only while `draftsmith bootstrap` (pid {proc.pid}) "
           f"builds the default draft (~13 min, progress in {logfile}); replicas switch to it when it is promoted")
 
@@ -235,7 +236,8 @@ def cmd_bootstrap(args) -> int:
         raise CommandFailed(f"another bootstrap is running ({lock.holder()})")
     try:
         folder = Path(build(out, args.target, budget_s=args.budget,
-                            teacher_cache=data_dir() / "bootstrap" / "teacher.safetensors"))
+                            teacher_cache=data_dir() / "bootstrap" / "teacher.safetensors",
+                            progress=lambda m: print(m, flush=True)))
     finally:
         lock.release()
     version = reg.register_base(folder, description="bootstrap base draft")

@@ -185,10 +185,24 @@ def test_serve_delegates(env, capsys, monkeypatch):
     fake = types.ModuleType("serving.app")
     fake.serve_forever = lambda **kw: seen.update(kw)
     monkeypatch.setitem(sys.modules, "serving.app", fake)
-    code, _, _ = run(capsys, "serve", "--host", "0.0.0.0", "--port", "8123", "--replicas", "2", "--api-key", "k")
+    spawned = []
+
+    class FakePopen:        # no draft registered: serve starts `draftsmith bootstrap` in the background
+        def __init__(self, cmd, **kw):
+            spawned.append((cmd, kw))
+            self.pid = 4242
+
+    monkeypatch.setattr(subprocess, "Popen", FakePopen)
+    code, out, _ = run(capsys, "serve", "--host", "0.0.0.0", "--port", "8123", "--replicas", "2", "--api-key", "k")
     assert code == 0
     assert seen == {"host": "0.0.0.0", "port": 8123, "target": str(env[0]), "draft": None, "replicas": 2,
                     "api_key": "k"}
+    (cmd, kw), = spawned
+    assert cmd[1:4] == ["-m", "deploy.cli", "bootstrap"] and str(env[0]) in cmd
+    assert kw["start_new_session"] is True and kw["env"]["PYTHONUNBUFFERED"] == "1"
+    assert "serving target-only while `draftsmith bootstrap` (pid 4242)" in out
+    code, _, _ = run(capsys, "serve", "--no-bootstrap")
+    assert code == 0 and len(spawned) == 1
 
 
 def test_console_script_reports_without_traceback(tmp_path):
