@@ -95,6 +95,18 @@ def run_hf_assisted(engine, prompts, sampling, gamma, label):
     return agg
 
 
+def token_acceptance(r) -> float | None:
+    """Per-token acceptance (Leviathan et al.'s alpha): accepted draft tokens over draft tokens the
+    target actually judged (position i is judged only when positions 1..i-1 were accepted). The
+    `acceptance_rate` column (vLLM's) divides by every proposed token instead, so at gamma 4 it is
+    about (alpha + ... + alpha^4) / 4."""
+    app = r.get("accepted_per_position") or []
+    if not r.get("steps") or not app:
+        return None
+    judged = r["steps"] + sum(app[:-1])
+    return round(sum(app) / judged, 3) if judged else None
+
+
 def summarise(rows, prompts, target_model, base_tokens_per_s: float | None = None):
     """One table row per run; speed-up against `base_tokens_per_s` (default: the first row's tokens/s)."""
     base = base_tokens_per_s or rows[0]["tokens"] / rows[0]["wall"]
@@ -111,6 +123,7 @@ def summarise(rows, prompts, target_model, base_tokens_per_s: float | None = Non
             mode=r["label"], tokens=r["tokens"], tokens_per_s=round(tps, 2), speedup=round(tps / base, 3),
             mean_accepted_length=round(r["accepted"] / r["steps"], 3) if r["steps"] else None,
             acceptance_rate=round(r["accepted"] / r["draft_tokens"], 3) if r["draft_tokens"] else None,
+            token_acceptance=token_acceptance(r),
             perplexity=round(math.exp(r["nll"] / max(1, r["nll_tokens"])), 3),
             overhead_share=round(1 - model_time / r["wall"], 3) if model_time else None,
             j_per_token=round(r["energy"] / r["tokens"], 4) if r["energy_known"] and r["tokens"] else None,
