@@ -483,7 +483,11 @@ class _RequestState:
         if mode == "spectr":
             draft_tokens, target_logits, res = self._spectr_step(spec, warp, gen, stats)
         else:
-            if mode == "mjsd":
+            if mode == "mjsd" and (sampling.temperature == 0 or spec.beams == 1):
+                # greedy (one-hot warp) or one beam: every beam but the first has no candidate, so beam
+                # sampling is the plain draft chain; skip the forked beam caches
+                draft_tokens, draft_probs = self._propose_chain(spec.gamma, warp, gen, stats)
+            elif mode == "mjsd":
                 draft_tokens, draft_probs = self._propose_beams(spec, warp, gen, stats)
             elif mode == "ngram":
                 draft_tokens, draft_probs = self._propose_ngram(spec)

@@ -129,6 +129,30 @@ def test_mjsd_identical_draft_accepts_everything(self_engine):
     assert res.stats.acceptance_rate == 1.0
 
 
+@pytest.mark.parametrize("beams", [1, 8])
+def test_mjsd_greedy_equals_target_greedy(engine, self_engine, beams):
+    """At T=0 both warps are one-hot: the joint test accepts exactly the draft tokens that match the
+    target's argmax, so MJSD (any tau < 1, any beams; it runs the plain chain there) is greedy decoding."""
+    prompt = prompt_ids(engine)
+    expected = reference_greedy(engine.target.model, prompt, GREEDY.max_tokens)
+    for eng in (engine, self_engine):
+        res = eng.generate_all(prompt, GREEDY, SpecParams(mode="mjsd", gamma=4, beams=beams, tau=0.1))
+        assert res.token_ids == expected, eng.draft_version
+    same = self_engine.generate_all(prompt, GREEDY, SpecParams(mode="mjsd", gamma=4, beams=beams))
+    assert same.stats.acceptance_rate == 1.0
+
+
+def test_mjsd_one_beam_keeps_the_tau_extremes(engine, self_engine):
+    sampling = SamplingParams(temperature=1.0, max_tokens=30, seed=4)
+    prompt = prompt_ids(engine)
+    none = engine.generate_all(prompt, sampling, SpecParams(mode="mjsd", beams=1, tau=1.0))
+    assert none.stats.accepted_tokens == 0 and none.stats.tokens > 0
+    every = engine.generate_all(prompt, sampling, SpecParams(mode="mjsd", gamma=4, beams=1, tau=0.0))
+    assert every.stats.acceptance_rate == 1.0
+    same = self_engine.generate_all(prompt, sampling, SpecParams(mode="mjsd", gamma=4, beams=1, tau=0.5))
+    assert same.stats.acceptance_rate == 1.0
+
+
 def test_mjsd_tau_extremes(engine):
     prompt = prompt_ids(engine)
     sampling = SamplingParams(temperature=1.0, max_tokens=30, seed=9)
