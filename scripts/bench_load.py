@@ -35,8 +35,9 @@ def pct(values: list[float], q: float) -> float | None:
     return v[min(len(v) - 1, int(round(q * (len(v) - 1))))]
 
 
-def engine_baseline(prompts: list[str], args) -> dict:
-    """In-process tokens/s over the same requests (no HTTP, no Ray)."""
+def engine_baseline(prompts: list[str], args, threads: int | None = None) -> dict:
+    """In-process tokens/s over the same requests (no HTTP, no Ray), torch on `threads` threads
+    (default: every core)."""
     import torch
 
     from deploy.registry import Registry
@@ -44,7 +45,8 @@ def engine_baseline(prompts: list[str], args) -> dict:
     from serving.engine import Engine
     from training.prompts import chat_prompt_ids
 
-    torch.set_num_threads(os.cpu_count() or 2)
+    threads = threads or os.cpu_count() or 2
+    torch.set_num_threads(threads)
     reg = Registry(None)
     version = reg.champion()
     draft = str(reg.materialize(version)) if version else None
@@ -59,10 +61,12 @@ def engine_baseline(prompts: list[str], args) -> dict:
         tokens += len(r.token_ids)
         i += 1
     dt = time.perf_counter() - t0
-    print(f"[engine] {i} requests, {tokens} tokens in {dt:.1f} s: {tokens / dt:.1f} tok/s (draft {version})",
-          flush=True)
+    print(f"[engine] {threads} threads: {i} requests, {tokens} tokens in {dt:.1f} s: {tokens / dt:.1f} tok/s "
+          f"(draft {version})", flush=True)
     del eng
-    return {"requests": i, "tokens": tokens, "seconds": dt, "tokens_per_s": tokens / dt, "draft_version": version}
+    torch.set_num_threads(os.cpu_count() or 2)
+    return {"requests": i, "tokens": tokens, "seconds": dt, "tokens_per_s": tokens / dt, "draft_version": version,
+            "threads": threads}
 
 
 def run_level(url: str, n: int, prompts: list[str], args) -> dict:
@@ -156,6 +160,9 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--mode", default="mjsd")
     p.add_argument("--engine-seconds", type=float, default=60)
+    p.add_argument("--engine-threads", type=int, nargs="+", default=None,
+                   help="also measure the in-process engine at these torch thread counts (e.g. the replica's "
+                        "1 on a 2-core machine), to separate HTTP + Ray cost from the core left to the proxy")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "load")
     args = p.parse_args()
     from training.prompts import load_prompts
@@ -164,6 +171,8 @@ def main() -> int:
     report = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
     if args.engine_seconds > 0:
         report["engine"] = engine_baseline(prompts, args)
+        for t in args.engine_threads or []:
+            report.setdefault("engine_at_threads", []).append(engine_baseline(prompts, args, t))
     proc = None
     url = args.url
     if url is None:
@@ -197,6 +206,10 @@ def main() -> int:
             report["http_overhead_at_1_client"] = 1 - one["tokens_per_s"] / eng
             lines.append(f"\nIn-process engine: {eng:.1f} tok/s; HTTP + Ray at 1 client: {one['tokens_per_s']:.1f} tok/s "
                          f"(overhead {100 * report['http_overhead_at_1_client']:.1f}%)")
+            for e in report.get("engine_at_threads", []):
+                e["http_overhead_at_1_client"] = 1 - one["tokens_per_s"] / e["tokens_per_s"]
+                lines.append(f"In-process engine on {e['threads']} thread(s): {e['tokens_per_s']:.1f} tok/s "
+                             f"(HTTP + Ray overhead against it {100 * e['http_overhead_at_1_client']:.1f}%)")
     table = "\n".join(lines)
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)
