@@ -3,10 +3,13 @@
 Recipe (see shared/reference/measurements.md for why each lever matters on a 2-core CPU):
 1. Teacher data: the target's greedy answers to the training split of GSM8K questions, with its
    top-20 log-probabilities saved on the way (training/teacher.py), so training never re-runs
-   the target. Gets ~40% of the budget.
+   the target. Gets 55% of the budget: training saturates after ~6 passes over what the rest
+   allows, and more teacher data is what still raises held-out agreement (docs/benchmarks.md).
 2. Draft = the target's width and tokenizer, 2 decoder layers initialised from the target's first
-   two, the target's embedding and final norm copied; the embedding is frozen and tied to the
-   output layer, so only the two decoder layers (+ norm) train.
+   two (`layers` picks others), the target's embedding and final norm copied; the embedding is
+   frozen and tied to the output layer, so only the two decoder layers (+ norm) train.
+   `train_head=True` trains the draft's own output rows on the kept vocabulary instead (measured:
+   no gain at equal time, and the saved folder grows by an untied output layer, so off by default).
 3. Output vocabulary cut to the tokens that occur in the teacher answers (plus their top-20
    alternatives and the special tokens): the output projection dominates a small draft's cost on
    a CPU. Saved as `draftsmith.json` `output_token_ids`; the folder itself stays a plain full-vocab
