@@ -13,7 +13,8 @@ Modes (SpecParams.mode; rules in serving/decoding/, knobs in SpecParams.extra, s
 - target: target-only sampling (the baseline);
 - speculative / mentored / typical: a chain of gamma draft tokens, one target pass, then the rule
   (lossless / lossy within a KL budget / Medusa's lossy typical acceptance);
-- mjsd: beam-sampled draft, joint-likelihood verification (lossy);
+- mjsd: beam-sampled draft, joint-likelihood verification (lossy); at T=0 or with one beam the
+  beam sampler can only keep one beam, so the plain draft chain proposes instead (same proposal distribution);
 - bild: the draft runs until its max probability < fallback_threshold (or gamma tokens), then the
   target verifies with the rollback threshold (lossy). The confidence is the warped draft row (the
   fork); at temperature 0 that row is one-hot, so there it is the raw softmax (the greedy original);

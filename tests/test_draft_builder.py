@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 
 import pytest
 import torch
@@ -57,8 +58,6 @@ def test_training_raises_agreement_with_the_teacher(teacher, train_head):
     torch.manual_seed(0)
     draft = make_draft_from_target(target, layers=[0])
     subset = _vocab_subset(examples, tok)
-    import time
-
     fig = train_draft(draft, examples, examples, subset, deadline=time.time() + 4, lr=1e-2,
                       train_head=train_head, progress=lambda m: None)
     assert fig["train_steps"] > 0

@@ -154,7 +154,7 @@ def evaluate_agreement(draft, examples, out_weight, vocab_index, batch_size=16) 
 
 
 def train_draft(draft, train_ex: list[dict], held_ex: list[dict], subset: torch.Tensor, *, deadline: float,
-                batch_size: int = 16, lr: float = 1e-3, train_head: bool = True, soft_weight: float = 0.5,
+                batch_size: int = 16, lr: float = 1e-3, train_head: bool = False, soft_weight: float = 0.5,
                 progress=print) -> dict:
     """Train `draft` (decoder layers + final norm; the kept output rows too when `train_head`) on the
     teacher examples until `deadline` (a time.time() value). The input embedding stays frozen.
@@ -166,7 +166,8 @@ def train_draft(draft, train_ex: list[dict], held_ex: list[dict], subset: torch.
     emb = draft.get_input_embeddings().weight
     emb.requires_grad_(False)
     head = torch.nn.Parameter(emb.detach()[subset].clone()) if train_head else None
-    W_sub = (lambda: head) if train_head else (lambda: emb[subset])
+    fixed = None if train_head else emb.detach()[subset]       # frozen: gathered once, not every step
+    W_sub = (lambda: head) if train_head else (lambda: fixed)
     params = [p for p in draft.parameters() if p.requires_grad] + ([head] if train_head else [])
     n_train = sum(p.numel() for p in params)
     progress(f"[bootstrap] draft: {draft.config.num_hidden_layers} layers, "
