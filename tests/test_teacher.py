@@ -1,0 +1,89 @@
+"""The teacher's grouped-query attention (training/teacher.py) against transformers' own SDPA path on a
+tiny GQA Llama (4 query heads over 2 key/value heads), in fp32 where both must agree to rounding."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tiny_models
+from training.teacher import GROUPED_ATTENTION, attention_implementation, generate_teacher_data, grouped_attention
+
+
+class _Module(torch.nn.Module):
+    training = False
+
+
+@pytest.mark.parametrize("q_len", [1, 5])
+def test_grouped_attention_matches_sdpa_with_an_additive_mask(q_len):
+    torch.manual_seed(0)
+    B, H, G, L, D = 3, 6, 2, 11, 8
+    q, k, v = torch.randn(B, H, q_len, D), torch.randn(B, G, L, D), torch.randn(B, G, L, D)
+    mask = torch.zeros(B, 1, q_len, L)
+    mask[1, ..., :4] = torch.finfo(torch.float32).min            # row 1 is left-padded by 4
+    mask[..., L - q_len:] += torch.triu(torch.full((q_len, q_len), torch.finfo(torch.float32).min), 1)
+    got, weights = grouped_attention(_Module(), q, k, v, mask, scaling=0.3)
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(H // G, 1), v.repeat_interleave(H // G, 1),
+                                         attn_mask=mask, scale=0.3).transpose(1, 2)
+    assert weights is None and got.shape == (B, q_len, H, D)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    # the padded keys really are ignored: changing them changes nothing
+    k2 = k.clone()
+    k2[1, :, :4] = 100.0
+    torch.testing.assert_close(grouped_attention(_Module(), q, k2, v, mask, scaling=0.3)[0], got)
+
+
+def _padded_batch(tok, texts):
+    prompts = [tok(t)["input_ids"] for t in texts]
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), tok.pad_token_id)
+    mask = torch.zeros_like(ids)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p):] = torch.tensor(p)
+        mask[r, width - len(p):] = 1
+    return prompts, ids, mask
+
+
+def test_model_logits_and_greedy_text_match_sdpa_and_the_implementation_is_restored():
+    tok = tiny_models.make_tokenizer()
+    model = tiny_models.make_model(0, layers=2, sharp=8.0)
+    _, ids, mask = _padded_batch(tok, ["add two and three", "hi", "multiply seven by a number"])
+    assert model.config._attn_implementation != GROUPED_ATTENTION
+    before = model.config._attn_implementation
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).logits
+        ref_gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
+                                 pad_token_id=tok.pad_token_id)
+        with attention_implementation(model):
+            assert model.config._attn_implementation == GROUPED_ATTENTION
+            got = model(input_ids=ids, attention_mask=mask).logits
+            got_gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
+                                     pad_token_id=tok.pad_token_id)
+    assert model.config._attn_implementation == before
+    live = mask.bool()
+    torch.testing.assert_close(got[live], ref[live], rtol=1e-4, atol=1e-4)
+    assert torch.equal(got_gen, ref_gen)
+
+
+def test_teacher_data_is_the_targets_greedy_answer_with_its_top_k():
+    tok = tiny_models.make_tokenizer()
+    model = tiny_models.make_model(0, layers=2, sharp=8.0)
+    texts = ["add two and three", "hi", "multiply seven by a number", "ok"]
+    prompts, _, _ = _padded_batch(tok, texts)
+    examples = generate_teacher_data(model, tok, prompts, max_new_tokens=6, batch_size=3, top_k=5,
+                                     progress=lambda m: None)
+    assert len(examples) == len(prompts)
+    by_prompt = {tuple(e["tokens"][: e["prompt_len"]]): e for e in examples}
+    for p in prompts:       # unpadded, one at a time, SDPA: the same answer and the same top-k
+        e = by_prompt[tuple(p)]
+        with torch.no_grad():
+            out = model.generate(input_ids=torch.tensor([p]), max_new_tokens=6, do_sample=False,
+                                 pad_token_id=tok.pad_token_id, output_scores=True, return_dict_in_generate=True)
+        answer = out.sequences[0, len(p):].tolist()
+        if tok.eos_token_id in answer:
+            answer = answer[: answer.index(tok.eos_token_id) + 1]
+        assert e["tokens"][len(p):] == answer
+        lp = torch.log_softmax(torch.stack(out.scores, 1)[0, : len(answer)].float(), -1)
+        top_lp, top_ids = torch.topk(lp, 5, -1)
+        assert torch.equal(torch.as_tensor(e["topk_ids"]).long(), top_ids)
+        torch.testing.assert_close(torch.as_tensor(e["topk_logprobs"]).float(), top_lp, atol=1e-3, rtol=2e-3)
