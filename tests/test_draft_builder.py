@@ -52,14 +52,14 @@ def test_draft_layers_are_copied_from_the_chosen_target_layers(teacher):
         make_draft_from_target(target, layers=[0, 4])
 
 
-@pytest.mark.parametrize("train_head", [False, True])
-def test_training_raises_agreement_with_the_teacher(teacher, train_head):
+@pytest.mark.parametrize("train_head,bf16", [(False, True), (True, True), (False, False)])
+def test_training_raises_agreement_with_the_teacher(teacher, train_head, bf16):
     target, tok, examples = teacher
     torch.manual_seed(0)
     draft = make_draft_from_target(target, layers=[0])
     subset = _vocab_subset(examples, tok)
     fig = train_draft(draft, examples, examples, subset, deadline=time.time() + 4, lr=1e-2,
-                      train_head=train_head, progress=lambda m: None)
+                      train_head=train_head, bf16=bf16, progress=lambda m: None)
     assert fig["train_steps"] > 0
     # the examples are the training set here: fitting them is what this checks
     assert fig["heldout_top1_agreement_after"] > fig["heldout_top1_agreement_before"] + 0.1, fig
