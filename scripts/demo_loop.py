@@ -5,7 +5,7 @@
 What it does, with every component real (Ray Serve, the embedded Redis, MLflow on SQLite, the
 `draftsmith` CLI), in a data directory of its own (--data, default data/demo-loop, wiped first):
 1. registers --draft as the first base version and promotes it (or, with no --draft, runs
-   `draftsmith bootstrap`, ~13 min);
+   `draftsmith bootstrap`, ~14 min);
 2. starts `draftsmith serve` and waits for /health;
 3. starts the scheduler, `draftsmith distill --min-records N --poll 15s`, in the background;
 4. sends chat requests from prompt source A (--source-a, default gsm8k) for --phase seconds with

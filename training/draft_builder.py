@@ -223,7 +223,7 @@ def train_draft(draft, train_ex: list[dict], held_ex: list[dict], subset: torch.
             "heldout_top1_agreement_before": before, "heldout_top1_agreement_after": after}
 
 
-def bootstrap(out_dir: str | Path, target_path: str | Path | None = None, *, budget_s: float = 780,
+def bootstrap(out_dir: str | Path, target_path: str | Path | None = None, *, budget_s: float = 840,
               teacher_share: float = 0.55, layers: list[int] | None = None, num_layers: int = 2,
               batch_size: int = 16, lr: float = 3e-3, train_head: bool = False, bf16: bool = True,
               prompts_source: str = "gsm8k", max_new_tokens: int = 128, heldout: int = 40,
