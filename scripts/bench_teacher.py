@@ -37,18 +37,14 @@ def answer_tokens(sequences, width: int, eos: int) -> int:
 def run_config(model, tok, prompts, attention: str, batch: int, cache: str, max_new: int) -> tuple[int, float]:
     import torch
 
-    from training.teacher import attention_implementation
+    from training.teacher import attention_implementation, left_pad, topk_logprobs
 
     eos = tok.eos_token_id
     tokens, seconds = 0, 0.0
     for b in range(0, len(prompts), batch):
         part = prompts[b: b + batch]
-        width = max(map(len, part))
-        ids = torch.full((len(part), width), eos)
-        mask = torch.zeros_like(ids)
-        for r, p in enumerate(part):
-            ids[r, width - len(p):] = torch.tensor(p)
-            mask[r, width - len(p):] = 1
+        ids, mask = left_pad(part, eos)
+        width = ids.shape[1]
         ctx = attention_implementation(model) if attention == "grouped" else contextlib.nullcontext()
         kw = {"cache_implementation": "static"} if cache == "static" else {}
         t0 = time.perf_counter()
@@ -57,7 +53,7 @@ def run_config(model, tok, prompts, attention: str, batch: int, cache: str, max_
                                  output_scores=True, return_dict_in_generate=True, pad_token_id=eos,
                                  eos_token_id=eos, **kw)
             # what the teacher does with the scores, so the comparison includes it
-            [torch.topk(torch.log_softmax(sc.float(), -1), 20, -1) for sc in out.scores]
+            topk_logprobs(out.scores, 20)
         seconds += time.perf_counter() - t0
         tokens += answer_tokens(out.sequences, width, eos)
     return tokens, seconds

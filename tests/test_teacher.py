@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import tiny_models
-from training.teacher import GROUPED_ATTENTION, attention_implementation, generate_teacher_data, grouped_attention
+from training.teacher import (GROUPED_ATTENTION, attention_implementation, generate_teacher_data, grouped_attention,
+                              left_pad)
 
 
 class _Module(torch.nn.Module):
@@ -35,12 +36,9 @@ def test_grouped_attention_matches_sdpa_with_an_additive_mask(q_len):
 
 def _padded_batch(tok, texts):
     prompts = [tok(t)["input_ids"] for t in texts]
-    width = max(map(len, prompts))
-    ids = torch.full((len(prompts), width), tok.pad_token_id)
-    mask = torch.zeros_like(ids)
-    for r, p in enumerate(prompts):
-        ids[r, width - len(p):] = torch.tensor(p)
-        mask[r, width - len(p):] = 1
+    ids, mask = left_pad(prompts, tok.pad_token_id)
+    assert [row[m.bool()].tolist() for row, m in zip(ids, mask)] == prompts
+    assert ids[0, : ids.shape[1] - len(prompts[0])].eq(tok.pad_token_id).all()
     return prompts, ids, mask
 
 

@@ -3,7 +3,7 @@
 Recipe (see shared/reference/measurements.md for why each lever matters on a 2-core CPU):
 1. Teacher data: the target's greedy answers to the training split of GSM8K questions, with its
    top-20 log-probabilities saved on the way (training/teacher.py), so training never re-runs
-   the target (batch 64, grouped-query attention instead of the CPU SDPA kernel: ~1.2x the answer
+   the target (batch 64, grouped-query attention instead of the CPU SDPA kernel: 1.2-1.4x the answer
    tokens/s of `generate` at batch 32 with SDPA). Gets 55% of the budget: training saturates after
    ~6 passes over what the rest allows, and more teacher data is what still raises held-out
    agreement (docs/benchmarks.md).
@@ -161,8 +161,8 @@ def train_draft(draft, train_ex: list[dict], held_ex: list[dict], subset: torch.
                 bf16: bool = True, progress=print) -> dict:
     """Train `draft` (decoder layers + final norm; the kept output rows too when `train_head`) on the
     teacher examples until `deadline` (a time.time() value). The input embedding stays frozen.
-    With `bf16` the forward runs under CPU autocast (bf16 matmuls, fp32 weights, optimizer state
-    and the log-softmax of the loss): about 1.5x the steps per second of fp32 on this project's CPU, which has native bf16.
+    With `bf16` the forward runs under CPU autocast (bf16 matmuls; fp32 weights, optimizer state
+    and log-softmax of the loss): about 1.5x the steps/s of fp32 on this project's CPU (native bf16).
     With `train_head` the draft is untied at the end (its own output layer, see `untie_output`).
     Returns the figures: steps, epochs, scored tokens, held-out agreement before/after."""
     vocab = draft.get_input_embeddings().weight.shape[0]

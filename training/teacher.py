@@ -79,6 +79,25 @@ def attention_implementation(model, name: str = GROUPED_ATTENTION):
             model.set_attn_implementation(before)
 
 
+def left_pad(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids [B, width] left-padded with `pad`, and the attention mask (1 on real tokens)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[r, width - len(p):] = 1
+    return ids, mask
+
+
+def topk_logprobs(scores, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of the log-softmax of each step's scores (`generate`'s tuple of [B, vocab]; greedy, so the
+    raw logits), as ([B, steps, k] log-probs, [B, steps, k] ids). Step by step: no [B, steps, vocab]
+    copy is ever made."""
+    tops = [torch.topk(torch.log_softmax(sc.float(), dim=-1), k, dim=-1) for sc in scores]
+    return torch.stack([t.values for t in tops], dim=1), torch.stack([t.indices for t in tops], dim=1)
+
+
 def generate_teacher_data(target, tokenizer, prompts: list[list[int]], *, max_new_tokens: int = 128,
                           batch_size: int = 64, top_k: int = 20, deadline: float | None = None,
                           progress=print) -> list[dict]:
@@ -96,20 +115,13 @@ def generate_teacher_data(target, tokenizer, prompts: list[list[int]], *, max_ne
             progress(f"[teacher] time budget reached after {len(examples)} prompts")
             break
         batch = [prompts[i] for i in order[b: b + batch_size]]
-        width = max(len(p) for p in batch)
-        ids = torch.full((len(batch), width), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for r, p in enumerate(batch):
-            ids[r, width - len(p):] = torch.tensor(p)
-            mask[r, width - len(p):] = 1
+        ids, mask = left_pad(batch, pad)
+        width = ids.shape[1]
         with torch.no_grad(), attention_implementation(target):
             out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                                   do_sample=False, output_scores=True, return_dict_in_generate=True,
                                   pad_token_id=pad, eos_token_id=eos)
-        # per step (greedy: the scores are the raw logits), so no [B, new, vocab] copy is ever made
-        tops = [torch.topk(torch.log_softmax(sc.float(), dim=-1), top_k, dim=-1) for sc in out.scores]
-        top_lp = torch.stack([t.values for t in tops], dim=1)       # [B, new, k]
-        top_ids = torch.stack([t.indices for t in tops], dim=1)
+        top_lp, top_ids = topk_logprobs(out.scores, top_k)          # [B, new, k] each
         gen = out.sequences[:, width:]
         for r, p in enumerate(batch):
             answer = gen[r].tolist()
