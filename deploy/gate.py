@@ -15,6 +15,15 @@ A candidate version becomes the champion only if both hold:
    candidate; the real one (`engine_smoke_check`) decodes a few prompts at temperature 0 with
    lossless speculative sampling and with the target alone (fp32) and demands identical tokens.
 
+**Vocabulary.** The candidate is judged on its own output vocabulary: the job measured
+`offline_acceptance_after` on the rows it chose (training/job.py) and `offline_acceptance_before` on the
+parent's rows as served; the smoke decode loads the materialised folder, whose `draftsmith.json` holds
+the version's vocabulary (deploy/registry.py), through `serving.models.read_output_token_ids`, the
+reader the engine and the trainer use. Before the smoke decode the gate reads the materialised
+folder's vocabulary through that same function and checks it against the version's registered
+`draftsmith.vocab_sha256` tag (when the version has one): a mismatch is a rejection. The size it found
+is recorded (`draftsmith.gate.vocabulary`).
+
 The verdict and its figures are recorded on the version either way: tags `draftsmith.gate.*` and
 metrics `gate_candidate_acceptance`, `gate_champion_acceptance`, `gate_delta`, `gate_accepted`, plus
 a history entry on the registered model.
@@ -27,7 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from deploy.registry import ArtifactError, Registry, VersionInfo
+from deploy.registry import TAG, ArtifactError, Registry, VersionInfo, vocabulary_digest
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +81,7 @@ class GateVerdict:
     smoke_ok: bool | None = None        # None: not run (acceptance already failed, or no smoke required)
     smoke_detail: str = ""
     promoted: bool = False
+    vocabulary: str = ""                # output vocabulary of the materialised candidate ("N rows" / "full")
 
     @property
     def delta(self) -> float | None:
@@ -87,6 +97,7 @@ class GateVerdict:
             "draftsmith.gate.margin": f"{self.margin:g}",
             "draftsmith.gate.smoke": {None: "not run", True: "passed", False: "failed"}[self.smoke_ok],
             "draftsmith.gate.smoke_detail": self.smoke_detail or "-",
+            "draftsmith.gate.vocabulary": self.vocabulary or "not read",
             "draftsmith.gate.time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
 
@@ -158,6 +169,7 @@ def run_gate(registry: Registry, version: str, smoke_check: SmokeCheck | None, *
         else:
             try:
                 path = registry.materialize(info.version, verify=True)
+                verdict.vocabulary = check_vocabulary(info, path)
                 try:
                     s_ok, detail = smoke_check(path)
                 except Exception as e:  # noqa: BLE001 - a crashing check is a failed check
@@ -175,6 +187,24 @@ def run_gate(registry: Registry, version: str, smoke_check: SmokeCheck | None, *
         verdict.promoted = True
     log.info("gate %s version %s: %s", "accepted" if verdict.accepted else "rejected", info.version, verdict.reason)
     return verdict
+
+
+def check_vocabulary(info: VersionInfo, path: Path) -> str:
+    """The materialised folder's output vocabulary, read through `serving.models.read_output_token_ids`
+    (the engine's and the trainer's reader), checked against the version's `draftsmith.vocab_sha256` tag
+    when it has one; returns "N rows" or "full"; ArtifactError when it is unreadable or differs."""
+    from serving.models import ModelLoadError, read_output_token_ids
+
+    try:
+        ids = read_output_token_ids(Path(path))
+    except ModelLoadError as e:
+        raise ArtifactError(f"version {info.version}: materialised vocabulary unreadable: {e}") from None
+    want = info.tags.get(TAG + "vocab_sha256")
+    if want and vocabulary_digest(ids) != want:
+        raise ArtifactError(f"version {info.version}: the materialised folder {path} has a different output "
+                            f"vocabulary ({'full' if ids is None else len(ids)} rows) from the registered one "
+                            f"({info.tags.get(TAG + 'vocab_size', '?')} rows)")
+    return "full" if ids is None else f"{len(ids)} rows"
 
 
 def record_verdict(registry: Registry, verdict: GateVerdict) -> None:
@@ -231,7 +261,9 @@ def engine_smoke_check(target: str | None, *, prompts: tuple[str, ...] = DEFAULT
             accepted += spec.stats.accepted_tokens
             drafted += spec.stats.draft_tokens
         rate = accepted / drafted if drafted else 0.0
+        rows = engine.draft.output_token_ids
         return True, (f"{len(prompts)} prompts x <= {max_tokens} tokens identical to target greedy; "
-                      f"greedy acceptance {rate:.3f}")
+                      f"greedy acceptance {rate:.3f}; draft output vocabulary "
+                      f"{'full' if rows is None else f'{len(rows)} rows'}")
 
     return check

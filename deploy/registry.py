@@ -10,6 +10,16 @@ One MLflow registered model per target (`draftsmith-<target>-draft`); each versi
 Every version also carries `manifest.json` (sha256 and size of each artifact file), whose own sha256
 is a version tag, so a missing, truncated or edited artifact is detected before it is served.
 
+**Vocabulary.** A version's draft output vocabulary (the rows its tied output layer computes,
+`draftsmith.json` `output_token_ids`, read everywhere by `serving.models.read_output_token_ids`) is
+stored with the version: a base's inside `draft/draftsmith.json`, a candidate's as the artifact
+`vocabulary.json` (the job's re-chosen ids; `null` = the full vocabulary), both covered by the
+manifest. A candidate without `vocabulary.json` (older jobs) keeps its parent's vocabulary.
+`materialize` writes the version's vocabulary into the merged folder's `draftsmith.json`, so the
+engine, the trainer and the gate load version N with version N's rows. Tags `draftsmith.vocab_size`
+("full" or the count) and `draftsmith.vocab_sha256` (`vocabulary_digest`) name it; the gate checks
+the materialised folder against them.
+
 Roles are MLflow *aliases* (stages are not used): `champion` (served), `previous` (the champion
 before the last promotion), `candidate` (the newest registered candidate not yet promoted). Every
 alias move is written to the registered model's tags as `draftsmith.history.<time_ns>` (JSON).
@@ -48,6 +58,7 @@ DEFAULT_TARGET_NAME = "smollm2-135m-instruct"   # serving.models.DEFAULT_TARGET 
 REGISTRY_EXPERIMENT = "draftsmith-drafts"
 LIVE_EXPERIMENT = "draftsmith-live"
 MANIFEST = "manifest.json"
+VOCABULARY = "vocabulary.json"                  # a candidate's chosen output vocabulary (training/job.py)
 MARKER = ".draftsmith-materialized.json"        # written last into a cached merged folder
 TAG = "draftsmith."                             # prefix of every tag this module writes
 PAUSE_TAG = TAG + "promotions_paused"           # registered-model tag: scheduled distillation paused
@@ -132,6 +143,81 @@ def verify_manifest(root: Path, manifest: dict[str, dict], what: str) -> None:
 
 def _canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+
+
+# ---------------------------------------------------------------------------------- vocabularies
+def vocabulary_digest(ids: list[int] | None) -> str:
+    """sha256 of a vocabulary (its ids in order; "full" for None): the `draftsmith.vocab_sha256` tag."""
+    return "full" if ids is None else hashlib.sha256(_canonical_json([int(i) for i in ids]).encode()).hexdigest()
+
+
+def _check_token_ids(ids: Any, what: str, error: type[RegistryError]) -> list[int] | None:
+    """`output_token_ids` as stored: None (full vocabulary) or distinct non-negative integers."""
+    if ids is None:
+        return None
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                       for i in ids):
+        raise error(f"{what}: output_token_ids must be null (full vocabulary) or a non-empty list of "
+                    "non-negative integer token ids")
+    if len(set(ids)) != len(ids):
+        raise error(f"{what}: output_token_ids lists a token id twice")
+    return [int(i) for i in ids]
+
+
+def read_vocabulary_file(path: Path, error: type[RegistryError] = ArtifactError) -> list[int] | None:
+    """A candidate's `vocabulary.json` -> its ids (None: full vocabulary); `error` when malformed."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise error(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(doc, dict) or "output_token_ids" not in doc:
+        raise error(f"{path} must hold a JSON object with output_token_ids")
+    return _check_token_ids(doc["output_token_ids"], str(path), error)
+
+
+def _folder_vocabulary(folder: Path, error: type[RegistryError]) -> list[int] | None:
+    """`draftsmith.json` `output_token_ids` of a model folder, parsed as serving.models.read_output_token_ids
+    does (not imported here: it imports torch)."""
+    meta = Path(folder) / "draftsmith.json"
+    if not meta.is_file():
+        return None
+    try:
+        doc = json.loads(meta.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise error(f"{meta} is not valid JSON: {e}") from None
+    ids = doc.get("output_token_ids") if isinstance(doc, dict) else None
+    return _check_token_ids(ids or None, str(meta), error)
+
+
+def _vocab_tags(ids: list[int] | None) -> dict[str, str]:
+    return {TAG + "vocab_size": "full" if ids is None else str(len(ids)), TAG + "vocab_sha256": vocabulary_digest(ids)}
+
+
+def _write_folder_vocabulary(folder: Path, ids: list[int] | None, *, what: str) -> None:
+    """Set `draftsmith.json` `output_token_ids` of a materialised folder (other keys kept; None: removed),
+    after checking the ids against the folder's vocabulary size."""
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        cfg = {}
+    rows = cfg.get("vocab_size") if isinstance(cfg, dict) else None
+    if ids is not None and isinstance(rows, int) and max(ids) >= rows:
+        raise ArtifactError(f"{what}: its vocabulary reaches token id {max(ids)}, beyond the {rows} rows of "
+                            "the draft's output layer")
+    meta_path = folder / "draftsmith.json"
+    meta: dict = {}
+    if meta_path.is_file():
+        try:
+            meta = json.loads(meta_path.read_text())
+        except (OSError, json.JSONDecodeError):
+            meta = {}
+        if not isinstance(meta, dict):
+            meta = {}
+    meta.pop("output_token_ids", None)
+    if ids is not None:
+        meta["output_token_ids"] = list(ids)
+    if meta or meta_path.exists():
+        meta_path.write_text(json.dumps(meta))
 
 
 # ---------------------------------------------------------------------------------- small helpers
@@ -473,13 +559,14 @@ class Registry:
                 meta = json.loads((folder / "draftsmith.json").read_text())
             except json.JSONDecodeError as e:
                 raise UsageError(f"{folder / 'draftsmith.json'} is not valid JSON: {e}") from None
+        vocab = _folder_vocabulary(folder, UsageError)
         meta = {k: v for k, v in meta.items() if k != "output_token_ids"}
         all_metrics = {**_numeric(meta), **_numeric(metrics)}
         all_params = _flatten("", {k: v for k, v in meta.items() if _key(k) not in all_metrics}, {})
         all_params.update(_flatten("", params or {}, {}))
         version = self._create_version(
             kind="base", files={"draft": folder}, run_name=f"{self.name}-base", params=all_params,
-            metrics=all_metrics, tags={TAG + "source_path": str(folder.resolve())[:5000]},
+            metrics=all_metrics, tags={TAG + "source_path": str(folder.resolve())[:5000], **_vocab_tags(vocab)},
             description=description)
         if set_champion_if_none and self.champion() is None:
             self.promote(version, reason="first base draft")
@@ -507,15 +594,24 @@ class Registry:
         if meta.get("loss"):
             params["loss"] = str(meta["loss"])
         window = meta.get("data_window") or {}
+        files = {"adapter": cdir / "adapter", "candidate.json": cdir / "candidate.json"}
+        vocab_tags: dict[str, str] = {}
+        if (cdir / VOCABULARY).is_file():                      # the job's re-chosen vocabulary
+            vocab_tags = _vocab_tags(read_vocabulary_file(cdir / VOCABULARY, UsageError))
+            files[VOCABULARY] = cdir / VOCABULARY
+        else:                                                  # an older candidate: the parent's vocabulary
+            ptags = self._model_version(parent).tags or {}
+            vocab_tags = {k: ptags[k] for k in (TAG + "vocab_size", TAG + "vocab_sha256") if k in ptags}
         tags = {
             TAG + "parent_version": parent,
             TAG + "base_draft_path": str(meta.get("base_draft_path") or "")[:5000],
             TAG + "target": str(cand_target or self.target)[:5000],
             TAG + "loss": str(meta.get("loss") or ""),
             TAG + "data_window": _canonical_json(window)[:5000],
+            **vocab_tags,
         }
         version = self._create_version(
-            kind="adapter", files={"adapter": cdir / "adapter", "candidate.json": cdir / "candidate.json"},
+            kind="adapter", files=files,
             run_name=f"{self.name}-candidate", params=params, metrics=metrics, tags=tags,
             description=f"LoRA adapter on version {parent} ({meta.get('loss') or 'unknown'} loss)")
         self.client.set_registered_model_alias(self.name, CANDIDATE, version)
@@ -665,6 +761,9 @@ class Registry:
                     raise ArtifactError(f"version {mv.version} is an adapter without a parent_version tag")
                 parent_dir = self._materialize(self._model_version(parent), depth + 1)
                 _merge_adapter(parent_dir, root / "adapter", staging, what=f"version {mv.version}")
+                if (root / VOCABULARY).is_file():             # its own vocabulary, else the parent's (copied)
+                    _write_folder_vocabulary(staging, read_vocabulary_file(root / VOCABULARY),
+                                             what=f"version {mv.version}")
             else:
                 raise ArtifactError(f"version {mv.version} has unknown kind {kind!r} (not registered by Draftsmith?)")
             (staging / MARKER).write_text(json.dumps({
@@ -822,6 +921,8 @@ def read_candidate(cdir: Path) -> dict:
     for key, typ in (("metrics", dict), ("train_config", dict), ("data_window", dict)):
         if meta.get(key) is not None and not isinstance(meta[key], typ):
             raise UsageError(f"{cj}: {key!r} must be a JSON object")
+    if (cdir / VOCABULARY).exists():
+        read_vocabulary_file(cdir / VOCABULARY, UsageError)
     return meta
 
 

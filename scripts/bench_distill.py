@@ -131,8 +131,15 @@ def serve(engine, tok, source: str, split: str, n: int, args, fraction: float) -
     return totals
 
 
-def merge(draft: Path, adapter: Path, out: Path) -> Path:
-    """base + LoRA merged into a plain folder (tokenizer and draftsmith.json copied)."""
+def candidate_vocabulary(cand: Path) -> list[int] | None:
+    """The output rows a job chose for its candidate (vocabulary.json; None: the parent's)."""
+    f = cand / "vocabulary.json"
+    return json.loads(f.read_text()).get("output_token_ids") if f.exists() else None
+
+
+def merge(draft: Path, adapter: Path, out: Path, vocabulary: list[int] | None = None) -> Path:
+    """base + LoRA merged into a plain folder (tokenizer and draftsmith.json copied; `vocabulary`, the
+    candidate's own output rows, replaces the parent's there)."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -142,6 +149,10 @@ def merge(draft: Path, adapter: Path, out: Path) -> Path:
     for p in draft.iterdir():
         if p.is_file() and not (out / p.name).exists() and p.suffix != ".safetensors":
             shutil.copy2(p, out / p.name)
+    if vocabulary is not None:
+        meta_file = out / "draftsmith.json"
+        meta = json.loads(meta_file.read_text()) if meta_file.exists() else {}
+        meta_file.write_text(json.dumps({**meta, "output_token_ids": vocabulary}))
     return out
 
 
@@ -277,7 +288,8 @@ def main() -> int:
             t0 = time.time()
             cand = run_job(cfg, args.out / f"job-{loss}.json")
             meta = json.loads((cand / "candidate.json").read_text())
-            tuned = distill.Draft(args.draft, lora_r=None, adapter=cand / "adapter")
+            vocab = candidate_vocabulary(cand)
+            tuned = distill.Draft(args.draft, lora_r=None, adapter=cand / "adapter", output_token_ids=vocab)
             after = {s: distill.offline_acceptance(tuned, held[s]).to_dict() for s in SOURCES}
             del tuned
             run = {"loss": loss, "job_seconds": time.time() - t0, "candidate": str(cand),
@@ -287,7 +299,7 @@ def main() -> int:
                 prompts = {s: [chat_prompt_ids(tok, t) for t in load_prompts(s, "heldout", args.heldout_prompts)]
                            for s in SOURCES}
                 with tempfile.TemporaryDirectory() as tmp:
-                    merged = merge(args.draft, cand / "adapter", Path(tmp) / "merged")
+                    merged = merge(args.draft, cand / "adapter", Path(tmp) / "merged", vocab)
                     run["real_acceptance_t0"] = {"before": real_acceptance(engine.target, args.draft, prompts, args),
                                                  "after": real_acceptance(engine.target, merged, prompts, args)}
             runs.append(run)

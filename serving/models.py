@@ -44,9 +44,27 @@ def cache_dir() -> Path:
     return Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith"))
 
 
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX): there bf16 runs about twice as fast as
+    fp32; without those instructions it is emulated and about 2.5x SLOWER (measured on two CPUs this
+    project runs on, docs/benchmarks.md). `DRAFTSMITH_CPU_DTYPE=bfloat16|float32` overrides the check."""
+    forced = os.environ.get("DRAFTSMITH_CPU_DTYPE", "").strip().lower()
+    if forced in ("bfloat16", "bf16"):
+        return True
+    if forced in ("float32", "fp32"):
+        return False
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def default_dtype(device: str) -> torch.dtype:
-    # bf16 is about twice as fast as fp32 on this project's CPUs; fp16 is the usual GPU choice.
-    return torch.float16 if device.startswith("cuda") else torch.bfloat16
+    """fp16 on a GPU; on a CPU bf16 where it is native (cpu_has_fast_bf16), else fp32."""
+    if device.startswith("cuda"):
+        return torch.float16
+    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
 
 
 def gguf_path() -> Path:
@@ -144,14 +162,31 @@ def check_same_tokenizer(target_tok, draft_tok, draft_name: str = "draft") -> No
 
 
 def read_output_token_ids(path: Path) -> list[int] | None:
+    """THE reader of a draft folder's output vocabulary; the engine (`Engine._load_draft`), the trainer
+    (`training.distill.Draft`) and the gate (`deploy.gate`, on the materialised version) all call it, so
+    version N is served, trained and judged on the same rows.
+
+    Returns `draftsmith.json` `output_token_ids` of the folder `path` in their stored order (the order of
+    the draft's output columns), or None when the folder has no `draftsmith.json` or no (or an empty)
+    list there: the full vocabulary. For a registered version the list is the one
+    `deploy.registry.Registry.materialize` wrote into the materialised folder (the version's own
+    vocabulary, else its parent's). Raises ModelLoadError when the file is not valid JSON or the list
+    is not distinct non-negative integers."""
     meta = Path(path) / "draftsmith.json"
     if not meta.exists():
         return None
     try:
-        ids = json.loads(meta.read_text()).get("output_token_ids")
+        doc = json.loads(meta.read_text())
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{meta} is not valid JSON: {exc}") from exc
-    return [int(i) for i in ids] if ids else None
+    ids = doc.get("output_token_ids") if isinstance(doc, dict) else None
+    if not ids:
+        return None
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ModelLoadError(f"{meta}: output_token_ids must be a list of non-negative integer token ids")
+    if len(set(ids)) != len(ids):
+        raise ModelLoadError(f"{meta}: output_token_ids lists a token id twice")
+    return [int(i) for i in ids]
 
 
 @dataclass

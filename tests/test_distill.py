@@ -18,7 +18,7 @@ import torch
 
 from buffer.embedded import EmbeddedRedis, ping
 from buffer.redis_store import BufferConfig, ReplayBufferReader, ReplayBufferWriter, connect
-from deploy_helpers import fresh_store, template_db
+from deploy_helpers import artifact_dir, fresh_store, template_db
 from serving.config import SamplingParams, SpecParams
 from serving.engine import Engine, _Runner
 from tiny_models import save_pair
@@ -86,7 +86,7 @@ def served(tmp_path_factory, redis_url):
     steps = reader.newest(10_000)
     seqs = reader.get_sequences({e.record.request_id for e in steps})
     yield types.SimpleNamespace(target=target, draft=draft, engine=engine, url=redis_url, prefix=cfg.prefix,
-                                config=cfg, steps=steps, seqs=seqs,
+                                config=cfg, steps=steps, seqs=seqs, keep=keep, root=root,
                                 heldout_ids={ids[i] for i in HELD}, train_ids={ids[i] for i in ids if i not in HELD})
     client = connect(redis_url)
     keys = list(client.scan_iter(match=f"{cfg.prefix}:*", count=1000))
@@ -286,7 +286,9 @@ def test_job_candidate_registers_and_materializes_to_a_loadable_draft(served, te
     out = run_distillation(cfg, progress=lambda s: None)
     assert seen.trained == served.train_ids and seen.evaluated == served.heldout_ids   # held out: never trained on
 
-    assert sorted(p.name for p in out.iterdir()) == ["adapter", "candidate.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["adapter", "candidate.json", "vocabulary.json"]
+    chosen = json.loads((out / "vocabulary.json").read_text())["output_token_ids"]
+    assert len(chosen) == len(served.keep) and {256, 257, 258} <= set(chosen)   # parent's size, specials kept
     adapter = out / "adapter" / "adapter_model.safetensors"
     assert (out / "adapter" / "adapter_config.json").is_file() and 0 < adapter.stat().st_size < 5e6
     meta = read_candidate(out)
@@ -313,7 +315,9 @@ def test_job_candidate_registers_and_materializes_to_a_loadable_draft(served, te
     assert len(res.token_ids) == 8
     # the merged folder computes what the trained adapter computed
     units, _ = data.build_units(used[:10], served.seqs)
-    tuned, plain = distill.Draft(served.draft, lora_r=None, adapter=out / "adapter"), distill.Draft(merged, lora_r=None)
+    tuned = distill.Draft(served.draft, lora_r=None, adapter=out / "adapter", output_token_ids=chosen)
+    plain = distill.Draft(merged, lora_r=None)
+    assert plain.output_token_ids == chosen                            # the candidate's rows, not the parent's
     with torch.no_grad():
         torch.testing.assert_close(plain.row_logits(plain.collate(units)), tuned.row_logits(tuned.collate(units)),
                                    rtol=1e-4, atol=1e-4)
@@ -325,6 +329,111 @@ def test_job_candidate_registers_and_materializes_to_a_loadable_draft(served, te
     assert runs[0].data.params["loss"] == "jsd"
     history = client.get_metric_history(runs[0].info.run_id, "loss")
     assert [h.step for h in history][:2] == [20, 40]
+
+
+def test_job_vocabulary_round_trips_through_registry_engine_trainer_and_gate(served, template, tmp_path,
+                                                                            monkeypatch):
+    """A job re-chooses the output vocabulary from its window: the tokens the window's target top-k
+    uses most, all outside the parent's vocabulary, enter; the candidate carries the chosen ids; the
+    registry stores them with the version and materialises them into draftsmith.json; the engine,
+    the trainer (training.distill.Draft) and the gate then all use exactly those rows; "before" was
+    measured on the parent's rows as served, "after" on the new ones. A next job with vocab_size=0
+    keeps the version's vocabulary as it is."""
+    from mlflow.tracking import MlflowClient
+
+    from deploy.gate import GatePolicy, engine_smoke_check, run_gate
+    from deploy.registry import Registry
+    from serving.models import read_output_token_ids
+    from training.vocab import token_mass
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    # the parent: the served draft without the 6 tokens the training window's target top-k weighs most
+    units, _ = data.build_units(train_steps(served), served.seqs)
+    mass = sum(token_mass(u.target_ids, u.target_logprobs, 259) for u in units)
+    heavy = [int(i) for i in np.argsort(-mass, kind="stable") if i < 256][:6]
+    parent_ids = [i for i in range(259) if i not in heavy][:200] + [256, 257, 258]
+    parent_ids = sorted(set(parent_ids))
+    parent = tmp_path / "parent"
+    import shutil
+    shutil.copytree(served.draft, parent)
+    (parent / "draftsmith.json").write_text(json.dumps({"output_token_ids": parent_ids}))
+
+    uri = fresh_store(template, tmp_path / "data")
+    registry = Registry("tiny-target", tracking_uri=uri, cache_root=tmp_path / "cache")
+    assert registry.register_base(parent) == "1"
+    registry.promote("1")
+    v1_dir = registry.materialize("1")                                    # what the scheduler hands the job
+    assert read_output_token_ids(v1_dir) == parent_ids
+    cfg = job_cfg(served, tmp_path, base_draft_path=str(v1_dir), mlflow=True, tracking_uri=uri)
+    out = run_distillation(cfg, progress=lambda s: None)
+
+    vocab_file = json.loads((out / "vocabulary.json").read_text())
+    chosen = vocab_file["output_token_ids"]
+    assert chosen == sorted(chosen) and len(chosen) == len(parent_ids)     # default size: the parent's
+    assert set(heavy) <= set(chosen) and {256, 257, 258} <= set(chosen)    # heavy window tokens entered
+    entered, left = sorted(set(chosen) - set(parent_ids)), sorted(set(parent_ids) - set(chosen))
+    assert vocab_file["entered"] == entered and vocab_file["left"] == left and len(entered) == len(left) >= 6
+    assert vocab_file["parent_version"] == "1" and vocab_file["chosen_by"] == "window"
+    meta = json.loads((out / "candidate.json").read_text())
+    m = meta["metrics"]
+    assert (m["vocab_size"], m["vocab_parent_size"], m["vocab_entered"], m["vocab_left"]) == \
+        (len(chosen), len(parent_ids), len(entered), len(left))
+    assert meta["vocabulary"]["chosen_by"] == "window" and meta["vocabulary"]["entered"] == len(entered)
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("draftsmith-distill").experiment_id])
+    assert run.data.metrics["vocab_entered"] == len(entered) and run.data.metrics["vocab_left"] == len(left)
+    assert run.data.metrics["vocab_size"] == len(chosen)
+
+    # registry: stored with the version (manifest), materialised into draftsmith.json
+    version = registry.register_candidate(out)
+    stored = json.loads((artifact_dir(registry, version) / "manifest.json").read_text())
+    assert "vocabulary.json" in stored
+    info = registry.get(version)
+    assert info.tags["draftsmith.vocab_size"] == str(len(chosen))
+    merged = registry.materialize(version)
+    assert read_output_token_ids(merged) == chosen
+    assert read_output_token_ids(registry.materialize("1")) == parent_ids    # the parent keeps its own
+
+    # engine and trainer load version 2 with version 2's rows
+    engine = Engine.from_paths(str(served.target), str(merged), dtype=torch.float32)
+    assert engine.draft.output_token_ids.tolist() == chosen
+    plain = distill.Draft(merged, lora_r=None)
+    assert plain.output_token_ids == chosen
+    # "before" = the parent on its rows, as served; "after" = the candidate on the chosen rows
+    reader = ReplayBufferReader(served.url, served.config, group=cfg["group"])
+    held, held_seqs = data.heldout_window(reader, 1000, heldout_fraction=FRACTION)
+    eval_units, _ = data.build_units(held, held_seqs)
+    before = distill.offline_acceptance(distill.Draft(v1_dir, lora_r=None), eval_units)
+    after = distill.offline_acceptance(plain, eval_units)
+    assert before.acceptance == pytest.approx(m["offline_acceptance_before"], abs=1e-6)
+    assert after.acceptance == pytest.approx(m["offline_acceptance_after"], abs=1e-3)   # merged vs adapter rounding
+    parent_rows = distill.offline_acceptance(distill.Draft(merged, lora_r=None, output_token_ids=parent_ids),
+                                             eval_units)
+    assert parent_rows.acceptance != pytest.approx(after.acceptance, abs=1e-6)  # the rows matter to the figure
+
+    # the gate: checks the materialised vocabulary, smoke-decodes on it, promotes
+    seen_rows = []
+    real_check = engine_smoke_check(str(served.target), prompts=("hello there",), max_tokens=8)
+
+    def smoke(path):
+        seen_rows.append(read_output_token_ids(path))
+        return real_check(path)
+
+    verdict = run_gate(registry, version, smoke, policy=GatePolicy(margin=1e-3))
+    assert verdict.accepted and verdict.promoted, verdict.reason
+    assert seen_rows == [chosen] and verdict.vocabulary == f"{len(chosen)} rows"
+    assert f"draft output vocabulary {len(chosen)} rows" in verdict.smoke_detail
+    assert registry.get(version).tags["draftsmith.gate.vocabulary"] == f"{len(chosen)} rows"
+
+    # the next job from version 2 with vocab_size=0 keeps version 2's vocabulary unchanged
+    out2 = run_distillation(job_cfg(served, tmp_path, base_draft_path=str(merged), parent_version=version,
+                                    vocab_size=0, steps=2, out_dir=str(tmp_path / "candidate2")),
+                            progress=lambda s: None)
+    kept = json.loads((out2 / "vocabulary.json").read_text())
+    assert kept["output_token_ids"] == chosen and kept["chosen_by"] == "parent"
+    assert kept["entered"] == [] and kept["left"] == []
+    v3 = registry.register_candidate(out2)
+    assert read_output_token_ids(registry.materialize(v3)) == chosen
 
 
 def test_job_killed_mid_way_leaves_unused_records_pending_for_the_next_job(served, tmp_path, monkeypatch):
@@ -430,6 +539,13 @@ def test_config_is_validated(served):
         parse_config({**base, "since_id": "latest"})
     with pytest.raises(ValueError, match="min_heldout must be an integer >= 1"):   # the gate needs a before/after
         parse_config({**base, "min_heldout": 0})
+    for bad in (-1, 2.5, True, "8192"):
+        with pytest.raises(ValueError, match="vocab_size must be an integer >= 0"):
+            parse_config({**base, "vocab_size": bad})
+    with pytest.raises(ValueError, match="vocab_prior_weight"):
+        parse_config({**base, "vocab_prior_weight": -0.5})
+    job, _ = parse_config({**base, "vocab_size": 0})
+    assert job.vocab_size == 0 and parse_config(base)[0].vocab_size is None     # None: the parent's size
     from deploy.cli import job_config                                  # what `draftsmith distill` hands the job
     from deploy.scheduler import JobRequest
     job, tcfg = parse_config(job_config(JobRequest("3", served.draft, "t", "5-0"), "t", {"loss": "reverse_kl"}))

@@ -2,6 +2,8 @@
 real lossless smoke decode on tiny models."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from deploy.gate import GatePolicy, engine_smoke_check, force_promote, judge_acceptance, run_gate
@@ -94,6 +96,7 @@ def test_accepted_candidate_is_promoted_and_verdict_recorded(registry, tmp_path)
     assert info.metrics["gate_delta"] == pytest.approx(0.07)
     assert info.metrics["gate_champion_acceptance"] == pytest.approx(0.40)
     assert info.metrics["gate_accepted"] == 1.0
+    assert info.tags["draftsmith.gate.vocabulary"] == "259 rows"          # no vocabulary.json: the parent's
     assert [h["action"] for h in registry.history()][-2:] == ["gate", "promote"]
 
 
@@ -133,6 +136,36 @@ def test_corrupt_candidate_is_rejected_and_recorded(registry, tmp_path):
     assert registry.get(v).tags["draftsmith.gate.verdict"] == "rejected"
 
 
+def _with_vocabulary(cand, ids):
+    (cand / "vocabulary.json").write_text(json.dumps({"output_token_ids": ids}))
+    return cand
+
+
+def test_gate_reads_the_candidates_vocabulary_from_the_materialised_folder(registry, tmp_path):
+    """The smoke check gets the materialised folder whose draftsmith.json holds the candidate's own
+    vocabulary (read through serving.models.read_output_token_ids); a folder whose vocabulary differs
+    from the registered one is rejected before any smoke decode."""
+    from serving.models import read_output_token_ids
+
+    ids = sorted(set(range(0, 256, 2)) | {256, 257, 258})
+    v = registry.register_candidate(_with_vocabulary(make_candidate(tmp_path / "c", tmp_path / "base"), ids))
+    path = registry.materialize(v)
+    meta = json.loads((path / "draftsmith.json").read_text())
+    (path / "draftsmith.json").write_text(json.dumps({**meta, "output_token_ids": list(range(259))}))  # stale
+    smoke = FakeSmoke()
+    verdict = run_gate(registry, v, smoke)
+    assert not verdict.accepted and smoke.calls == [] and registry.champion() == "1"
+    assert f"different output vocabulary (259 rows) from the registered one ({len(ids)} rows)" in verdict.reason
+
+    v2 = registry.register_candidate(_with_vocabulary(make_candidate(tmp_path / "c2", tmp_path / "base", seed=1), ids))
+    seen = []
+    smoke = FakeSmoke()
+    verdict = run_gate(registry, v2, lambda p: (seen.append(read_output_token_ids(p)), smoke(p))[1])
+    assert verdict.accepted and verdict.promoted, verdict.reason
+    assert seen == [ids] and verdict.vocabulary == f"{len(ids)} rows"
+    assert registry.get(v2).tags["draftsmith.gate.vocabulary"] == f"{len(ids)} rows"
+
+
 def test_force_promote_skips_the_gate_but_not_artifact_checks(registry, tmp_path):
     v = registry.register_candidate(make_candidate(tmp_path / "c", tmp_path / "base", before=0.4, after=0.1))
     move = force_promote(registry, v)
@@ -148,7 +181,18 @@ def test_real_engine_smoke_check_on_tiny_models(registry, tmp_path):
     verdict = run_gate(registry, v, check)
     assert verdict.accepted and verdict.smoke_ok, verdict.reason
     assert "identical to target greedy" in verdict.smoke_detail
+    assert "draft output vocabulary 259 rows" in verdict.smoke_detail
     assert registry.champion() == v
+
+    # a candidate with its own (cut) vocabulary: the engine decodes on exactly those rows, still lossless
+    ids = sorted(set(range(0, 256, 4)) | {256, 257, 258})
+    v3 = registry.register_candidate(_with_vocabulary(
+        make_candidate(tmp_path / "c3", registry.materialize(v), parent_version=v, seed=2, before=0.6, after=0.7),
+        ids))
+    verdict = run_gate(registry, v3, check)
+    assert verdict.accepted and verdict.smoke_ok, verdict.reason
+    assert f"draft output vocabulary {len(ids)} rows" in verdict.smoke_detail
+    assert verdict.vocabulary == f"{len(ids)} rows" and registry.champion() == v3
 
     # negative control: a draft whose tokenizer differs from the target's cannot pass
     from transformers import AutoTokenizer

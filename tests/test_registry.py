@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from deploy.registry import (CANDIDATE, CHAMPION, PREVIOUS, ArtifactError, LiveAggregate, LiveStatsLogger, Registry,
-                             UsageError, model_name_for)
+                             UsageError, model_name_for, vocabulary_digest)
 from deploy_helpers import artifact_dir, fresh_store, lora_model, make_base_draft, make_candidate, template_db
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,6 +121,67 @@ def test_materialize_merges_the_parent_chain(registry, base, tmp_path):
     assert registry.materialize("3") == v3 and marker.stat().st_mtime_ns == mtime   # cached
 
 
+def _with_vocabulary(cand: Path, ids) -> Path:
+    """Give a candidate folder the vocabulary.json a distillation job writes (training/job.py)."""
+    (cand / "vocabulary.json").write_text(json.dumps({"output_token_ids": ids, "parent_version": "1",
+                                                      "chosen_by": "window", "entered": [], "left": []}))
+    return cand
+
+
+def test_candidate_vocabulary_is_stored_with_the_version_and_materialised(registry, base, tmp_path):
+    """vocabulary.json is a verified artifact of its version; materialize writes it into draftsmith.json
+    (other keys kept), where serving.models.read_output_token_ids (engine, trainer, gate) reads it; a
+    candidate without one keeps its parent's; null means the full vocabulary."""
+    from serving.models import read_output_token_ids
+
+    registry.register_base(base)
+    assert registry.get("1").tags["draftsmith.vocab_size"] == "259"
+    assert registry.get("1").tags["draftsmith.vocab_sha256"] == vocabulary_digest(list(range(259)))
+    v2_ids = sorted(set(range(0, 256, 3)) | {256, 257, 258})
+    v2 = registry.register_candidate(_with_vocabulary(make_candidate(tmp_path / "c2", base, seed=3), v2_ids))
+    stored = artifact_dir(registry, v2)
+    assert "vocabulary.json" in json.loads((stored / "manifest.json").read_text())
+    info = registry.get(v2)
+    assert info.tags["draftsmith.vocab_size"] == str(len(v2_ids))
+    assert info.tags["draftsmith.vocab_sha256"] == vocabulary_digest(v2_ids)
+    d2 = registry.materialize(v2)
+    assert read_output_token_ids(d2) == v2_ids
+    meta = json.loads((d2 / "draftsmith.json").read_text())
+    assert meta["built_by"] == "tests" and meta["heldout_top1_agreement_after"] == 0.42   # the parent's other keys
+    assert torch.allclose(_logits(d2, IDS), _logits(lora_model(base, seed=3), IDS), atol=1e-5)
+    assert read_output_token_ids(registry.materialize("1")) == list(range(259))          # the parent keeps its own
+
+    # an older candidate without vocabulary.json, trained on version 2: version 2's vocabulary
+    v3 = registry.register_candidate(make_candidate(tmp_path / "c3", d2, parent_version=v2, seed=4))
+    assert registry.get(v3).tags["draftsmith.vocab_sha256"] == vocabulary_digest(v2_ids)
+    assert "vocabulary.json" not in json.loads((artifact_dir(registry, v3) / "manifest.json").read_text())
+    assert read_output_token_ids(registry.materialize(v3)) == v2_ids
+    # null: the full vocabulary (the key is removed, the rest of draftsmith.json stays)
+    v4 = registry.register_candidate(_with_vocabulary(make_candidate(tmp_path / "c4", base, seed=5), None))
+    assert registry.get(v4).tags["draftsmith.vocab_size"] == "full"
+    d4 = registry.materialize(v4)
+    assert read_output_token_ids(d4) is None
+    assert json.loads((d4 / "draftsmith.json").read_text())["built_by"] == "tests"
+
+    # the stored vocabulary is verified like every other artifact
+    (stored / "vocabulary.json").write_text(json.dumps({"output_token_ids": list(range(259))}))
+    shutil.rmtree(registry.cache_root)
+    with pytest.raises(ArtifactError, match="vocabulary.json.* corrupt"):
+        registry.materialize(v2)
+    with pytest.raises(ArtifactError, match="vocabulary.json.* corrupt"):
+        registry.promote(v3)                                              # its parent's is part of its chain
+
+
+def test_vocabulary_beyond_the_output_layer_is_refused(registry, base, tmp_path):
+    registry.register_base(base)
+    v = registry.register_candidate(_with_vocabulary(make_candidate(tmp_path / "c", base), [0, 5, 300]))
+    with pytest.raises(ArtifactError, match="token id 300, beyond the 259 rows"):
+        registry.materialize(v)
+    with pytest.raises(ArtifactError, match="token id 300"):
+        registry.promote(v)
+    assert registry.aliases() == {CANDIDATE: v}
+
+
 def test_promote_and_rollback_move_aliases_idempotently(registry, base, tmp_path):
     registry.register_base(base)
     assert registry.promote("1").changed
@@ -216,6 +277,16 @@ def test_candidate_folder_errors_are_usage_errors(registry, base, tmp_path):
         with pytest.raises(UsageError, match=pattern):
             registry.register_candidate(cand)
     (cand / "candidate.json").write_text(json.dumps(meta))
+    for doc, pattern in (("[1, 2", "vocabulary.json is not valid JSON"),
+                         (json.dumps({"ids": [1, 2]}), "with output_token_ids"),
+                         (json.dumps({"output_token_ids": [1, 2, 2]}), "lists a token id twice"),
+                         (json.dumps({"output_token_ids": [1, -2]}), "non-negative integer"),
+                         (json.dumps({"output_token_ids": [1, 2.5]}), "non-negative integer"),
+                         (json.dumps({"output_token_ids": []}), "non-empty list")):
+        (cand / "vocabulary.json").write_text(doc)
+        with pytest.raises(UsageError, match=pattern):
+            registry.register_candidate(cand)
+    (cand / "vocabulary.json").unlink()
     (cand / "adapter" / "adapter_model.safetensors").unlink()
     with pytest.raises(UsageError, match="adapter_model.safetensors is missing"):
         registry.register_candidate(cand)
@@ -331,10 +402,12 @@ def test_against_mlflow_server_backed_by_postgresql(tmp_path, monkeypatch):
         base = make_base_draft(tmp_path / "base")
         reg.register_base(base)
         reg.promote("1")
-        reg.register_candidate(make_candidate(tmp_path / "c", base, parent_version="1", seed=2))
+        ids = sorted(set(range(0, 256, 5)) | {256, 257, 258})
+        reg.register_candidate(_with_vocabulary(make_candidate(tmp_path / "c", base, parent_version="1", seed=2), ids))
         assert reg.promote("2").changed and reg.aliases() == {CHAMPION: "2", PREVIOUS: "1"}
         merged = reg.materialize("2")                                      # downloaded through the server
         assert torch.allclose(_logits(merged, IDS), _logits(lora_model(base, seed=2), IDS), atol=1e-5)
+        assert json.loads((merged / "draftsmith.json").read_text())["output_token_ids"] == ids
         assert reg.rollback().changed and reg.champion() == "1"
         assert not reg.rollback().changed
         # the server's artifact store is what promotion checks

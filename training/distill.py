@@ -4,7 +4,9 @@
 alpha = 2r by default, no dropout) go on q/k/v/o/gate/up/down projections; embeddings, norms and the
 output layer stay frozen. The output layer is applied only to the scored rows and only over the
 draft's output vocabulary, exactly as serving computes it (Engine._load_draft / _Runner.feed): the
-rows of `draftsmith.json` `output_token_ids`, or the first len(tokenizer) rows when there is none.
+rows of `draftsmith.json` `output_token_ids` (read by `serving.models.read_output_token_ids`, the one
+reader), or the first len(tokenizer) rows when there is none, or the rows a distillation job chose
+for its candidate (`Draft(..., output_token_ids=...)`, training/job.py).
 A target top-k id outside that vocabulary maps to column -1 (losses put it in the tail cell;
 acceptance gives the draft probability 0 there).
 
@@ -108,26 +110,24 @@ class Batch:
 
 class Draft:
     """A draft folder ready for LoRA training (`lora_r` set), or for evaluation only (`lora_r=None`),
-    optionally with a trained adapter folder applied (`adapter`, frozen)."""
+    optionally with a trained adapter folder applied (`adapter`, frozen).
+
+    Output vocabulary: `output_token_ids` (a distillation job's newly chosen rows) when given, else the
+    folder's own, read by `serving.models.read_output_token_ids` exactly as the engine reads it (None
+    there: the first min(len(tokenizer), output rows) ids). `set_output_token_ids` switches it later
+    (the job measures the parent's rows "before", then trains and measures on the new ones)."""
 
     def __init__(self, folder: str | Path, *, lora_r: int | None = 16, lora_alpha: float | None = None,
-                 adapter: str | Path | None = None) -> None:
+                 adapter: str | Path | None = None, output_token_ids: Iterable[int] | None = None) -> None:
         from transformers import AutoModelForCausalLM
 
         self.folder = Path(folder)
         base = AutoModelForCausalLM.from_pretrained(self.folder, dtype=torch.float32, attn_implementation="sdpa")
-        vocab = len(load_tokenizer(self.folder))
-        head = base.get_output_embeddings()
-        out_ids = read_output_token_ids(self.folder)
-        rows = torch.tensor(out_ids, dtype=torch.long) if out_ids else torch.arange(min(vocab, head.weight.shape[0]))
-        if int(rows.max()) >= head.weight.shape[0]:
-            raise ValueError(f"{self.folder}: output_token_ids reach {int(rows.max())}, beyond the "
-                             f"{head.weight.shape[0]} rows of its output layer")
-        self.out_rows = rows                                                   # [V_out]
-        self.head_weight = head.weight.detach()[rows].clone()                  # [V_out, H], frozen
-        self.head_bias = head.bias.detach()[rows].clone() if getattr(head, "bias", None) is not None else None
-        self.vocab_index = torch.full((max(vocab, int(rows.max()) + 1),), -1, dtype=torch.long)
-        self.vocab_index[rows] = torch.arange(len(rows))
+        self.tokenizer = load_tokenizer(self.folder)
+        self._head = base.get_output_embeddings()                             # frozen (never a LoRA target)
+        self.full_vocab_size = min(len(self.tokenizer), self._head.weight.shape[0])   # ids the draft could emit
+        self.set_output_token_ids(read_output_token_ids(self.folder) if output_token_ids is None
+                                  else output_token_ids)
         if adapter is not None and lora_r is not None:
             raise ValueError("pass either lora_r (train a new adapter) or adapter (evaluate a trained one)")
         if adapter is not None:
@@ -146,6 +146,34 @@ class Draft:
                 p.requires_grad_(False)
         self.decoder = base.get_decoder()
         self.model.eval()
+
+    def set_output_token_ids(self, ids: Iterable[int] | None) -> None:
+        """Compute the output layer over rows `ids` (in this order; None: the full vocabulary)."""
+        rows_total = self._head.weight.shape[0]
+        if ids is None:
+            rows = torch.arange(self.full_vocab_size)
+        else:
+            rows = torch.as_tensor([int(i) for i in ids], dtype=torch.long)
+            if rows.numel() == 0:
+                raise ValueError(f"{self.folder}: empty output vocabulary")
+            if int(rows.min()) < 0:
+                raise ValueError(f"{self.folder}: output_token_ids hold a negative id {int(rows.min())}")
+            if int(rows.max()) >= rows_total:
+                raise ValueError(f"{self.folder}: output_token_ids reach {int(rows.max())}, beyond the "
+                                 f"{rows_total} rows of its output layer")
+            if len(torch.unique(rows)) != len(rows):
+                raise ValueError(f"{self.folder}: output_token_ids list a token id twice")
+        self.out_rows = rows                                                           # [V_out]
+        self.head_weight = self._head.weight.detach()[rows].clone()                    # [V_out, H], frozen
+        bias = getattr(self._head, "bias", None)
+        self.head_bias = bias.detach()[rows].clone() if bias is not None else None
+        self.vocab_index = torch.full((max(len(self.tokenizer), int(rows.max()) + 1),), -1, dtype=torch.long)
+        self.vocab_index[rows] = torch.arange(len(rows))
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The rows the draft computes, as a list (full vocabulary: 0..full_vocab_size-1)."""
+        return self.out_rows.tolist()
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -264,6 +292,8 @@ def offline_acceptance(draft: Draft, units: list[Unit], *, batch_tokens: int = 4
                 start += u.num_rows
                 acc = per_src.setdefault(u.source or "unlabelled", {"alpha": [], "eal": []})
                 for s, gamma in enumerate(u.step_gamma):
+                    if gamma == 0:      # a step that drafted nothing (adaptive controller): trained on, not scored
+                        continue
                     rows = (u.row_step == s)
                     order = np.argsort(u.row_offset[rows])
                     step_alpha = a[rows][order][:gamma]        # draft positions only, not the bonus row

@@ -13,12 +13,26 @@ One job:
    with `replay_ratio` r > 0, also read (not consume) the newest r x (new records) older training
    records and train on both, so that adapting to new traffic does not erase the old;
 2. read the newest `eval_records` held-out steps (read-only, optionally of one `eval_source`);
-3. pack both into units (training/data.py), measure offline acceptance of the parent draft, train
-   LoRA (training/distill.py), acking each record right after the optimizer step that used it
-   (a crash before that leaves it pending: a later job re-claims it after `claim_idle_ms`), measure
-   again;
-4. write `<out_dir>/adapter/` (peft, safetensors) + `candidate.json` (docs/architecture.md,
-   "Candidate folder"); `data_window.last_id` is the newest stream id trained on (the cursor).
+3. pack both into units (training/data.py), measure offline acceptance of the parent draft on the
+   parent's output vocabulary (as it is served: "before");
+4. re-choose the output vocabulary from the training units (below), train LoRA on it
+   (training/distill.py), acking each record right after the optimizer step that used it (a crash
+   before that leaves it pending: a later job re-claims it after `claim_idle_ms`), measure again on
+   the new vocabulary ("after");
+5. write `<out_dir>/adapter/` (peft, safetensors) + `vocabulary.json` + `candidate.json`
+   (docs/architecture.md, "Candidate folder"); `data_window.last_id` is the newest stream id trained
+   on (the cursor).
+
+**Vocabulary.** The draft computes only the rows `output_token_ids` of its frozen, tied output layer
+(training/vocab.py). A job re-chooses them from the step records it trains on: the target's stored
+top-k probability mass per token (`token_mass` over every scored row of the training units, replay
+included, held-out never), then `choose_vocabulary(mass, size, always=<tokenizer special ids>,
+prior=<parent's ids>, prior_weight=vocab_prior_weight)`, so tokens the window uses heavily enter and
+parent tokens it never uses may leave. `size` = `vocab_size`: None (default) = the parent's size,
+0 = keep the parent's vocabulary unchanged, n = n rows (>= the full vocabulary: full). A parent on
+the full vocabulary stays full unless `vocab_size` asks for a cut. The counts of tokens that entered
+and left are metrics of the job's MLflow run (`vocab_entered`, `vocab_left`, `vocab_size`).
+
 Too few usable records or held-out records -> NotEnoughRecords (nothing acked that was not used);
 the scheduler then leaves the champion as it is.
 
@@ -54,6 +68,9 @@ return {#r, r[#r][1]}
 """
 
 
+VOCABULARY_FILE = "vocabulary.json"      # deploy/registry.py reads it under the same name
+
+
 class NotEnoughRecords(RuntimeError):
     """The buffer holds too few usable (or held-out) records for a job; nothing was trained."""
 
@@ -83,6 +100,8 @@ class JobConfig:
     out_dir: str | None = None
     mlflow: bool = True
     tracking_uri: str | None = None
+    vocab_size: int | None = None          # None: the parent's size; 0: keep the parent's vocabulary
+    vocab_prior_weight: float = 0.5        # choose_vocabulary's lean towards the parent's vocabulary
 
     def __post_init__(self) -> None:
         if not self.base_draft_path:
@@ -106,6 +125,13 @@ class JobConfig:
             raise ValueError(f"heldout_fraction must be in (0, 1), got {self.heldout_fraction!r}")
         if self.rows not in ("all", "accepted"):
             raise ValueError(f"rows must be 'all' or 'accepted', got {self.rows!r}")
+        if self.vocab_size is not None and (isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int)
+                                            or self.vocab_size < 0):
+            raise ValueError(f"vocab_size must be an integer >= 0 (0: keep the parent's vocabulary) or None "
+                             f"(the parent's size), got {self.vocab_size!r}")
+        if isinstance(self.vocab_prior_weight, bool) or not isinstance(self.vocab_prior_weight, (int, float)) \
+                or not (0.0 <= self.vocab_prior_weight < float("inf")):
+            raise ValueError(f"vocab_prior_weight must be a number >= 0, got {self.vocab_prior_weight!r}")
 
 
 def parse_config(cfg: dict):
@@ -212,6 +238,75 @@ def _flat(prefix: str, obj, out: dict) -> dict:
     return out
 
 
+# ----------------------------------------------------------------------------- the vocabulary
+@dataclass
+class VocabularyChoice:
+    """A job's output vocabulary (module docstring, "Vocabulary"). `ids` None = the full vocabulary."""
+
+    ids: list[int] | None
+    parent_ids: list[int] | None
+    full_size: int                  # ids the draft could emit at all
+    how: str                        # "window" (re-chosen), "parent" (kept: vocab_size 0), "full"
+    entered: list[int]              # in ids, not in the parent's vocabulary (ascending)
+    left: list[int]                 # in the parent's vocabulary, not in ids (ascending)
+    scored_rows: int = 0            # target top-k rows the mass was summed over
+    prior_weight: float | None = None
+
+    @property
+    def size(self) -> int:
+        return self.full_size if self.ids is None else len(self.ids)
+
+    @property
+    def parent_size(self) -> int:
+        return self.full_size if self.parent_ids is None else len(self.parent_ids)
+
+    def describe(self) -> str:
+        return (f"{self.size} of {self.full_size} rows ({self.how}; parent {self.parent_size}); "
+                f"{len(self.entered)} tokens entered, {len(self.left)} left")
+
+    def summary(self) -> dict:
+        """candidate.json `vocabulary` (counts only; the ids are in vocabulary.json)."""
+        return {"size": self.size, "parent_size": self.parent_size, "full_size": self.full_size,
+                "chosen_by": self.how, "entered": len(self.entered), "left": len(self.left),
+                "scored_rows": self.scored_rows, "prior_weight": self.prior_weight, "file": VOCABULARY_FILE}
+
+    def to_file(self, parent_version: str | None) -> dict:
+        """vocabulary.json: `output_token_ids` (null: the full vocabulary) and what changed."""
+        return {"output_token_ids": self.ids, "parent_version": parent_version, "chosen_by": self.how,
+                "full_size": self.full_size, "entered": self.entered, "left": self.left}
+
+
+def choose_job_vocabulary(draft, units, *, vocab_size: int | None, prior_weight: float = 0.5) -> VocabularyChoice:
+    """The candidate's output vocabulary from the training `units` (module docstring, "Vocabulary").
+    `draft` is the parent as loaded (its rows are the parent's vocabulary, as served)."""
+    import numpy as np
+
+    from serving.models import read_output_token_ids
+    from training.vocab import choose_vocabulary, token_mass
+
+    parent = read_output_token_ids(draft.folder)             # the one reader, as the engine and Draft use it
+    full = int(draft.full_vocab_size)
+    size = len(parent) if vocab_size is None and parent is not None else vocab_size
+    rows = sum(int(u.target_ids.shape[0]) for u in units)
+    if vocab_size == 0 or (vocab_size is None and parent is None):
+        ids, how = parent, ("parent" if vocab_size == 0 else "full")
+    elif size >= full:
+        ids, how = None, "full"
+    else:
+        mass = np.zeros(full)
+        for u in units:
+            mass += token_mass(u.target_ids, u.target_logprobs, full)
+        specials = [i for i in draft.tokenizer.all_special_ids if 0 <= i < full]
+        ids = choose_vocabulary(mass, size, always=specials, prior=parent, prior_weight=prior_weight)
+        how = "window"
+        if parent is not None and set(ids) == set(parent):
+            ids = parent                                      # unchanged: keep the parent's rows as they are
+    old = set(range(full)) if parent is None else set(parent)
+    new = set(range(full)) if ids is None else set(ids)
+    return VocabularyChoice(ids, parent, full, how, sorted(new - old), sorted(old - new), rows,
+                            prior_weight if how == "window" else None)
+
+
 # ----------------------------------------------------------------------------- the job
 def _default_out_dir(parent_version: str | None) -> Path:
     from buffer.embedded import data_dir
@@ -272,10 +367,13 @@ def run_distillation(cfg: dict, progress: Callable[[str], None] = print) -> Path
             progress(f"[distill] replaying {len(rep)} older training steps from {len(rep_seqs)} requests "
                      f"(before {first})")
 
-        draft = distill.Draft(job.base_draft_path, lora_r=tcfg.lora_r, lora_alpha=tcfg.lora_alpha)
+        draft = distill.Draft(job.base_draft_path, lora_r=tcfg.lora_r, lora_alpha=tcfg.lora_alpha)  # parent's rows
         before = distill.offline_acceptance(draft, eval_units, batch_tokens=tcfg.batch_tokens)
         progress(f"[distill] held-out: {n_held} steps from {len(held_seqs)} requests; offline acceptance "
                  f"before {before.acceptance:.4f}, E[L] {before.expected_accepted_length:.3f}")
+        vocab = choose_job_vocabulary(draft, units, vocab_size=job.vocab_size, prior_weight=job.vocab_prior_weight)
+        draft.set_output_token_ids(vocab.ids)                       # train and measure "after" on the new rows
+        progress(f"[distill] output vocabulary: {vocab.describe()}")
         acked: set[str] = set()
 
         def ack_used(used_units) -> None:
@@ -302,6 +400,8 @@ def run_distillation(cfg: dict, progress: Callable[[str], None] = print) -> Path
             "train_steps": report.steps, "train_tokens": report.tokens, "train_seconds": report.seconds,
             "loss_first": report.loss_first, "loss_final": report.loss_final,
             "peak_rss_mb": distill.peak_rss_mb(), "job_seconds": time.time() - t0,
+            "vocab_size": vocab.size, "vocab_parent_size": vocab.parent_size,
+            "vocab_entered": len(vocab.entered), "vocab_left": len(vocab.left),
         }
         for src, b in before.by_source.items():
             metrics[f"offline_acceptance_before.{src}"] = b["acceptance"]
@@ -321,11 +421,12 @@ def run_distillation(cfg: dict, progress: Callable[[str], None] = print) -> Path
                                         "by_source": {s: v["steps"] for s, v in after.by_source.items()}}},
             "metrics": metrics,
             "eval": {"before": before.to_dict(), "after": after.to_dict()},
+            "vocabulary": vocab.summary(),
             "mlflow_run_id": tracking.run_id if tracking else None,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         out = Path(job.out_dir) if job.out_dir else _default_out_dir(job.parent_version)
-        _write_candidate(out, draft, meta)
+        _write_candidate(out, draft, meta, vocab.to_file(job.parent_version))
         progress(f"[distill] candidate written to {out}")
         if tracking:
             tracking.log(report.steps, {k: v for k, v in metrics.items() if v is not None})
@@ -339,14 +440,15 @@ def run_distillation(cfg: dict, progress: Callable[[str], None] = print) -> Path
         raise
 
 
-def _write_candidate(out: Path, draft, meta: dict) -> None:
-    """adapter/ + candidate.json, staged in a sibling folder and renamed into place."""
+def _write_candidate(out: Path, draft, meta: dict, vocabulary: dict) -> None:
+    """adapter/ + vocabulary.json + candidate.json, staged in a sibling folder and renamed into place."""
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"candidate folder {out} already exists and is not empty")
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:6]}"
     try:
         draft.save_adapter(staging / "adapter")
+        (staging / VOCABULARY_FILE).write_text(json.dumps(vocabulary))
         (staging / "candidate.json").write_text(json.dumps(meta, indent=1, default=str))
         if out.exists():
             out.rmdir()
