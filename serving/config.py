@@ -13,6 +13,11 @@ from dataclasses import asdict, dataclass, field
 # "target" and "ngram" need no draft model (DRAFT_FREE_MODES).
 MODES = ("mjsd", "speculative", "target", "typical", "mentored", "spectr", "bild", "ngram", "staged")
 DRAFT_FREE_MODES = ("target", "ngram")
+# Modes whose draft length the adaptive controller chooses per step (the others keep gamma fixed: bild
+# has its own confidence stop, spectr / staged / ngram their own proposal structure).
+ADAPTIVE_MODES = ("mjsd", "speculative", "typical", "mentored")
+# Modes where the controller may switch a step to n-gram proposals, verified by the mode's own rule.
+NGRAM_SWITCH_MODES = ("mjsd", "speculative")
 DEFAULT_MODE = "mjsd"
 
 # Per-mode knobs, carried in SpecParams.extra, with their defaults (sources in serving/decoding/*):
@@ -91,7 +96,11 @@ class SpecParams:
     """Which decoding rule runs and its parameters.
 
     gamma: draft tokens proposed per step (ngram: the longest lookup continuation; bild: the most
-    draft tokens before the target must verify); beams: MJSD beam-sampling width; tau: MJSD joint-ratio
+    draft tokens before the target must verify); with `adaptive` (the default) and a mode in
+    ADAPTIVE_MODES it is an upper bound: the controller (serving/controller.py) drafts 0..gamma tokens per
+    step from the acceptance and costs it measures, and may propose from the n-gram lookup instead
+    (speculative, mjsd). `adaptive=False` keeps a fixed gamma (experiments, the paper's tables);
+    beams: MJSD beam-sampling width; tau: MJSD joint-ratio
     threshold (accept the longest prefix with min(1, p/q) > tau; tau <= 0 accepts every draft token).
     extra: the mode's knobs (MODE_KNOBS); missing ones get their defaults, so after construction
     `extra` holds every knob of the mode and nothing else (an unknown key is a ValueError).
@@ -102,8 +111,11 @@ class SpecParams:
     beams: int = 8
     tau: float = 0.1
     extra: dict = field(default_factory=dict)
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"adaptive must be true or false, got {self.adaptive!r}")
         if self.mode not in MODES:
             raise ValueError(f"unknown decoding mode {self.mode!r}; choose one of {', '.join(MODES)}")
         if not isinstance(self.gamma, int) or isinstance(self.gamma, bool) or not (1 <= self.gamma <= 16):

@@ -32,7 +32,9 @@ Modes (SpecParams.mode; rules in serving/decoding/, knobs in SpecParams.extra, s
 
 Randomness: one torch.Generator per request, seeded from SamplingParams.seed, on the target's device
 (CPU or CUDA), so every rule draws where its probability rows live; a seed reproduces a run on the
-same device (CPU and CUDA streams differ). On CUDA `_Runner.feed` synchronises, so the draft/target
+same device (CPU and CUDA streams differ). The adaptive controller (serving/controller.py) of a seeded
+request decides from that request's own history only, so its plan, and with it the output, repeats
+too. On CUDA `_Runner.feed` synchronises, so the draft/target
 time split in the stats is real time, not kernel-launch time.
 
 Concurrency: per-request state (sequence, caches, generator) lives in the `generate()` generator.
@@ -53,7 +55,8 @@ from typing import Iterator
 import torch
 
 from buffer.records import RecordSink, SequenceRecord, StepRecord
-from serving.config import SamplingParams, SpecParams
+from serving.config import ADAPTIVE_MODES, NGRAM_SWITCH_MODES, SamplingParams, SpecParams
+from serving.controller import CostModel, Plan, ReplicaPriors, RequestController
 from serving.decoding.bild import bild_should_fallback, bild_verify
 from serving.decoding.mentored import mentored_verify
 from serving.decoding.mjsd import beam_sample_finalize, beam_sample_step, mjsd_verify
@@ -104,6 +107,10 @@ class GenerationStats:
     accepted_tokens: int = 0
     tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    adaptive: bool = False
+    zero_draft_steps: int = 0      # adaptive: steps that drafted nothing (a plain target step)
+    ngram_steps: int = 0           # adaptive: steps whose proposal came from the n-gram lookup
+    probe_steps: int = 0           # adaptive: one-token probes of a draft that had stopped paying
     draft_time_s: float = 0.0
     target_time_s: float = 0.0
     wall_time_s: float = 0.0
@@ -120,6 +127,10 @@ class GenerationStats:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
     @property
+    def drafted_per_step(self) -> float:
+        return self.draft_tokens / self.steps if self.steps else 0.0
+
+    @property
     def overhead_time_s(self) -> float:
         return max(0.0, self.wall_time_s - self.draft_time_s - self.target_time_s)
 
@@ -128,6 +139,7 @@ class GenerationStats:
         d.update(
             mean_accepted_length=self.mean_accepted_length,
             acceptance_rate=self.acceptance_rate,
+            drafted_per_step=self.drafted_per_step,
             overhead_time_s=self.overhead_time_s,
             tokens_per_s=self.tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0,
         )
@@ -258,6 +270,8 @@ class Engine:
         self._rng_device = next(target.model.parameters()).device
         self._lock = threading.Lock()
         self._energy = EnergyMeter(device)
+        self.costs = CostModel()          # measured step costs of this replica (serving/controller.py)
+        self.priors = ReplicaPriors()     # acceptance of recent traffic: each new request's prior
         self._broken: str | None = None
         self._failures = 0
 
@@ -358,9 +372,20 @@ class Engine:
         gen.manual_seed(sampling.seed if sampling.seed is not None else int.from_bytes(uuid.uuid4().bytes[:6], "little"))
         stop_ids = self.eos_token_ids | set(sampling.stop_token_ids)
         gamma = spec.gamma if mode != "target" else 0
+        adaptive = spec.adaptive and mode in ADAPTIVE_MODES
         stats = GenerationStats(mode=mode, draft_version=self.draft_version if spec.needs_draft else "none",
-                                gamma=gamma, accepted_per_position=[0] * gamma)
+                                gamma=gamma, accepted_per_position=[0] * gamma, adaptive=adaptive)
         state = _RequestState(self, prompt)
+        if adaptive:
+            # A seeded request must reproduce its output, so its controller decides from its own history
+            # only (prior costs, the default prior), never from the replica's timings or other traffic.
+            seeded = sampling.seed is not None
+            beams = mode == "mjsd" and sampling.temperature > 0 and spec.beams > 1
+            state.controller = RequestController(
+                gamma=spec.gamma, costs=CostModel() if seeded else self.costs,
+                priors=ReplicaPriors() if seeded else self.priors, version=self.draft_version,
+                greedy=sampling.greedy, draft_key="beams" if beams else "chain",
+                use_ngram=mode in NGRAM_SWITCH_MODES)
         sink = self.sink if log_mode != "none" else None
         energy0 = self._energy.read_mj()
         t_start = time.perf_counter()
@@ -440,6 +465,8 @@ class _RequestState:
         self.draft_model = engine.draft
         self.draft = _Runner(engine.draft, engine.vocab_size) if engine.draft is not None else None
         self.recorded_steps = 0
+        self.controller: RequestController | None = None
+        self.ngram_proposal: list[int] = []
 
     # -- helpers -----------------------------------------------------------------
     def _sync_draft(self) -> None:
@@ -466,7 +493,10 @@ class _RequestState:
 
     # -- target-only ---------------------------------------------------------------
     def target_step(self, sampling: SamplingParams, gen: torch.Generator, stats: GenerationStats) -> list[int]:
+        steady, t0 = len(self.seq) - self.target.length == 1, stats.target_time_s
         logits = self._target_verify([], stats)[-1]
+        if steady:       # target-only traffic tells the controller what a plain step costs
+            self.engine.costs.observe_target(1, stats.target_time_s - t0)
         probs = warp_logprobs(logits, sampling.temperature, sampling.top_k, sampling.top_p).exp()
         tok = int(sample(probs, gen))
         self.seq.append(tok)
@@ -481,15 +511,42 @@ class _RequestState:
             self._sync_draft()
         warp = lambda lg: warp_logprobs(lg, sampling.temperature, sampling.top_k, sampling.top_p)
         start = len(self.seq)
-        if mode == "spectr":
+        ctrl = self.controller
+        plan = self._plan(ctrl, spec) if ctrl is not None else None
+        gamma = plan.k if plan is not None else spec.gamma
+        draft_s0, target_s0, wall0 = stats.draft_time_s, stats.target_time_s, time.perf_counter()
+        # costs are learnt from ordinary steps only: not from a pass that also prefilled the prompt
+        steady_target = len(self.seq) - self.target.length == 1
+        steady_draft = self.draft is not None and len(self.seq) - self.draft.length <= spec.gamma + 2
+        version = self.engine.draft_version if spec.needs_draft else "none"
+        algorithm = mode
+        if plan is not None and plan.proposer != "draft":
+            # the controller chose no draft model this step: a plain target step (k = 0), or the n-gram
+            # lookup's proposal verified by this mode's own rule (one-hot draft rows, as mode "ngram")
+            if plan.proposer == "ngram":
+                draft_tokens, draft_probs = self._ngram_rows(self.ngram_proposal[:gamma])
+                version, algorithm = "none", "ngram"
+                stats.ngram_steps += 1
+            else:
+                draft_tokens, draft_probs = [], None
+                version, algorithm = "none", "target"
+                stats.zero_draft_steps += 1
+            target_logits = self._target_verify(draft_tokens, stats)           # [k + 1, vocab]
+            target_probs = warp(target_logits).exp()
+            if draft_tokens:
+                res = VERIFY_RULES[mode](torch.tensor(draft_tokens, dtype=torch.long), draft_probs, target_probs,
+                                         gen, spec)
+            else:   # every rule with nothing drafted: one token from the target
+                res = VerifyResult(num_accepted=0, next_token=int(sample(target_probs[0], gen)))
+        elif mode == "spectr":
             draft_tokens, target_logits, res = self._spectr_step(spec, warp, gen, stats)
         else:
             if mode == "mjsd" and (sampling.temperature == 0 or spec.beams == 1):
                 # greedy (one-hot warp) or one beam: every beam but the first has no candidate, so beam
                 # sampling is the plain draft chain; skip the forked beam caches
-                draft_tokens, draft_probs = self._propose_chain(spec.gamma, warp, gen, stats)
+                draft_tokens, draft_probs = self._propose_chain(gamma, warp, gen, stats)
             elif mode == "mjsd":
-                draft_tokens, draft_probs = self._propose_beams(spec, warp, gen, stats)
+                draft_tokens, draft_probs = self._propose_beams(spec, warp, gen, stats, gamma)
             elif mode == "ngram":
                 draft_tokens, draft_probs = self._propose_ngram(spec)
             elif mode == "staged":
@@ -498,7 +555,9 @@ class _RequestState:
                 draft_tokens, draft_probs = self._propose_chain(
                     spec.gamma, warp, gen, stats, stop=_bild_stop(spec.extra["fallback_threshold"], sampling))
             else:
-                draft_tokens, draft_probs = self._propose_chain(spec.gamma, warp, gen, stats)
+                draft_tokens, draft_probs = self._propose_chain(gamma, warp, gen, stats)
+            if plan is not None and plan.probe:
+                stats.probe_steps += 1
             target_logits = self._target_verify(draft_tokens, stats)           # [g + 1, vocab]
             target_probs = warp(target_logits).exp()
             res = VERIFY_RULES[mode](torch.tensor(draft_tokens, dtype=torch.long), draft_probs, target_probs, gen, spec)
@@ -514,13 +573,24 @@ class _RequestState:
         stats.accepted_tokens += n
         for i in range(n):
             stats.accepted_per_position[i] += 1
-        if sink is not None and draft_tokens:
+        if ctrl is not None:
+            ctrl.observe(plan, n)
+            if draft_tokens and plan.proposer == "draft" and steady_draft:
+                self.engine.costs.observe_draft(ctrl.draft_key, len(draft_tokens), stats.draft_time_s - draft_s0)
+            if steady_target:
+                self.engine.costs.observe_target(len(draft_tokens) + 1, stats.target_time_s - target_s0)
+                if steady_draft or not draft_tokens:
+                    forwards = stats.target_time_s - target_s0 + stats.draft_time_s - draft_s0
+                    self.engine.costs.observe_overhead(bool(draft_tokens), time.perf_counter() - wall0 - forwards)
+        # every verified step is recorded, also one that drafted nothing: distillation then learns exactly
+        # the traffic on which the draft is weak (the target's top-k of each emitted token)
+        if sink is not None and (draft_tokens or ctrl is not None):
             try:
                 ids, lps = _top_k_record(target_logits, self.engine.record_top_k)
                 sink.push_step(StepRecord(
                     request_id=request_id, position=start, draft_tokens=draft_tokens, num_accepted=n,
-                    target_topk_ids=ids, target_topk_logprobs=lps, algorithm=mode,
-                    draft_version=self.engine.draft_version if spec.needs_draft else "none",
+                    target_topk_ids=ids, target_topk_logprobs=lps, algorithm=algorithm,
+                    draft_version=version,
                     temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                     timestamp=time.time(), next_token=int(res.next_token)))
                 self.recorded_steps += 1
@@ -551,13 +621,31 @@ class _RequestState:
             logits = self._draft_feed([tok], 1, stats)[-1]
         return tokens, torch.stack(probs)
 
-    def _propose_ngram(self, spec: SpecParams) -> tuple[list[int], torch.Tensor]:
-        """Prompt lookup over seq: up to gamma tokens (cut after a stop token), one-hot 'draft' rows."""
-        tokens = ngram_propose(self.seq, spec.extra["max_ngram"], spec.gamma, spec.extra["min_ngram"])
+    def _plan(self, ctrl: RequestController, spec: SpecParams) -> Plan:
+        """The controller's choice for this step (serving/controller.py); the n-gram lookup is offered
+        only in NGRAM_SWITCH_MODES (its proposal is kept in `ngram_proposal` for the step)."""
+        ctrl.version = self.engine.draft_version
+        self.ngram_proposal = self._ngram_tokens(spec.gamma) if ctrl.use_ngram else []
+        return ctrl.plan(len(self.ngram_proposal))
+
+    # the controller's n-gram proposer: suffixes of 2..3 tokens (a one-token match is mostly noise)
+    CONTROLLER_NGRAM = (3, 2)
+
+    def _ngram_tokens(self, gamma: int, max_ngram: int | None = None, min_ngram: int | None = None) -> list[int]:
+        """Prompt lookup over seq: up to gamma tokens, cut after a stop token."""
+        tokens = ngram_propose(self.seq, max_ngram or self.CONTROLLER_NGRAM[0], gamma,
+                               min_ngram or self.CONTROLLER_NGRAM[1])
         for i, tok in enumerate(tokens):
             if tok in self.engine.eos_token_ids:
-                tokens = tokens[: i + 1]
-                break
+                return tokens[: i + 1]
+        return tokens
+
+    def _propose_ngram(self, spec: SpecParams) -> tuple[list[int], torch.Tensor]:
+        """Prompt lookup over seq: up to gamma tokens (cut after a stop token), one-hot 'draft' rows."""
+        return self._ngram_rows(self._ngram_tokens(spec.gamma, spec.extra["max_ngram"], spec.extra["min_ngram"]))
+
+    def _ngram_rows(self, tokens: list[int]) -> tuple[list[int], torch.Tensor]:
+        """A deterministic proposal as draft rows: one-hot [len, vocab]."""
         onehot = torch.zeros(len(tokens), self.engine.vocab_size, device=self.target.device)
         onehot[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)] = 1.0
         return tokens, onehot
@@ -622,7 +710,7 @@ class _RequestState:
             self.draft.select(torch.tensor([row]))
         return chains[row].tolist(), target_logits[int(inverse[row])], res
 
-    def _propose_beams(self, spec: SpecParams, warp, gen, stats) -> tuple[list[int], torch.Tensor]:
+    def _propose_beams(self, spec: SpecParams, warp, gen, stats, gamma: int) -> tuple[list[int], torch.Tensor]:
         """MJSD draft: beam *sampling* of gamma tokens; returns the top beam and the warped draft
         distributions along it. The batch-1 draft cache is not touched by the beams (they run on a
         forked cache), so it stays a prefix of seq."""
@@ -632,12 +720,12 @@ class _RequestState:
         beam_logq = torch.zeros(1, device=logits.device)
         parents_hist, tokens_hist, probs_hist = [], [], []
         runner = None
-        for i in range(spec.gamma):
+        for i in range(gamma):
             parent, token, beam_logq = beam_sample_step(beam_logq, step_logprobs, spec.beams, gen)
             parents_hist.append(parent)
             tokens_hist.append(token)
             probs_hist.append(step_logprobs.exp())
-            if i + 1 == spec.gamma:
+            if i + 1 == gamma:
                 break
             if runner is None:
                 runner = self.draft.fork(len(token))
@@ -648,7 +736,7 @@ class _RequestState:
         # trace the best beam back through the parent pointers
         row = int(beam_sample_finalize(beam_logq)[0])
         tokens, probs = [], []
-        for i in range(spec.gamma - 1, -1, -1):
+        for i in range(gamma - 1, -1, -1):
             tokens.append(int(tokens_hist[i][row]))
             parent = int(parents_hist[i][row])
             probs.append(probs_hist[i][parent])

@@ -6,10 +6,15 @@ Requests (pydantic v2; the FastAPI app publishes them in its OpenAPI document):
     POST /v1/chat/completions  ChatRequest         messages: [{role, content}] through the chat template
 Common fields: model, max_tokens, temperature (0..2, 0 = greedy), top_p (0, 1], top_k (0 or -1 = off),
 stop (str or up to 4 str), seed, stream, stream_options.include_usage, n (1 only), and two extensions:
-    speculative: {mode, gamma, beams, tau, params: {mode knobs}}   (serving/config.py MODES / MODE_KNOBS)
+    speculative: {mode, gamma, beams, tau, adaptive, params: {mode knobs}}   (serving/config.py MODES /
+                 MODE_KNOBS; adaptive, default true: gamma is an upper bound the adaptive speculation
+                 controller may stay under; false keeps a fixed gamma)
     log_mode: "full" | "ids_only" | "none"   what the replay buffer may keep of this request
-Defaults where a field is absent: temperature 1, top_k 20, top_p 0.9 (the MJSD paper's warp, which is
-what the draft is distilled under), mode mjsd with gamma 4, 8 beams, tau 0.1.
+Defaults where a field is absent follow OpenAI: temperature 1, no top-k (0), top_p 1.0 (no nucleus cut),
+so an OpenAI client that sets neither gets the plain softmax at its temperature. The MJSD paper's warp
+(top_k 20, top_p 0.9: serving/config.py DEFAULT_TOP_K / DEFAULT_TOP_P, what the paper-table benchmarks
+pass explicitly) applies only when a request asks for it. Decoding: mode mjsd with gamma 4, 8 beams,
+tau 0.1.
 
 Errors are `{"error": {"message", "type", "param", "code"}}` with a 4xx/5xx status (APIError).
 """
@@ -21,7 +26,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
-from serving.config import DEFAULT_MODE, DEFAULT_TOP_K, DEFAULT_TOP_P, MODES, SamplingParams, SpecParams
+from serving.config import DEFAULT_MODE, MODES, SamplingParams, SpecParams
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 128
@@ -80,6 +85,8 @@ class SpeculativeOptions(BaseModel):
     gamma: StrictInt | None = Field(None, ge=1, le=16, description="draft tokens per verification step")
     beams: StrictInt | None = Field(None, ge=1, le=32, description="MJSD beam-sampling width")
     tau: float | None = Field(None, ge=0, le=1e6, description="MJSD joint-ratio threshold")
+    adaptive: StrictBool | None = Field(None, description="adapt the draft length per step with gamma as its "
+                                        "upper bound (default true); false keeps a fixed gamma")
     params: dict[str, Union[StrictInt, float]] = Field(default_factory=dict,
                                                         description="the mode's other knobs (MODE_KNOBS)")
 
@@ -176,10 +183,17 @@ class RollbackRequest(BaseModel):
 
 
 # ----------------------------------------------------------------------------- translation
+# OpenAI's meaning of an absent field: no top-k, no nucleus cut (not the MJSD paper's top-k 20 / top-p 0.9).
+OPENAI_TOP_K = 0
+OPENAI_TOP_P = 1.0
+
+
 def sampling_params(req: _Common, max_tokens: int, stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
-    top_k = DEFAULT_TOP_K if req.top_k is None else max(0, req.top_k)
+    """The request's sampling. Absent top_k / top_p mean OpenAI's defaults (off / 1.0); an explicit
+    top_k of -1 or 0 turns top-k off."""
+    top_k = OPENAI_TOP_K if req.top_k is None else max(0, req.top_k)
     return SamplingParams(temperature=1.0 if req.temperature is None else req.temperature, top_k=top_k,
-                          top_p=DEFAULT_TOP_P if req.top_p is None else req.top_p, max_tokens=max_tokens,
+                          top_p=OPENAI_TOP_P if req.top_p is None else req.top_p, max_tokens=max_tokens,
                           seed=req.seed, stop_token_ids=stop_token_ids)
 
 
@@ -191,7 +205,7 @@ def spec_params(req: _Common, draft_loaded: bool) -> SpecParams:
     if opts is None:
         return SpecParams(mode=DEFAULT_MODE if draft_loaded else "target")
     kw: dict[str, Any] = {"mode": opts.mode, "extra": dict(opts.params)}
-    for name in ("gamma", "beams", "tau"):
+    for name in ("gamma", "beams", "tau", "adaptive"):   # only what was given: SpecParams keeps its defaults
         if getattr(opts, name) is not None:
             kw[name] = getattr(opts, name)
     try:
@@ -276,6 +290,10 @@ def spec_metrics(stats: dict) -> dict:
         "draft_tokens": stats.get("draft_tokens"),
         "accepted_tokens": stats.get("accepted_tokens"),
         "accepted_per_position": stats.get("accepted_per_position"),
+        "adaptive": stats.get("adaptive"),
+        "drafted_per_step": stats.get("drafted_per_step"),
+        "zero_draft_steps": stats.get("zero_draft_steps"),
+        "ngram_steps": stats.get("ngram_steps"),
         "mean_acceptance_length": stats.get("mean_accepted_length"),
         "acceptance_rate": stats.get("acceptance_rate"),
         "draft_time_s": stats.get("draft_time_s"),

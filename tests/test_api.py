@@ -135,6 +135,67 @@ def test_every_mode_answers(client):
         assert r.json()["usage"]["completion_tokens"] >= 1
 
 
+@pytest.fixture
+def seen(server, monkeypatch):
+    """The (SamplingParams, SpecParams) each HTTP request reaches the service with."""
+    calls, real = [], server.service.stream
+
+    def spy(prompt_ids, sampling, spec, **kw):
+        calls.append((sampling, spec))
+        return real(prompt_ids, sampling, spec, **kw)
+
+    monkeypatch.setattr(server.service, "stream", spy)
+    return calls
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_absent_top_k_top_p_mean_openai_defaults_over_http(client, seen, route):
+    """No top_k / top_p in the request: no top-k (0) and top_p 1.0, as OpenAI means them, not the MJSD
+    paper's warp (serving/config.py DEFAULT_TOP_K / DEFAULT_TOP_P)."""
+    body = {"max_tokens": 2, "seed": 1}
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in route else {"prompt": "hi"})
+    assert client.post(route, json=body).status_code == 200
+    (sampling, _), = seen
+    assert (sampling.top_k, sampling.top_p, sampling.temperature) == (0, 1.0, 1.0)
+
+
+@pytest.mark.parametrize("given,expect", [
+    ({"top_k": 20, "top_p": 0.9}, (20, 0.9)),        # the paper's warp, asked for explicitly
+    ({"top_k": 5}, (5, 1.0)),
+    ({"top_p": 0.5}, (0, 0.5)),
+    ({"top_k": -1, "top_p": 1.0}, (0, 1.0)),        # -1 = off
+    ({"top_k": 0}, (0, 1.0)),                        # 0 = off
+    ({"top_k": 1}, (1, 1.0)),
+])
+def test_explicit_top_k_top_p_are_kept_over_http(client, seen, given, expect):
+    assert complete(client, max_tokens=2, seed=1, **given).status_code == 200
+    (sampling, _), = seen
+    assert (sampling.top_k, sampling.top_p) == expect
+
+
+def test_sampling_params_defaults_unit():
+    from serving.protocol import CompletionRequest, sampling_params
+
+    sp = sampling_params(CompletionRequest(prompt="x"), 8)
+    assert (sp.top_k, sp.top_p, sp.temperature, sp.max_tokens) == (0, 1.0, 1.0, 8)
+    sp = sampling_params(CompletionRequest(prompt="x", top_k=20, top_p=0.9, temperature=0.5), 8)
+    assert (sp.top_k, sp.top_p, sp.temperature) == (20, 0.9, 0.5)
+
+
+@pytest.mark.parametrize("adaptive", [None, True, False])
+def test_speculative_adaptive_reaches_spec_params(client, seen, adaptive):
+    """`speculative.adaptive` is passed to SpecParams only when given (default: SpecParams' own)."""
+    opts = {"mode": "speculative", "gamma": 3}
+    if adaptive is not None:
+        opts["adaptive"] = adaptive
+    r = complete(client, max_tokens=4, temperature=0, speculative=opts)
+    assert r.status_code == 200, r.text
+    (_, spec), = seen
+    assert spec.mode == "speculative" and spec.gamma == 3
+    if hasattr(spec, "adaptive"):            # the adaptive controller's SpecParams field
+        assert spec.adaptive is (SpecParams().adaptive if adaptive is None else adaptive)
+
+
 # ----------------------------------------------------------------------------- bad input
 BAD = [
     ({"prompt": "x", "max_tokens": -1}, "max_tokens", None),
@@ -168,6 +229,8 @@ BAD = [
     ({"prompt": "x", "speculative": {"color": 1}}, "speculative.color", None),
     ({"prompt": "x", "speculative": {"mode": "mentored", "params": {"kl_budget": -1}}}, "speculative", None),
     ({"prompt": "x", "speculative": {"mode": "mjsd", "params": {"kl_budget": 1}}}, "speculative", None),
+    ({"prompt": "x", "speculative": {"adaptive": "yes"}}, "speculative.adaptive", "bool_type"),
+    ({"prompt": "x", "speculative": {"adaptive": 1}}, "speculative.adaptive", "bool_type"),
     ({"prompt": "x", "log_mode": "everything"}, "log_mode", None),
 ]
 
@@ -365,8 +428,12 @@ def test_each_verification_step_reaches_the_replay_buffer(pair):
         assert connect(REDIS_URL).xlen(cfg.steps_key) == m["steps"]      # the opted-out request left nothing
         entries = ReplayBufferReader(REDIS_URL, cfg).newest(100)
         assert len(entries) == m["steps"]
-        assert {e.record.draft_version for e in entries} == {"local"}
-        assert {e.record.algorithm for e in entries} == {"mjsd"}
+        # the adaptive controller may verify a step with nothing drafted or with an n-gram proposal:
+        # those steps are recorded too, under no draft version
+        assert {e.record.algorithm for e in entries} <= {"mjsd", "ngram", "target"}
+        assert {e.record.draft_version for e in entries if e.record.algorithm == "mjsd"} <= {"local"}
+        assert {e.record.draft_version for e in entries if e.record.algorithm != "mjsd"} <= {"none"}
+        assert sum(len(e.record.draft_tokens) for e in entries) == m["draft_tokens"]
         assert sum(e.record.num_accepted for e in entries) == m["accepted_tokens"]
     finally:
         srv.stop()

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import tiny_models
+from tiny_models import ListSink
 from serving.config import SamplingParams, SpecParams
 from serving.decoding.speculative import speculative_verify
 from serving.decoding.warp import sample, warp_logprobs
@@ -67,12 +68,12 @@ def reference_greedy(model, prompt, n, eos=tiny_models.EOS_ID):
 def test_speculative_greedy_equals_target_greedy(engine, self_engine, gamma):
     prompt = prompt_ids(engine)
     expected = reference_greedy(engine.target.model, prompt, GREEDY.max_tokens)
-    target_only = engine.generate_all(prompt, GREEDY, SpecParams(mode="target"))
+    target_only = engine.generate_all(prompt, GREEDY, SpecParams(adaptive=False, mode="target"))
     assert target_only.token_ids == expected
     for eng in (engine, self_engine):
-        res = eng.generate_all(prompt, GREEDY, SpecParams(mode="speculative", gamma=gamma))
+        res = eng.generate_all(prompt, GREEDY, SpecParams(adaptive=False, mode="speculative", gamma=gamma))
         assert res.token_ids == expected, f"gamma={gamma} draft={eng.draft_version}"
-    same = self_engine.generate_all(prompt, GREEDY, SpecParams(mode="speculative", gamma=gamma))
+    same = self_engine.generate_all(prompt, GREEDY, SpecParams(adaptive=False, mode="speculative", gamma=gamma))
     assert same.stats.acceptance_rate == 1.0
     # all accepted -> gamma + 1 tokens per step (the last step may be cut by max_tokens)
     assert same.stats.steps == -(-len(expected) // (gamma + 1))
@@ -80,7 +81,7 @@ def test_speculative_greedy_equals_target_greedy(engine, self_engine, gamma):
 
 def test_random_draft_is_mostly_rejected_but_output_exact(engine):
     prompt = prompt_ids(engine, "zz top")
-    res = engine.generate_all(prompt, GREEDY, SpecParams(mode="speculative", gamma=4))
+    res = engine.generate_all(prompt, GREEDY, SpecParams(adaptive=False, mode="speculative", gamma=4))
     assert res.token_ids == reference_greedy(engine.target.model, prompt, GREEDY.max_tokens)
     assert res.stats.acceptance_rate < 0.5  # an untrained random draft disagrees with the target
 
@@ -113,7 +114,7 @@ def test_kv_cache_rollback_matches_no_cache_reference(eng_name, request):
     sampling = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, max_tokens=200, seed=123)
     steps = 12
     outs = []
-    for i, out in enumerate(eng.generate(prompt, sampling, SpecParams(mode="speculative", gamma=3))):
+    for i, out in enumerate(eng.generate(prompt, sampling, SpecParams(adaptive=False, mode="speculative", gamma=3))):
         outs.extend(out.token_ids)
         if i + 1 == steps:
             break
@@ -125,7 +126,7 @@ def test_kv_cache_rollback_matches_no_cache_reference(eng_name, request):
 def test_mjsd_identical_draft_accepts_everything(self_engine):
     prompt = prompt_ids(self_engine)
     sampling = SamplingParams(temperature=1.0, max_tokens=40, seed=5)
-    res = self_engine.generate_all(prompt, sampling, SpecParams(mode="mjsd", gamma=4, beams=4, tau=0.5))
+    res = self_engine.generate_all(prompt, sampling, SpecParams(adaptive=False, mode="mjsd", gamma=4, beams=4, tau=0.5))
     assert res.stats.acceptance_rate == 1.0
 
 
@@ -136,36 +137,36 @@ def test_mjsd_greedy_equals_target_greedy(engine, self_engine, beams):
     prompt = prompt_ids(engine)
     expected = reference_greedy(engine.target.model, prompt, GREEDY.max_tokens)
     for eng in (engine, self_engine):
-        res = eng.generate_all(prompt, GREEDY, SpecParams(mode="mjsd", gamma=4, beams=beams, tau=0.1))
+        res = eng.generate_all(prompt, GREEDY, SpecParams(adaptive=False, mode="mjsd", gamma=4, beams=beams, tau=0.1))
         assert res.token_ids == expected, eng.draft_version
-    same = self_engine.generate_all(prompt, GREEDY, SpecParams(mode="mjsd", gamma=4, beams=beams))
+    same = self_engine.generate_all(prompt, GREEDY, SpecParams(adaptive=False, mode="mjsd", gamma=4, beams=beams))
     assert same.stats.acceptance_rate == 1.0
 
 
 def test_mjsd_one_beam_keeps_the_tau_extremes(engine, self_engine):
     sampling = SamplingParams(temperature=1.0, max_tokens=30, seed=4)
     prompt = prompt_ids(engine)
-    none = engine.generate_all(prompt, sampling, SpecParams(mode="mjsd", beams=1, tau=1.0))
+    none = engine.generate_all(prompt, sampling, SpecParams(adaptive=False, mode="mjsd", beams=1, tau=1.0))
     assert none.stats.accepted_tokens == 0 and none.stats.tokens > 0
-    every = engine.generate_all(prompt, sampling, SpecParams(mode="mjsd", gamma=4, beams=1, tau=0.0))
+    every = engine.generate_all(prompt, sampling, SpecParams(adaptive=False, mode="mjsd", gamma=4, beams=1, tau=0.0))
     assert every.stats.acceptance_rate == 1.0
-    same = self_engine.generate_all(prompt, sampling, SpecParams(mode="mjsd", gamma=4, beams=1, tau=0.5))
+    same = self_engine.generate_all(prompt, sampling, SpecParams(adaptive=False, mode="mjsd", gamma=4, beams=1, tau=0.5))
     assert same.stats.acceptance_rate == 1.0
 
 
 def test_mjsd_tau_extremes(engine):
     prompt = prompt_ids(engine)
     sampling = SamplingParams(temperature=1.0, max_tokens=30, seed=9)
-    none = engine.generate_all(prompt, sampling, SpecParams(mode="mjsd", tau=1.0))
+    none = engine.generate_all(prompt, sampling, SpecParams(adaptive=False, mode="mjsd", tau=1.0))
     assert none.stats.accepted_tokens == 0 and none.stats.steps == none.stats.tokens > 0
-    every = engine.generate_all(prompt, sampling, SpecParams(mode="mjsd", gamma=4, tau=0.0))
+    every = engine.generate_all(prompt, sampling, SpecParams(adaptive=False, mode="mjsd", gamma=4, tau=0.0))
     assert every.stats.acceptance_rate == 1.0
 
 
 def test_stats_are_consistent(engine):
     prompt = prompt_ids(engine)
     res = engine.generate_all(prompt, SamplingParams(temperature=1.0, max_tokens=64, seed=1),
-                              SpecParams(mode="speculative", gamma=4))
+                              SpecParams(adaptive=False, mode="speculative", gamma=4))
     s = res.stats
     assert s.tokens == len(res.token_ids) == (64 if res.finish_reason == "length" else s.tokens)
     assert res.finish_reason == "length" or res.token_ids[-1] == tiny_models.EOS_ID
@@ -184,17 +185,17 @@ def test_stats_are_consistent(engine):
 
 def test_stop_token_max_tokens_and_cancel(engine):
     prompt = prompt_ids(engine)
-    free = engine.generate_all(prompt, GREEDY, SpecParams(mode="target"))
+    free = engine.generate_all(prompt, GREEDY, SpecParams(adaptive=False, mode="target"))
     stop_at = free.token_ids[5]
     first = free.token_ids.index(stop_at)
     res = engine.generate_all(prompt, SamplingParams(temperature=0, max_tokens=48, stop_token_ids=(stop_at,)),
-                              SpecParams(mode="speculative", gamma=4))
+                              SpecParams(adaptive=False, mode="speculative", gamma=4))
     assert res.finish_reason == "stop" and res.token_ids == free.token_ids[: first + 1]
-    short = engine.generate_all(prompt, SamplingParams(temperature=0, max_tokens=3), SpecParams(mode="speculative"))
+    short = engine.generate_all(prompt, SamplingParams(temperature=0, max_tokens=3), SpecParams(adaptive=False, mode="speculative"))
     assert short.finish_reason == "length" and len(short.token_ids) == 3
     cancel = threading.Event()
     cancel.set()
-    cancelled = engine.generate_all(prompt, GREEDY, SpecParams(mode="speculative"), cancel=cancel)
+    cancelled = engine.generate_all(prompt, GREEDY, SpecParams(adaptive=False, mode="speculative"), cancel=cancel)
     assert cancelled.finish_reason == "cancelled" and cancelled.token_ids == []
 
 
@@ -208,7 +209,7 @@ def test_bad_input_is_refused(engine, pair, tmp_path):
     target, _ = pair
     lonely = Engine.from_paths(str(target), None, dtype=torch.float32, device=DEVICE)
     with pytest.raises(ValueError, match="needs a draft"):
-        lonely.generate_all([1, 2], GREEDY, SpecParams(mode="mjsd"))
+        lonely.generate_all([1, 2], GREEDY, SpecParams(adaptive=False, mode="mjsd"))
     # a draft with another tokenizer is refused with a clear message
     other = tmp_path / "other"
     tiny_models.make_model(3).save_pretrained(other)
@@ -219,17 +220,6 @@ def test_bad_input_is_refused(engine, pair, tmp_path):
         Engine.from_paths(str(target), str(other), dtype=torch.float32)
 
 
-class ListSink:
-    def __init__(self):
-        self.steps, self.seqs = [], []
-
-    def push_step(self, r):
-        self.steps.append(r)
-
-    def push_sequence(self, r):
-        self.seqs.append(r)
-
-
 @pytest.mark.parametrize("mode", ["speculative", "mjsd"])
 def test_step_records_rebuild_the_sequence(pair, mode):
     target, draft = pair
@@ -238,7 +228,7 @@ def test_step_records_rebuild_the_sequence(pair, mode):
                             sink=sink, record_top_k=5)
     prompt = prompt_ids(eng)
     res = eng.generate_all(prompt, SamplingParams(temperature=1.0, max_tokens=30, seed=2),
-                           SpecParams(mode=mode, gamma=3), request_id="r1", source="unit")
+                           SpecParams(adaptive=False, mode=mode, gamma=3), request_id="r1", source="unit")
     assert len(sink.seqs) == 1 and len(sink.steps) == res.stats.steps
     seq = sink.seqs[0]
     assert list(seq.token_ids) == prompt + res.token_ids and seq.prompt_len == len(prompt)
@@ -265,12 +255,12 @@ def test_reduced_output_vocabulary_draft_stays_exact(pair, tmp_path):
     (small / "draftsmith.json").write_text(json.dumps({"output_token_ids": text_ids}))
     eng = Engine.from_paths(str(target), str(small), dtype=torch.float32, device=DEVICE)
     prompt = prompt_ids(eng)
-    res = eng.generate_all(prompt, GREEDY, SpecParams(mode="speculative", gamma=3))
+    res = eng.generate_all(prompt, GREEDY, SpecParams(adaptive=False, mode="speculative", gamma=3))
     assert res.token_ids == reference_greedy(eng.target.model, prompt, GREEDY.max_tokens)
     # the draft can only propose the kept rows
     sink = ListSink()
     eng.sink = sink
-    eng.generate_all(prompt, SamplingParams(temperature=1.0, max_tokens=20, seed=0), SpecParams(mode="speculative"))
+    eng.generate_all(prompt, SamplingParams(temperature=1.0, max_tokens=20, seed=0), SpecParams(adaptive=False, mode="speculative"))
     assert all(int(t) in set(text_ids) for r in sink.steps for t in r.draft_tokens)
 
 
@@ -279,7 +269,7 @@ def test_swap_draft_between_steps(pair):
     sink = ListSink()
     eng = Engine.from_paths(str(target), str(draft), dtype=torch.float32, device=DEVICE, draft_version="old", sink=sink)
     prompt = prompt_ids(eng)
-    gen = eng.generate(prompt, SamplingParams(temperature=0, max_tokens=40), SpecParams(mode="speculative"))
+    gen = eng.generate(prompt, SamplingParams(temperature=0, max_tokens=40), SpecParams(adaptive=False, mode="speculative"))
     tokens = list(next(gen).token_ids)
     eng.swap_draft(str(target), "new")
     for out in gen:
@@ -290,3 +280,18 @@ def test_swap_draft_between_steps(pair):
     with pytest.raises(Exception, match="config.json"):
         eng.swap_draft(str(target / "missing"), "broken")
     assert eng.draft_version == "new"
+
+
+def test_cpu_dtype_follows_native_bf16(monkeypatch):
+    """bf16 only where the CPU computes it natively (emulated bf16 is ~2.5x slower than fp32)."""
+    from serving.models import cpu_has_fast_bf16, default_dtype
+
+    monkeypatch.setenv("DRAFTSMITH_CPU_DTYPE", "bfloat16")
+    assert cpu_has_fast_bf16() and default_dtype("cpu") == torch.bfloat16
+    monkeypatch.setenv("DRAFTSMITH_CPU_DTYPE", "float32")
+    assert not cpu_has_fast_bf16() and default_dtype("cpu") == torch.float32
+    assert default_dtype("cuda") == torch.float16
+    monkeypatch.delenv("DRAFTSMITH_CPU_DTYPE")
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    native = "avx512_bf16" in flags or "amx_bf16" in flags
+    assert default_dtype("cpu") == (torch.bfloat16 if native else torch.float32)

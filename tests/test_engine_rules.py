@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import tiny_models
+from tiny_models import ListSink
 from serving import engine as engine_module
 from serving.config import MODES, SamplingParams, SpecParams
 from serving.decoding.bild import bild_should_fallback, bild_verify
@@ -119,7 +120,7 @@ def test_temperature_zero_equals_target_greedy(engine, self_engine, mode, extra)
     prompt = ids(engine)
     expected = reference_greedy(engine.target.model, prompt, GREEDY.max_tokens)
     for eng in (engine, self_engine):
-        res = eng.generate_all(prompt, GREEDY, SpecParams(mode=mode, gamma=4, beams=3, extra=extra))
+        res = eng.generate_all(prompt, GREEDY, SpecParams(adaptive=False, mode=mode, gamma=4, beams=3, extra=extra))
         assert res.token_ids == expected, f"{mode} draft={eng.draft_version}"
         assert res.stats.mode == mode and res.stats.tokens == len(expected)
         if mode != "ngram":   # an identical draft is always right at T = 0
@@ -131,7 +132,7 @@ def test_ngram_needs_no_draft_and_is_greedy(lonely):
     lossless rule; at T = 0 that is exactly HF prompt lookup's token match against the target argmax."""
     prompt = ids(lonely)
     expected = reference_greedy(lonely.target.model, prompt, GREEDY.max_tokens)
-    res = lonely.generate_all(prompt, GREEDY, SpecParams(mode="ngram", gamma=5))
+    res = lonely.generate_all(prompt, GREEDY, SpecParams(adaptive=False, mode="ngram", gamma=5))
     assert res.token_ids == expected
     assert res.stats.draft_version == "none" and res.stats.draft_tokens > 0
     assert res.stats.accepted_tokens > 0       # the tiny target repeats itself: lookups pay off
@@ -141,7 +142,7 @@ def test_ngram_needs_no_draft_and_is_greedy(lonely):
 @pytest.mark.parametrize("mode", [m for m in MODES if m not in ("target", "ngram")])
 def test_draft_modes_need_a_draft(lonely, mode):
     with pytest.raises(ValueError, match=f"mode '{mode}' needs a draft model.*'target' or 'ngram'"):
-        lonely.generate_all([1, 2, 3], GREEDY, SpecParams(mode=mode))
+        lonely.generate_all([1, 2, 3], GREEDY, SpecParams(adaptive=False, mode=mode))
 
 
 # ---------------------------------------------------------------------------- cache-free references
@@ -270,7 +271,7 @@ def test_seeded_run_matches_cache_free_reference(request, monkeypatch, eng_name,
     eng = request.getfixturevalue(eng_name)
     prompt = ids(eng)
     sampling = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, max_tokens=500, seed=321)
-    spec = SpecParams(mode=mode, gamma=3, beams=3, extra=extra)
+    spec = SpecParams(adaptive=False, mode=mode, gamma=3, beams=3, extra=extra)
     got = capture_rule_inputs(monkeypatch, mode)
     outs = seeded_run(eng, prompt, sampling, spec, steps=8)
     want = []
@@ -308,7 +309,7 @@ def test_caches_hold_exactly_the_accepted_prefix(near_engine, mode, extra):
     (token-level comparisons alone miss that: a stale key barely moves a sample)."""
     prompt = ids(near_engine)
     sampling = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, max_tokens=60, seed=5)
-    run = near_engine.generate(prompt, sampling, SpecParams(mode=mode, gamma=3, beams=3, extra=extra))
+    run = near_engine.generate(prompt, sampling, SpecParams(adaptive=False, mode=mode, gamma=3, beams=3, extra=extra))
     emitted, steps = [], 0
     for out in run:
         emitted += out.token_ids
@@ -329,8 +330,8 @@ def test_mentored_zero_budget_is_speculative_sampling(engine):
     run gives the same tokens and the same acceptance counts as speculative sampling."""
     prompt = ids(engine)
     sampling = SamplingParams(temperature=0.8, top_k=50, top_p=0.95, max_tokens=60, seed=99)
-    spec = engine.generate_all(prompt, sampling, SpecParams(mode="speculative", gamma=3))
-    mentored = engine.generate_all(prompt, sampling, SpecParams(mode="mentored", gamma=3, extra={"kl_budget": 0.0}))
+    spec = engine.generate_all(prompt, sampling, SpecParams(adaptive=False, mode="speculative", gamma=3))
+    mentored = engine.generate_all(prompt, sampling, SpecParams(adaptive=False, mode="mentored", gamma=3, extra={"kl_budget": 0.0}))
     assert mentored.token_ids == spec.token_ids
     assert mentored.stats.accepted_per_position == spec.stats.accepted_per_position
     assert 0 < spec.stats.accepted_tokens < spec.stats.draft_tokens   # the check covers accepts and rejections
@@ -341,7 +342,7 @@ SAMPLED = SamplingParams(temperature=1.0, max_tokens=32, seed=7)
 
 
 def run(eng, mode, gamma=4, sampling=SAMPLED, **extra):
-    return eng.generate_all(ids(eng), sampling, SpecParams(mode=mode, gamma=gamma, extra=extra)).stats
+    return eng.generate_all(ids(eng), sampling, SpecParams(adaptive=False, mode=mode, gamma=gamma, extra=extra)).stats
 
 
 def test_typical_threshold_extremes(self_engine):
@@ -389,10 +390,10 @@ def test_staged_saves_draft_forwards(self_engine):
     tokens are checked by one draft forward instead of one each."""
     calls, handle = count_forwards(self_engine.draft.model)
     try:
-        chain = self_engine.generate_all(ids(self_engine), GREEDY, SpecParams(mode="speculative", gamma=6))
+        chain = self_engine.generate_all(ids(self_engine), GREEDY, SpecParams(adaptive=False, mode="speculative", gamma=6))
         chain_calls = len(calls)
         calls.clear()
-        staged = self_engine.generate_all(ids(self_engine), GREEDY, SpecParams(mode="staged", gamma=6))
+        staged = self_engine.generate_all(ids(self_engine), GREEDY, SpecParams(adaptive=False, mode="staged", gamma=6))
     finally:
         handle.remove()
     assert staged.token_ids == chain.token_ids
@@ -416,17 +417,6 @@ def test_stats_are_consistent(engine, mode):
     assert d["draft_version"] == ("none" if mode == "ngram" else "v1")
 
 
-class ListSink:
-    def __init__(self):
-        self.steps, self.seqs = [], []
-
-    def push_step(self, r):
-        self.steps.append(r)
-
-    def push_sequence(self, r):
-        self.seqs.append(r)
-
-
 @pytest.mark.parametrize("mode", NEW_MODES)
 def test_step_records_rebuild_the_sequence(pair, mode):
     target, draft = pair
@@ -434,7 +424,7 @@ def test_step_records_rebuild_the_sequence(pair, mode):
     eng = make_engine(target, draft, draft_version="v7", sink=sink, record_top_k=5)
     prompt = ids(eng)
     res = eng.generate_all(prompt, SamplingParams(temperature=1.0, max_tokens=30, seed=2),
-                           SpecParams(mode=mode, gamma=3), request_id="r1", source="unit")
+                           SpecParams(adaptive=False, mode=mode, gamma=3), request_id="r1", source="unit")
     assert len(sink.seqs) == 1 and 0 < len(sink.steps) <= res.stats.steps
     seq = sink.seqs[0]
     assert list(seq.token_ids) == prompt + res.token_ids
@@ -464,15 +454,15 @@ def test_step_records_rebuild_the_sequence(pair, mode):
 ])
 def test_bad_knobs_are_refused(mode, extra, match):
     with pytest.raises(ValueError, match=match):
-        SpecParams(mode=mode, extra=extra)
+        SpecParams(adaptive=False, mode=mode, extra=extra)
 
 
 def test_knob_defaults_and_modes():
     assert set(NEW_MODES) <= set(MODES)
-    assert SpecParams(mode="bild", extra={"rollback_threshold": 2}).extra == {
+    assert SpecParams(adaptive=False, mode="bild", extra={"rollback_threshold": 2}).extra == {
         "fallback_threshold": 0.9, "rollback_threshold": 2.0}
-    assert SpecParams(mode="speculative").extra == {}
+    assert SpecParams(adaptive=False, mode="speculative").extra == {}
     with pytest.raises(ValueError, match="extra must be a dict"):
-        SpecParams(mode="typical", extra=[("posterior_alpha", 1)])
+        SpecParams(adaptive=False, mode="typical", extra=[("posterior_alpha", 1)])
     with pytest.raises(ValueError, match="unknown decoding mode"):
-        SpecParams(mode="medusa")
+        SpecParams(adaptive=False, mode="medusa")

@@ -66,3 +66,16 @@ def save_pair(root: Path, target_seed: int = 0, draft_seed: int = 1, draft_layer
         tok.save_pretrained(p)
         paths.append(p)
     return paths[0], paths[1]
+
+
+class ListSink:
+    """A replay-buffer sink that keeps the records in lists (the engine's RecordSink protocol)."""
+
+    def __init__(self):
+        self.steps, self.seqs = [], []
+
+    def push_step(self, r):
+        self.steps.append(r)
+
+    def push_sequence(self, r):
+        self.seqs.append(r)

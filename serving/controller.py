@@ -1,0 +1,250 @@
+"""The adaptive speculation controller: how many tokens to draft at each step, and from where.
+
+Speculation pays only when the draft is accepted often enough for its cost. With per-token acceptance
+alpha (the chance that the next draft token is accepted, given the earlier ones were), a step that drafts
+k tokens emits on average
+
+    E(alpha, k) = 1 + alpha + ... + alpha^k = (1 - alpha^(k+1)) / (1 - alpha)      tokens
+
+(the accepted ones plus the target's own token) and costs
+
+    T(k) = k * draft_s + target_s(k + 1)                                           seconds
+
+where draft_s is the measured draft time per drafted token (per proposer: a chain, MJSD's beams) and
+target_s(n) the measured time of a target pass over n new tokens (plus the measured time a step spends
+outside the forwards: warping, sampling, the rule). The controller picks, before each step,
+the k in 0..gamma (gamma: the request's upper bound) with the largest E / T; k = 0 is a plain target step.
+It may also pick the prompt-lookup (n-gram) proposer, whose proposals cost no draft time, when its own
+acceptance makes it the better buy. (The speed-up analysis of Leviathan et al., "Fast Inference from
+Transformers via Speculative Decoding", ICML 2023, with measured instead of assumed costs.)
+
+Where the numbers come from:
+- `CostModel` (one per replica): exponentially weighted means of measured step times, by number of tokens
+  the target verified and by proposer; before the first measurement a prior ratio (draft token = 0.1 of a
+  target step, +3% per extra verified token).
+- `AcceptanceEstimate`: decayed counts of accepted / rejected draft positions (a rejected step is one
+  failure; a fully accepted step none), shrunk towards a prior. Each request has one per proposer; its
+  prior is the replica's estimate for that (draft version, proposer, greedy or sampled) from recent
+  traffic, which every request's steps update too.
+- Probing: once a request stops drafting (k = 0) no new evidence arrives, so every `probe_gap` plain steps
+  it drafts one token; a probe that is rejected doubles the gap (up to `max_probe_gap`), one that is
+  accepted resets it.
+
+What the controller never touches: the acceptance rule. It only chooses, from the history of earlier
+steps, how many tokens to propose and which proposer makes them; every rule verifies whatever is
+proposed as it always does, so lossless modes stay exactly lossless (the choice never depends on the
+current step's random draws).
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+MAX_GAMMA = 16
+PRIOR_DRAFT_RATIO = 0.1        # draft token / target step, before anything is measured
+PRIOR_VERIFY_SLOPE = 0.03      # extra target time per extra verified token, relative to a one-token step
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """E(alpha, k) = sum_{i=0..k} alpha^i: tokens emitted by a step drafting k tokens."""
+    if k <= 0:
+        return 1.0
+    a = min(max(float(alpha), 0.0), 1.0)
+    if a >= 1.0:
+        return float(k + 1)
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+class CostModel:
+    """Measured costs of one replica (thread-safe). `draft_token_s(proposer)` and `target_s(n)` in seconds."""
+
+    def __init__(self, weight: float = 0.1) -> None:
+        self.weight = weight
+        self._target: dict[int, float] = {}          # tokens verified -> EWMA seconds
+        self._draft: dict[str, float] = {}           # proposer -> EWMA seconds per drafted token
+        self._overhead: dict[bool, float] = {}       # drafted? -> EWMA seconds of a step outside the forwards
+        self._lock = threading.Lock()
+
+    def _ewma(self, table: dict, key, value: float) -> None:
+        old = table.get(key)
+        table[key] = value if old is None else (1 - self.weight) * old + self.weight * value
+
+    def observe_target(self, tokens: int, seconds: float) -> None:
+        if tokens >= 1 and seconds > 0:
+            with self._lock:
+                self._ewma(self._target, int(tokens), float(seconds))
+
+    def observe_draft(self, proposer: str, drafted: int, seconds: float) -> None:
+        if drafted >= 1 and seconds > 0:
+            with self._lock:
+                self._ewma(self._draft, proposer, float(seconds) / drafted)
+
+    def observe_overhead(self, drafted: bool, seconds: float) -> None:
+        """A step's time outside the model forwards (warping, sampling, the rule, bookkeeping)."""
+        if seconds >= 0:
+            with self._lock:
+                self._ewma(self._overhead, bool(drafted), float(seconds))
+
+    def overhead_s(self, drafted: bool) -> float:
+        with self._lock:
+            return self._overhead.get(bool(drafted), 0.0)
+
+    def target_s(self, tokens: int) -> float:
+        """Seconds for a target pass over `tokens` new tokens: measured; else the least-squares line through
+        the measured sizes (two or more: a controller that always drafts still learns what a plain
+        one-token step would cost); else the one measured size scaled with the prior slope; 1.0 (relative
+        units) when nothing is measured yet."""
+        with self._lock:
+            if tokens in self._target:
+                return self._target[tokens]
+            if not self._target:
+                return 1.0 + PRIOR_VERIFY_SLOPE * (tokens - 1)
+            if len(self._target) >= 2:
+                xs, ys = zip(*self._target.items())
+                mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+                slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+                slope = max(0.0, slope)                      # timing noise must not make tokens free
+                return max(my + slope * (tokens - mx), 0.25 * min(ys))
+            (near, value), = self._target.items()
+            base = value / (1.0 + PRIOR_VERIFY_SLOPE * (near - 1))
+            return base * (1.0 + PRIOR_VERIFY_SLOPE * (tokens - 1))
+
+    def draft_token_s(self, proposer: str) -> float:
+        if proposer == "ngram":
+            return 0.0
+        with self._lock:
+            measured = self._draft.get(proposer)
+        return measured if measured is not None else PRIOR_DRAFT_RATIO * self.target_s(1)
+
+    def step_s(self, proposer: str, k: int) -> float:
+        return k * self.draft_token_s(proposer) + self.target_s(k + 1) + self.overhead_s(k > 0)
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {"target_s": dict(self._target), "draft_token_s": dict(self._draft),
+                    "overhead_s": dict(self._overhead)}
+
+
+@dataclass
+class AcceptanceEstimate:
+    """Per-token acceptance from decayed counts, shrunk towards `prior` with weight `strength`."""
+
+    prior: float = 0.5
+    strength: float = 2.0
+    decay: float = 0.95
+    accepted: float = 0.0
+    rejected: float = 0.0
+    observations: int = 0
+
+    @property
+    def alpha(self) -> float:
+        return (self.accepted + self.strength * self.prior) / (self.accepted + self.rejected + self.strength)
+
+    def update(self, proposed: int, accepted: int) -> None:
+        """A step proposed `proposed` tokens and `accepted` of them were accepted."""
+        if proposed <= 0:
+            return
+        self.accepted = self.decay * self.accepted + accepted
+        self.rejected = self.decay * self.rejected + (1.0 if accepted < proposed else 0.0)
+        self.observations += 1
+
+
+class ReplicaPriors:
+    """Acceptance from recent traffic of one replica, per (draft version, proposer, greedy?): the prior of
+    every new request. A new draft version starts from the default prior."""
+
+    def __init__(self, prior: float = 0.5, decay: float = 0.98) -> None:
+        self.default, self.decay = prior, decay
+        self._est: dict[tuple, AcceptanceEstimate] = {}
+        self._lock = threading.Lock()
+
+    def _get(self, key: tuple) -> AcceptanceEstimate:
+        if key not in self._est:
+            self._est[key] = AcceptanceEstimate(prior=self.default, strength=2.0, decay=self.decay)
+        return self._est[key]
+
+    def alpha(self, version: str, proposer: str, greedy: bool) -> float:
+        with self._lock:
+            return self._get((version, proposer, greedy)).alpha
+
+    def update(self, version: str, proposer: str, greedy: bool, proposed: int, accepted: int) -> None:
+        with self._lock:
+            self._get((version, proposer, greedy)).update(proposed, accepted)
+
+
+@dataclass
+class Plan:
+    proposer: str      # "draft" (the mode's own proposer), "ngram", or "none" (k = 0)
+    k: int
+    probe: bool = False
+
+
+def best_k(alpha: float, max_k: int, step_s) -> tuple[int, float]:
+    """argmax over k in 0..max_k of E(alpha, k) / step_s(k); returns (k, tokens per second)."""
+    best, rate = 0, expected_tokens(alpha, 0) / step_s(0)
+    for k in range(1, max_k + 1):
+        r = expected_tokens(alpha, k) / step_s(k)
+        if r > rate * (1 + 1e-9):
+            best, rate = k, r
+    return best, rate
+
+
+@dataclass
+class RequestController:
+    """The controller of one request. `plan()` before a step, `observe()` after it."""
+
+    gamma: int
+    costs: CostModel
+    priors: ReplicaPriors
+    version: str
+    greedy: bool
+    draft_key: str = "chain"          # cost key of the mode's proposer ("chain", "beams")
+    use_ngram: bool = False
+    probe_gap0: int = 4
+    max_probe_gap: int = 32
+    est: dict = field(default_factory=dict)
+    zero_run: int = 0
+    probe_gap: int = 4
+    steps: int = 0
+
+    def __post_init__(self) -> None:
+        if not (1 <= self.gamma <= MAX_GAMMA):
+            raise ValueError(f"gamma must be in [1, {MAX_GAMMA}], got {self.gamma}")
+        self.probe_gap = self.probe_gap0
+
+    def _estimate(self, proposer: str) -> AcceptanceEstimate:
+        if proposer not in self.est:
+            key = self.draft_key if proposer == "draft" else proposer
+            self.est[proposer] = AcceptanceEstimate(prior=self.priors.alpha(self.version, key, self.greedy))
+        return self.est[proposer]
+
+    def alpha(self, proposer: str) -> float:
+        return self._estimate(proposer).alpha
+
+    def plan(self, ngram_available: int = 0) -> Plan:
+        """The next step's proposer and draft length. `ngram_available`: how many tokens the n-gram lookup
+        proposes now (0: no match)."""
+        k, rate = best_k(self.alpha("draft"), self.gamma, lambda k: self.costs.step_s(self.draft_key, k))
+        plan = Plan("draft" if k else "none", k)
+        if self.use_ngram and ngram_available:
+            kn, rate_n = best_k(self.alpha("ngram"), min(self.gamma, ngram_available),
+                                lambda k: self.costs.step_s("ngram", k))
+            if kn and rate_n > rate:
+                plan = Plan("ngram", kn)
+        if plan.k == 0:
+            self.zero_run += 1
+            if self.zero_run >= self.probe_gap:       # no evidence arrives while not drafting: probe
+                plan = Plan("draft", 1, probe=True)
+        return plan
+
+    def observe(self, plan: Plan, accepted: int) -> None:
+        self.steps += 1
+        if plan.k == 0:
+            return
+        self._estimate(plan.proposer).update(plan.k, accepted)
+        key = self.draft_key if plan.proposer == "draft" else plan.proposer
+        self.priors.update(self.version, key, self.greedy, plan.k, accepted)
+        if plan.proposer == "draft":
+            if plan.probe:
+                self.probe_gap = self.probe_gap0 if accepted else min(self.max_probe_gap, 2 * self.probe_gap)
+            self.zero_run = 0

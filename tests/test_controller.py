@@ -1,0 +1,321 @@
+"""The adaptive speculation controller (serving/controller.py) on synthetic acceptance streams: it stops
+drafting a hopeless draft, recovers when the draft starts to pay, never drafts beyond the request's gamma,
+and switches to n-gram proposals only when they are the better buy. Plus the engine with the controller
+on: T=0 output equal to target-only greedy output, and steps that draft nothing still recorded."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from serving.controller import (AcceptanceEstimate, CostModel, ReplicaPriors, RequestController, best_k,
+                                expected_tokens)
+
+
+def costs(target_ms: float = 30.0, draft_ms: float = 3.0, slope: float = 0.03) -> CostModel:
+    """A cost model with measured values: a target pass over n tokens costs target_ms * (1 + slope (n-1))."""
+    c = CostModel(weight=1.0)
+    for n in range(1, 18):
+        c.observe_target(n, target_ms * (1 + slope * (n - 1)) / 1000)
+    c.observe_draft("chain", 1, draft_ms / 1000)
+    return c
+
+
+def controller(gamma=4, c=None, prior=0.5, use_ngram=False) -> RequestController:
+    return RequestController(gamma=gamma, costs=c or costs(), priors=ReplicaPriors(prior=prior), version="v1",
+                             greedy=True, use_ngram=use_ngram)
+
+
+def run(ctrl: RequestController, accept_p: float, steps: int, rng: random.Random, ngram_len: int = 0):
+    """Drive the controller with a draft whose tokens are each accepted with probability accept_p (and
+    an n-gram proposer accepted with the same probability); returns the plans."""
+    plans = []
+    for _ in range(steps):
+        plan = ctrl.plan(ngram_len)
+        n = 0
+        while n < plan.k and rng.random() < accept_p:
+            n += 1
+        ctrl.observe(plan, n)
+        plans.append(plan)
+    return plans
+
+
+def test_expected_tokens_matches_the_geometric_sum():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens(0.9, 0) == 1.0
+
+
+def test_best_k_follows_the_speedup_formula():
+    step = lambda k: 1.0 + 0.1 * k          # c = 0.1, free verification
+    assert best_k(0.05, 8, step)[0] == 0     # hopeless draft: a plain target step is best
+    k_mid, _ = best_k(0.6, 8, step)
+    k_high, _ = best_k(0.9, 8, step)
+    assert 1 <= k_mid < k_high <= 8
+    # brute force: the returned k maximises E / T
+    for a in (0.2, 0.5, 0.8):
+        k, rate = best_k(a, 8, step)
+        assert rate == pytest.approx(max(expected_tokens(a, j) / step(j) for j in range(9)))
+
+
+def test_hopeless_draft_falls_to_zero_and_only_probes():
+    rng = random.Random(0)
+    ctrl = controller(prior=0.5)
+    plans = run(ctrl, accept_p=0.0, steps=200, rng=rng)
+    tail = plans[50:]
+    assert all(p.k <= 1 for p in tail)
+    drafting = [p for p in tail if p.k > 0]
+    assert all(p.probe for p in drafting)                 # only probes draft
+    assert len(drafting) <= len(tail) / 16                # probe gap grew to >= 16 steps
+    assert sum(p.k for p in plans) / len(plans) < 0.1
+
+
+def test_recovers_when_the_draft_starts_to_pay():
+    rng = random.Random(1)
+    ctrl = controller(prior=0.5)
+    run(ctrl, accept_p=0.0, steps=100, rng=rng)
+    plans = run(ctrl, accept_p=0.9, steps=150, rng=rng)
+    late = plans[-50:]
+    assert sum(p.k for p in late) / len(late) >= 3        # back to long drafts
+    assert not any(p.probe for p in late)
+
+
+def test_never_exceeds_gamma():
+    rng = random.Random(2)
+    for gamma in (1, 2, 5):
+        ctrl = controller(gamma=gamma, c=costs(draft_ms=0.1, slope=0.0), prior=0.99)
+        plans = run(ctrl, accept_p=1.0, steps=50, rng=rng, ngram_len=16)
+        assert max(p.k for p in plans) == gamma
+        assert all(0 <= p.k <= gamma for p in plans)
+
+
+def test_ngram_chosen_only_when_it_pays_more():
+    rng = random.Random(3)
+    # a draft accepted 30% of the time vs an n-gram proposer accepted 95%: the lookup wins (it is free)
+    ctrl = controller(prior=0.3, use_ngram=True)
+    plans = []
+    for _ in range(120):
+        plan = ctrl.plan(4)
+        p = 0.95 if plan.proposer == "ngram" else 0.3
+        n = 0
+        while n < plan.k and rng.random() < p:
+            n += 1
+        ctrl.observe(plan, n)
+        plans.append(plan)
+    assert sum(p.proposer == "ngram" for p in plans[-40:]) >= 35
+    # no lookup match: the controller falls back to the draft (or a plain step), never to n-gram
+    assert ctrl.plan(0).proposer in ("draft", "none")
+
+
+def test_replica_prior_carries_acceptance_to_new_requests():
+    priors = ReplicaPriors(prior=0.5)
+    c = costs()
+    rng = random.Random(4)
+    first = RequestController(gamma=4, costs=c, priors=priors, version="v1", greedy=True)
+    run(first, accept_p=0.0, steps=60, rng=rng)
+    second = RequestController(gamma=4, costs=c, priors=priors, version="v1", greedy=True)
+    assert second.plan().k == 0                           # learnt from the first request's traffic
+    fresh = RequestController(gamma=4, costs=c, priors=priors, version="v2", greedy=True)
+    assert fresh.plan().k > 0                             # a new draft version starts from the default prior
+
+
+def test_acceptance_estimate_and_cost_model_basics():
+    est = AcceptanceEstimate(prior=0.5, strength=2.0, decay=1.0)
+    est.update(4, 4)          # 4 successes, no failure
+    est.update(4, 1)          # 1 success, 1 failure
+    assert est.alpha == pytest.approx((5 + 1) / (5 + 1 + 2))
+    c = CostModel(weight=0.5)
+    assert c.target_s(3) == pytest.approx(1.06)              # prior, relative units
+    c.observe_target(1, 0.02)
+    c.observe_target(1, 0.04)
+    assert c.target_s(1) == pytest.approx(0.03)
+    assert c.target_s(5) == pytest.approx(0.03 * 1.12)        # extrapolated with the prior slope
+    assert c.draft_token_s("ngram") == 0.0
+    # a controller that always drafts never measures a one-token pass: the line through what it measured
+    # gives that cost (here 30 ms + 5 ms per extra token)
+    line = CostModel(weight=1.0)
+    for n in (2, 3, 4, 5):
+        line.observe_target(n, 0.030 + 0.005 * (n - 1))
+    assert line.target_s(1) == pytest.approx(0.030)
+    assert line.target_s(8) == pytest.approx(0.065)
+    with pytest.raises(ValueError):
+        controller(gamma=0)
+
+
+# ---------------------------------------------------------------------------- the engine with the controller
+import numpy as np   # noqa: E402
+import torch   # noqa: E402
+from scipy import stats as scipy_stats   # noqa: E402
+
+import tiny_models   # noqa: E402
+from serving import engine as engine_module   # noqa: E402
+from serving.config import ADAPTIVE_MODES, NGRAM_SWITCH_MODES, SamplingParams, SpecParams   # noqa: E402
+from serving.controller import Plan   # noqa: E402
+from serving.engine import Engine   # noqa: E402
+from tiny_models import ListSink   # noqa: E402
+
+PROMPT = "abc abc abd the cat sat on the mat the cat"   # repeats: the n-gram lookup finds matches
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return tiny_models.save_pair(tmp_path_factory.mktemp("ctrl"))
+
+
+def make_engine(target, draft, **kw):
+    return Engine.from_paths(str(target), str(draft), dtype=torch.float32, device="cpu", **kw)
+
+
+@pytest.fixture(scope="module")
+def engines(pair):
+    target, draft = pair
+    return {"random": make_engine(target, draft, draft_version="v1"),
+            "same": make_engine(target, target, draft_version="same")}
+
+
+def reference_greedy(model, prompt, n):
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+            if seq[-1] == tiny_models.EOS_ID:
+                break
+    return seq[len(prompt):]
+
+
+def random_plans(monkeypatch, seed: int):
+    """Replace the controller's choice by a random plan every step (k in 0..gamma, the draft, the n-gram
+    lookup or nothing): whatever the controller decides, the output must stay exact."""
+    rng = random.Random(seed)
+
+    def plan(self, ngram_available=0):
+        proposer = rng.choice(["draft", "none"] + (["ngram"] if ngram_available else []))
+        if proposer == "none":
+            return Plan("none", 0)
+        top = self.gamma if proposer == "draft" else min(self.gamma, ngram_available)
+        return Plan(proposer, rng.randint(1, top))
+
+    monkeypatch.setattr(engine_module.RequestController, "plan", plan)
+
+
+@pytest.mark.parametrize("mode", ADAPTIVE_MODES)
+@pytest.mark.parametrize("plans", ["controller", "random"])
+def test_adaptive_greedy_equals_target_greedy(engines, monkeypatch, mode, plans):
+    if plans == "random":
+        random_plans(monkeypatch, seed=len(mode))
+    for name, eng in engines.items():
+        prompt = eng.tokenizer(PROMPT)["input_ids"]
+        expected = reference_greedy(eng.target.model, prompt, GREEDY.max_tokens)
+        extra = {"kl_budget": 0.0} if mode == "mentored" else {}     # D = 0: exact at T = 0
+        res = eng.generate_all(prompt, GREEDY, SpecParams(mode=mode, gamma=4, beams=3, extra=extra))
+        assert res.token_ids == expected, (name, mode, plans)
+        st = res.stats
+        assert st.adaptive and st.draft_tokens <= 4 * st.steps
+        assert sum(st.accepted_per_position) == st.accepted_tokens
+        if plans == "random":
+            assert st.zero_draft_steps > 0 and (st.ngram_steps > 0) == (mode in NGRAM_SWITCH_MODES)
+
+
+def test_fixed_gamma_when_adaptive_is_off(engines):
+    eng = engines["random"]
+    prompt = eng.tokenizer(PROMPT)["input_ids"]
+    st = eng.generate_all(prompt, GREEDY, SpecParams(mode="speculative", gamma=3, adaptive=False)).stats
+    assert not st.adaptive and st.zero_draft_steps == 0 and st.ngram_steps == 0
+    assert st.draft_tokens == 3 * st.steps
+
+
+def test_a_hopeless_draft_stops_drafting(engines, monkeypatch):
+    """The random draft is almost never accepted: after a few steps the controller drafts nothing but
+    probes, and later requests start from the replica's learnt prior."""
+    eng = engines["random"]
+    fixed = costs()                        # the costs of a real pair (c = 0.1), not the tiny models' timing noise
+    fixed.observe_target = fixed.observe_draft = lambda *a: None
+    monkeypatch.setattr(eng, "costs", fixed)
+    monkeypatch.setattr(eng, "priors", ReplicaPriors())
+    prompt = eng.tokenizer("zz top zq")["input_ids"]
+    sampling = SamplingParams(temperature=0.0, max_tokens=60)
+    spec = SpecParams(mode="speculative", gamma=4)
+    eng.generate_all(prompt, sampling, spec)
+    st = eng.generate_all(prompt, sampling, spec).stats
+    draft_model_steps = st.steps - st.zero_draft_steps - st.ngram_steps
+    assert draft_model_steps <= 0.3 * st.steps, st
+
+
+def joint_second_token(model, prompt, sampling):
+    """Exact distribution of the 2nd generated token under the warped target, summed over the first;
+    the last bin is 'stopped after one token' (the first token was EOS)."""
+    with torch.no_grad():
+        p1 = warp(model(torch.tensor([prompt])).logits[0, -1].float(), sampling).exp()          # [V]
+        V = p1.shape[0]
+        seqs = torch.tensor([prompt + [t] for t in range(V)])
+        p2 = warp(model(seqs).logits[:, -1].float(), sampling).exp()                              # [V, V]
+    go = torch.ones(V)
+    go[tiny_models.EOS_ID] = 0.0
+    return np.append(((p1 * go)[:, None] * p2).sum(0).numpy(), float(p1[tiny_models.EOS_ID]))
+
+
+def warp(logits, sampling):
+    from serving.decoding.warp import warp_logprobs
+
+    return warp_logprobs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+
+
+@pytest.mark.slow
+def test_speculative_sampling_stays_exact_under_any_plan(engines, monkeypatch):
+    """Chi-square: the 2nd token of speculative sampling with random controller plans (k = 0..gamma,
+    draft / n-gram / none) against its exact target distribution; negative control: the same test rejects
+    the draft's own distribution. 2,000 samples; bins with expected count >= 5 (tail merged); the
+    threshold p > 1e-4 makes a false failure a 1-in-10,000 event for a correct engine."""
+    random_plans(monkeypatch, seed=11)
+    eng = engines["random"]
+    prompt = eng.tokenizer("the cat sat")["input_ids"]
+    sampling = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, max_tokens=2)
+    n = 2000
+    counts = np.zeros(len(eng.tokenizer) + 1)
+    for i in range(n):
+        s = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, max_tokens=2, seed=i)
+        out = eng.generate_all(prompt, s, SpecParams(mode="speculative", gamma=3)).token_ids
+        counts[out[1] if len(out) > 1 else -1] += 1
+
+    def pvalue(p):
+        exp = p * n
+        big = exp >= 5
+        obs = np.append(counts[big], counts[~big].sum())
+        ex = np.append(exp[big], exp[~big].sum())
+        keep = ex > 0
+        return scipy_stats.chisquare(obs[keep], ex[keep] * obs[keep].sum() / ex[keep].sum()).pvalue
+
+    assert pvalue(joint_second_token(eng.target.model, prompt, sampling)) > 1e-4
+    assert pvalue(joint_second_token(eng.draft.model, prompt, sampling)) < 1e-4
+
+
+def test_steps_that_draft_nothing_are_recorded(pair, monkeypatch):
+    random_plans(monkeypatch, seed=5)
+    target, draft = pair
+    sink = ListSink()
+    eng = make_engine(target, draft, draft_version="v9", sink=sink, record_top_k=5)
+    prompt = eng.tokenizer(PROMPT)["input_ids"]
+    res = eng.generate_all(prompt, SamplingParams(temperature=1.0, max_tokens=30, seed=3),
+                           SpecParams(mode="speculative", gamma=3), request_id="r1")
+    seq = sink.seqs[0].token_ids
+    assert list(seq) == prompt + res.token_ids
+    algos = {r.algorithm for r in sink.steps}
+    assert algos <= {"speculative", "ngram", "target"} and "target" in algos
+    assert len(sink.steps) == res.stats.steps
+    for rec in sink.steps:
+        g, k = len(rec.draft_tokens), rec.num_accepted
+        assert rec.target_topk_ids.shape == (g + 1, 5)
+        assert rec.draft_version == ("v9" if rec.algorithm == "speculative" else "none")
+        got = list(seq[rec.position: rec.position + k + 1])
+        want = list(rec.draft_tokens[:k]) + [rec.next_token]
+        assert got[: len(want)] == want[: len(got)]
