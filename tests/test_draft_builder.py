@@ -13,7 +13,7 @@ import torch
 import tiny_models
 from serving.config import SamplingParams, SpecParams
 from serving.engine import Engine
-from training.draft_builder import _vocab_subset, bootstrap, make_draft_from_target, train_draft
+from training.draft_builder import bootstrap, choose_output_vocabulary, make_draft_from_target, train_draft
 from training.teacher import generate_teacher_data
 
 
@@ -57,7 +57,9 @@ def test_training_raises_agreement_with_the_teacher(teacher, train_head, bf16):
     target, tok, examples = teacher
     torch.manual_seed(0)
     draft = make_draft_from_target(target, layers=[0])
-    subset = _vocab_subset(examples, tok)
+    subset, ranking = choose_output_vocabulary(examples, tok, 200)
+    assert len(subset) <= 200 and set(tok.all_special_ids) <= set(subset.tolist())
+    assert set(subset.tolist()) - set(tok.all_special_ids) <= set(ranking[:200])
     fig = train_draft(draft, examples, examples, subset, deadline=time.time() + 4, lr=1e-2,
                       train_head=train_head, bf16=bf16, progress=lambda m: None)
     assert fig["train_steps"] > 0
@@ -75,9 +77,15 @@ def test_training_raises_agreement_with_the_teacher(teacher, train_head, bf16):
 
 
 def test_bootstrap_writes_a_folder_the_engine_decodes_losslessly(target_dir, tmp_path):
-    out = bootstrap(tmp_path / "draft", target_dir, budget_s=52, teacher_share=0.1, layers=[0, 3], train_head=True,
-                    max_new_tokens=8, heldout=4, progress=lambda m: None)
+    out = bootstrap(tmp_path / "draft", target_dir, budget_s=52, teacher_share=0.3, layers=[0, 3], train_head=True,
+                    max_new_tokens=8, vocab_size=200, synth_prompts=64, progress=lambda m: None)
     meta = json.loads((out / "draftsmith.json").read_text())
+    # the general recipe: packaged maths / science / code prompts beside self-synthesised ones, and
+    # held-out agreement reported per category
+    assert meta["prompts_source"] == "general"
+    assert {"gsm8k", "humaneval"} <= set(meta["teacher_tokens_by_source"])
+    assert {"gsm8k", "humaneval"} <= set(meta["heldout_top1_agreement_by_source"])
+    assert len(meta["output_token_ids"]) <= 200
     assert meta["layers_from_target"] == [0, 3] and meta["train_head"] is True
     assert meta["teacher_examples"] > 0 and meta["train_steps"] > 0
     from transformers import AutoModelForCausalLM

@@ -1,22 +1,26 @@
 """Build the default draft on a fresh machine (the bootstrap), in a fixed time budget on a CPU.
 
 Recipe (see shared/reference/measurements.md for why each lever matters on a 2-core CPU):
-1. Teacher data: the target's greedy answers to the training split of GSM8K questions, with its
-   top-20 log-probabilities saved on the way (training/teacher.py), so training never re-runs
-   the target (batch 64, grouped-query attention instead of the CPU SDPA kernel: 1.2-1.4x the answer
-   tokens/s of `generate` at batch 32 with SDPA). Gets 55% of the budget: training saturates after
-   ~6 passes over what the rest allows, and more teacher data is what still raises held-out
-   agreement (docs/benchmarks.md).
+1. Teacher data: the target's greedy answers to broad prompts (`prompts_source="general"`): requests
+   the target writes itself from its chat template's user prefix (Magpie; some with a generic seed
+   word), follow-up turns it writes for finished conversations (multi-turn), and packaged GSM8K, GPQA,
+   AIME and HumanEval prompts; its top-20 log-probabilities are saved on the way (training/teacher.py),
+   so training never re-runs the target (batch 64, grouped-query attention instead of the CPU SDPA
+   kernel). Gets 75% of the budget: on a 2-core CPU without native bf16 the 62% split gave 47k answer
+   tokens and, after 11 passes, training agreement 0.89 against 0.34 held-out: data is the scarce part
+   (docs/benchmarks.md).
 2. Draft = the target's width and tokenizer, 2 decoder layers initialised from the target's first
    two (`layers` picks others), the target's embedding and final norm copied; the embedding is
    frozen and tied to the output layer, so only the two decoder layers (+ norm) train.
    `train_head=True` trains the draft's own output rows on the kept vocabulary instead (measured:
    no gain at equal time, and the saved folder grows by an untied output layer, so off by default).
-3. Output vocabulary cut to the tokens that occur in the teacher answers (plus their top-20
-   alternatives and the special tokens): the output projection dominates a small draft's cost on
-   a CPU. Saved as `draftsmith.json` `output_token_ids`; the folder itself stays a plain full-vocab
-   Hugging Face model (serving/models.py).
-4. Training under bf16 autocast (fp32 master weights), ~1.5x the steps/s of fp32 here.
+3. Output vocabulary cut to the `vocab_size` tokens (training/vocab.py DEFAULT_VOCAB_SIZE) of largest
+   target probability mass on the teacher data (plus the special tokens): the output projection
+   dominates a small draft's cost on a CPU. Saved as `draftsmith.json` `output_token_ids`, with the
+   whole ranking (`vocab_ranking`) so the size can be re-cut without retraining (scripts/bench_vocab.py);
+   the folder itself stays a plain full-vocab Hugging Face model (serving/models.py).
+4. Training under bf16 autocast (fp32 master weights) where the CPU has native bf16 (~1.5x the steps/s of
+   fp32 there; `serving.models.cpu_has_fast_bf16`), else fp32; the teacher runs in the serving dtype.
    Loss per answer position, over the kept vocabulary:
    0.5 * soft cross-entropy against the target's top-20 distribution (renormalised over its top-20)
    + 0.5 * hard cross-entropy on the target's greedy token.
@@ -28,7 +32,6 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import math
 import random
 import time
 from pathlib import Path
@@ -85,14 +88,6 @@ def untie_output(draft, subset: torch.Tensor, head_rows: torch.Tensor) -> None:
         draft.config.get_text_config().tie_word_embeddings = False
     draft.lm_head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
     draft.lm_head.weight = torch.nn.Parameter(weight, requires_grad=False)
-
-
-def _vocab_subset(examples: list[dict], tokenizer) -> torch.Tensor:
-    keep = set(tokenizer.all_special_ids)
-    for e in examples:
-        keep.update(e["tokens"][e["prompt_len"]:])
-        keep.update(np.unique(e["topk_ids"][:, :5]).tolist())
-    return torch.tensor(sorted(keep), dtype=torch.long)
 
 
 def _batch(examples, vocab_index, device="cpu"):
@@ -223,14 +218,128 @@ def train_draft(draft, train_ex: list[dict], held_ex: list[dict], subset: torch.
             "heldout_top1_agreement_before": before, "heldout_top1_agreement_after": after}
 
 
-def bootstrap(out_dir: str | Path, target_path: str | Path | None = None, *, budget_s: float = 840,
-              teacher_share: float = 0.55, layers: list[int] | None = None, num_layers: int = 2,
-              batch_size: int = 16, lr: float = 3e-3, train_head: bool = False, bf16: bool = True,
-              prompts_source: str = "gsm8k", max_new_tokens: int = 128, heldout: int = 40,
-              teacher_cache: str | Path | None = None, seed: int = 0, progress=print) -> Path:
-    """Build the default draft into `out_dir` within about `budget_s` seconds; return the folder."""
-    from serving.models import ensure_default_target, load_causal_lm, load_tokenizer, resolve_model_path
+# Seed words for self-synthesised requests: generic openings of a user turn ("" = the bare turn, Magpie's
+# original form, weighted up). They steer the mix towards writing, explanations, how-to and code without
+# naming any topic; the target writes the rest.
+MAGPIE_SEEDS = ["", "", "", "", "", "", "Write", "Write a", "Write a Python function", "How do I", "How can I",
+                "Explain", "What is", "What are", "Can you", "Could you", "Tell me", "Give me", "Why", "I need",
+                "Summarize", "Describe", "Help me", "Create", "List", "Compare", "Rewrite", "Fix", "Is it",
+                "Suggest", "In Python,", "Draft an email", "Write a short story"]
+FOLLOW_UP_SEEDS = ["", "", "", "Can you", "What about", "Thanks", "Why", "How", "Could you", "And"]
+# Packaged prompts per self-synthesised one in the general mix (capped by what each source has).
+GENERAL_MIX = {"gsm8k": 0.35, "humaneval": 0.25, "gpqa": 0.1, "aime": 0.05}
+HELDOUT_PER_SOURCE = 6
+MAX_PROMPT_TOKENS = 400
+
+
+def _general_teacher_data(target, tok, *, teacher_s: float, t_start: float, max_new_tokens: int,
+                          synth_prompts: int, progress) -> tuple[list[dict], list[dict]]:
+    """Teacher data for broad traffic within `teacher_s` seconds (phases by share of that time):
+    ~20% self-synthesised user requests; held-out examples per category; ~68% answers to a shuffled mix of
+    synthesised and packaged prompts (maths, science, code); the rest multi-turn: follow-up requests the
+    target writes for finished conversations, and their answers. Every example carries its "source"."""
     from training.prompts import chat_prompt_ids, load_prompts
+    from training.teacher import synthesize_prompts
+
+    def ids_of(messages):
+        return [int(i) for i in tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                        return_dict=False)]
+
+    def short(pairs):   # a batch is padded to its longest prompt: one 3,000-token GPQA prompt stalls 63 others
+        return [(p, s) for p, s in pairs if len(p) <= MAX_PROMPT_TOKENS]
+
+    synth = synthesize_prompts(target, tok, synth_prompts, seeds=MAGPIE_SEEDS, max_new_tokens=40,
+                               deadline=t_start + 0.2 * teacher_s, progress=progress)
+    random.shuffle(synth)
+    held = [(ids_of(m), "chat") for _, m in synth[:2 * HELDOUT_PER_SOURCE]]
+    train = [(ids_of(m), "chat") for _, m in synth[2 * HELDOUT_PER_SOURCE:]]
+    n_chat = len(train)
+    for source, share in GENERAL_MIX.items():
+        texts = load_prompts(source, "train")
+        random.shuffle(texts)
+        train += short([(chat_prompt_ids(tok, t), source) for t in texts[:max(1, round(share * n_chat))]])
+        if source != "aime":
+            held += short([(chat_prompt_ids(tok, t), source)
+                           for t in load_prompts(source, "heldout", HELDOUT_PER_SOURCE)])
+    random.shuffle(train)
+    progress(f"[bootstrap] prompts: {len(train)} train, {len(held)} held-out "
+             f"({', '.join(f'{s} {sum(1 for _, x in train if x == s)}' for s in ['chat', *GENERAL_MIX])})")
+    held_ex = generate_teacher_data(target, tok, [p for p, _ in held], sources=[s for _, s in held],
+                                    max_new_tokens=max_new_tokens, batch_size=16, progress=progress)
+    train_ex = generate_teacher_data(target, tok, [p for p, _ in train], sources=[s for _, s in train],
+                                     max_new_tokens=max_new_tokens, deadline=t_start + 0.88 * teacher_s,
+                                     sort_window=128, progress=progress)
+    # multi-turn: conversations from finished chat examples, a follow-up request, its answer
+    history = []
+    for e in train_ex:
+        if e["source"] == "chat" and len(history) < 128:
+            p = e["prompt_len"]
+            conv = [m for m in _user_turns(tok, e["tokens"][:p])]
+            answer = tok.decode(e["tokens"][p:], skip_special_tokens=True).strip()
+            if conv and answer:
+                history.append(conv + [{"role": "assistant", "content": answer}])
+    if history and time.time() < t_start + 0.92 * teacher_s:
+        follow = synthesize_prompts(target, tok, len(history), seeds=FOLLOW_UP_SEEDS, max_new_tokens=32,
+                                    history=history, deadline=t_start + 0.92 * teacher_s, seed=1, progress=progress)
+        multi = [p for p in (ids_of(m) for _, m in follow) if len(p) <= MAX_PROMPT_TOKENS]
+        train_ex += generate_teacher_data(target, tok, multi, sources=["multiturn"] * len(multi),
+                                          max_new_tokens=max_new_tokens, deadline=t_start + teacher_s,
+                                          progress=progress)
+    return train_ex, held_ex
+
+
+def _user_turns(tok, prompt_ids: list[int]) -> list[dict]:
+    """The user message(s) of a one-turn chat prompt, recovered from its text (for multi-turn history)."""
+    text = tok.decode(prompt_ids, skip_special_tokens=False)
+    marker = "<|im_start|>user\n"
+    if marker not in text:
+        return []
+    body = text.split(marker, 1)[1].split("<|im_end|>", 1)[0].strip()
+    return [{"role": "user", "content": body}] if body else []
+
+
+def choose_output_vocabulary(examples: list[dict], tok, size: int) -> tuple[torch.Tensor, list[int]]:
+    """The kept output rows from the target's own token statistics on the teacher data (its top-k
+    probability mass per token, training/vocab.py), the special tokens always; and the full ranking
+    (token ids by mass, descending) so a benchmark can re-cut the size without retraining."""
+    from training.vocab import choose_vocabulary, token_mass
+
+    vocab = len(tok)
+    mass = np.zeros(vocab)
+    for e in examples:
+        mass += token_mass(e["topk_ids"], e["topk_logprobs"], vocab)
+    keep = choose_vocabulary(mass, size, always=tok.all_special_ids)
+    ranking = [int(i) for i in np.argsort(-mass, kind="stable") if mass[i] > 0]
+    return torch.tensor(keep, dtype=torch.long), ranking
+
+
+def per_source_agreement(draft, examples, subset: torch.Tensor) -> dict[str, float]:
+    """Held-out top-1 agreement per example source (category)."""
+    vocab = draft.get_input_embeddings().weight.shape[0]
+    vocab_index = torch.full((vocab + 1,), -1, dtype=torch.long)
+    vocab_index[subset] = torch.arange(len(subset))
+    out_w = draft.get_output_embeddings().weight.detach()[subset]
+    out = {}
+    for src in sorted({e.get("source", "") for e in examples}):
+        out[src or "unlabelled"] = round(evaluate_agreement(
+            draft, [e for e in examples if e.get("source", "") == src], out_w, vocab_index), 4)
+    return out
+
+
+def bootstrap(out_dir: str | Path, target_path: str | Path | None = None, *, budget_s: float = 840,
+              teacher_share: float = 0.75, layers: list[int] | None = None, num_layers: int = 2,
+              batch_size: int = 16, lr: float = 3e-3, train_head: bool = False, bf16: bool | None = None,
+              prompts_source: str = "general", max_new_tokens: int = 128, heldout: int = 40,
+              vocab_size: int | None = None, synth_prompts: int = 640,
+              teacher_cache: str | Path | None = None, seed: int = 0, progress=print) -> Path:
+    """Build the default draft into `out_dir` within about `budget_s` seconds; return the folder.
+
+    prompts_source "general" (the default): broad traffic (`_general_teacher_data`); a packaged source name
+    (training/prompts.py, e.g. "gsm8k") uses that source alone, `heldout` held-out prompts of it."""
+    from serving.models import (cpu_has_fast_bf16, default_dtype, ensure_default_target, load_causal_lm,
+                                load_tokenizer, resolve_model_path)
+    from training.prompts import chat_prompt_ids, load_prompts
+    from training.vocab import DEFAULT_VOCAB_SIZE
 
     t_start = time.time()
     random.seed(seed)
@@ -238,8 +347,10 @@ def bootstrap(out_dir: str | Path, target_path: str | Path | None = None, *, bud
     out_dir = Path(out_dir)
     tpath = resolve_model_path(target_path) if target_path else ensure_default_target()
     tok = load_tokenizer(tpath)
-    target = load_causal_lm(tpath, "cpu", torch.bfloat16)
-    progress(f"[bootstrap] target {tpath} loaded; budget {budget_s:.0f} s")
+    bf16 = cpu_has_fast_bf16() if bf16 is None else bf16
+    target = load_causal_lm(tpath, "cpu", default_dtype("cpu"))
+    progress(f"[bootstrap] target {tpath} loaded ({default_dtype('cpu')}); budget {budget_s:.0f} s, "
+             f"prompts {prompts_source}, training {'bf16 autocast' if bf16 else 'fp32'}")
 
     # 1. teacher data (re-used from `teacher_cache` when both its files exist)
     cache = Path(teacher_cache) if teacher_cache else None
@@ -248,27 +359,46 @@ def bootstrap(out_dir: str | Path, target_path: str | Path | None = None, *, bud
         train_ex, held_ex = load_examples(cache), load_examples(held_cache)
         progress(f"[bootstrap] {len(train_ex)} + {len(held_ex)} teacher examples from {cache}")
     else:
-        prompts = [chat_prompt_ids(tok, t) for t in load_prompts(prompts_source, "train")]
-        random.shuffle(prompts)
-        held = [chat_prompt_ids(tok, t) for t in load_prompts(prompts_source, "heldout", heldout)]
-        held_ex = generate_teacher_data(target, tok, held, max_new_tokens=max_new_tokens, progress=progress)
-        train_ex = generate_teacher_data(target, tok, prompts, max_new_tokens=max_new_tokens,
-                                         deadline=t_start + budget_s * teacher_share, progress=progress)
+        if prompts_source == "general":
+            train_ex, held_ex = _general_teacher_data(
+                target, tok, teacher_s=budget_s * teacher_share, t_start=t_start,
+                max_new_tokens=max_new_tokens, synth_prompts=synth_prompts, progress=progress)
+        else:
+            prompts = [chat_prompt_ids(tok, t) for t in load_prompts(prompts_source, "train")]
+            random.shuffle(prompts)
+            held = [chat_prompt_ids(tok, t) for t in load_prompts(prompts_source, "heldout", heldout)]
+            held_ex = generate_teacher_data(target, tok, held, max_new_tokens=max_new_tokens,
+                                            sources=[prompts_source] * len(held), progress=progress)
+            train_ex = generate_teacher_data(target, tok, prompts, max_new_tokens=max_new_tokens,
+                                             sources=[prompts_source] * len(prompts),
+                                             deadline=t_start + budget_s * teacher_share, progress=progress)
         if cache is not None:
             cache.parent.mkdir(parents=True, exist_ok=True)
             save_examples(train_ex, cache)
             save_examples(held_ex, held_cache)
     del target
+    if not train_ex:
+        raise RuntimeError(f"no teacher data was generated within the {budget_s:.0f} s budget; give a larger "
+                           "--budget (the default 14m fits a 2-core CPU)")
+    n_tokens = sum(len(e["topk_ids"]) for e in train_ex)
+    by_src = {}
+    for e in train_ex:
+        by_src[e.get("source", "")] = by_src.get(e.get("source", ""), 0) + len(e["topk_ids"])
+    mix = ", ".join(f"{k or 'unlabelled'} {v}" for k, v in sorted(by_src.items()))
+    progress(f"[bootstrap] teacher data: {len(train_ex)} examples, {n_tokens} answer tokens ({mix}) after "
+             f"{time.time() - t_start:.0f} s")
 
-    # 2. draft architecture + kept vocabulary
+    # 2. draft architecture + kept vocabulary (from the target's token statistics on the teacher data)
     target = load_causal_lm(tpath, "cpu", torch.float32)
     draft = make_draft_from_target(target, num_layers, layers)
     del target
-    subset = _vocab_subset(train_ex, tok)
+    subset, ranking = choose_output_vocabulary(train_ex, tok, vocab_size or DEFAULT_VOCAB_SIZE)
 
     # 3. train until the budget (minus a margin for evaluation and saving)
-    figures = train_draft(draft, train_ex, held_ex, subset, deadline=t_start + budget_s - 45,
+    figures = train_draft(draft, train_ex, held_ex, subset, deadline=t_start + budget_s - 60,
                           batch_size=batch_size, lr=lr, train_head=train_head, bf16=bf16, progress=progress)
+    figures["heldout_top1_agreement_by_source"] = per_source_agreement(draft, held_ex, subset)
+    progress(f"[bootstrap] held-out agreement by category: {figures['heldout_top1_agreement_by_source']}")
 
     # 4. save a plain HF folder + the kept output rows
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -276,9 +406,11 @@ def bootstrap(out_dir: str | Path, target_path: str | Path | None = None, *, bud
     tok.save_pretrained(out_dir)
     meta = {
         "output_token_ids": subset.tolist(),
+        "vocab_ranking": ranking[:32768],
         "built_by": "training.draft_builder.bootstrap",
         "target": str(tpath), "layers_from_target": layers or list(range(num_layers)),
         "prompts_source": prompts_source, "teacher_examples": len(train_ex), "heldout_examples": len(held_ex),
+        "teacher_tokens": n_tokens, "teacher_tokens_by_source": by_src,
         **figures, "seconds": round(time.time() - t_start, 1),
     }
     (out_dir / "draftsmith.json").write_text(json.dumps(meta))

@@ -8,11 +8,16 @@ below (`GROUPED_ATTENTION`) instead of PyTorch's CPU SDPA kernel, which at one q
 batch 32 took over half of each decoding step on this project's CPU. Output: a list of examples, each
 `{"tokens": [prompt + answer ids], "prompt_len": n, "topk_ids": [answer_len, k], "topk_logprobs": [answer_len, k]}`
 where row j of the top-k belongs to the position that predicts answer token j.
-Saved as one safetensors file (flat arrays + offsets): no pickle.
+Each example also carries its "source" (prompt category). Saved as one safetensors file (flat arrays +
+offsets, category names in the metadata): no pickle.
+
+`synthesize_prompts` writes the prompts themselves for traffic no packaged set covers (everyday
+questions, writing, explanations, code, multi-turn follow-ups): the Magpie technique.
 """
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 from pathlib import Path
@@ -98,23 +103,34 @@ def topk_logprobs(scores, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack([t.values for t in tops], dim=1), torch.stack([t.indices for t in tops], dim=1)
 
 
+def _batch_order(lengths: list[int], batch_size: int, window: int | None) -> list[int]:
+    """Prompt indices in processing order: similar lengths together (less padding). With `window`, only
+    within consecutive windows of that many prompts, so a run cut short by its deadline still covers the
+    given (e.g. shuffled, mixed-category) order instead of only the shortest prompts."""
+    idx = list(range(len(lengths)))
+    if not window:
+        return sorted(idx, key=lambda i: lengths[i])
+    return [i for w in range(0, len(idx), window) for i in sorted(idx[w: w + window], key=lambda i: lengths[i])]
+
+
 def generate_teacher_data(target, tokenizer, prompts: list[list[int]], *, max_new_tokens: int = 128,
                           batch_size: int = 64, top_k: int = 20, deadline: float | None = None,
+                          sources: list[str] | None = None, sort_window: int | None = None,
                           progress=print) -> list[dict]:
     """Greedy target answers + top-k raw log-probs. Stops early (keeping what is done) at `deadline`
-    (a time.time() value)."""
+    (a time.time() value). `sources` (one label per prompt) is carried into each example's "source"."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = tokenizer.eos_token_id
     examples: list[dict] = []
     t0 = time.time()
     n_tokens = 0
-    # Similar lengths together: less padding.
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    order = _batch_order([len(p) for p in prompts], batch_size, sort_window)
     for b in range(0, len(order), batch_size):
         if deadline is not None and time.time() > deadline:
             progress(f"[teacher] time budget reached after {len(examples)} prompts")
             break
-        batch = [prompts[i] for i in order[b: b + batch_size]]
+        rows = order[b: b + batch_size]
+        batch = [prompts[i] for i in rows]
         ids, mask = left_pad(batch, pad)
         width = ids.shape[1]
         with torch.no_grad(), attention_implementation(target):
@@ -134,6 +150,7 @@ def generate_teacher_data(target, tokenizer, prompts: list[list[int]], *, max_ne
                 "tokens": list(p) + answer, "prompt_len": len(p),
                 "topk_ids": top_ids[r, :n].to(torch.int32).numpy(),
                 "topk_logprobs": top_lp[r, :n].to(torch.float16).numpy(),
+                "source": sources[rows[r]] if sources else "",
             })
             n_tokens += n
         rate = n_tokens / (time.time() - t0)
@@ -142,9 +159,61 @@ def generate_teacher_data(target, tokenizer, prompts: list[list[int]], *, max_ne
     return examples
 
 
+def synthesize_prompts(target, tokenizer, n: int, *, seeds: list[str] = ("",), batch_size: int = 64,
+                       max_new_tokens: int = 40, temperature: float = 0.9, top_p: float = 1.0, top_k: int = 50,
+                       history: list[list[dict]] | None = None, deadline: float | None = None,
+                       seed: int = 0, progress=print) -> list[tuple[str, list[dict]]]:
+    """Self-synthesised user requests (the Magpie technique): the target is given only its chat
+    template up to the start of a user turn, optionally followed by a seed word ("Write", "How do I",
+    ...), and samples the rest of the user message until it closes the turn. With `history` (earlier
+    conversations, one per prompt, cycled) the new user turn follows that conversation: multi-turn chat.
+
+    Returns up to `n` (user text, messages) pairs, where messages is the conversation including the new
+    user turn, ready for `apply_chat_template(..., add_generation_prompt=True)`. Texts that never closed
+    the turn, are very short, or repeat an earlier one are dropped. Stops at `deadline`."""
+    end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if not isinstance(end_id, int) or end_id == tokenizer.unk_token_id:
+        end_id = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    marker = "\x00MAGPIE\x00"
+    gen = torch.Generator().manual_seed(seed)
+    out: list[tuple[str, list[dict]]] = []
+    seen: set[str] = set()
+    t0, made, i = time.time(), 0, 0
+    while len(out) < n and (deadline is None or time.time() < deadline):
+        prefixes, starts, convs = [], [], []
+        for _ in range(batch_size):
+            conv = list(history[i % len(history)]) if history else []
+            start = seeds[int(torch.randint(len(seeds), (1,), generator=gen))]
+            text = tokenizer.apply_chat_template(conv + [{"role": "user", "content": marker}], tokenize=False)
+            prefixes.append(tokenizer(text[: text.index(marker)] + start, add_special_tokens=False).input_ids)
+            starts.append(start)
+            convs.append(conv)
+            i += 1
+        ids, mask = left_pad(prefixes, pad)
+        torch.manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
+        with torch.no_grad(), attention_implementation(target):
+            seqs = target.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=temperature,
+                                   top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, pad_token_id=pad,
+                                   eos_token_id=end_id)
+        for start, conv, row in zip(starts, convs, seqs[:, ids.shape[1]:].tolist()):
+            if end_id not in row:
+                continue                                        # the request never closed its turn
+            text = (start + tokenizer.decode(row[: row.index(end_id)], skip_special_tokens=True)).strip()
+            if len(text.split()) < 4 or text in seen:
+                continue
+            seen.add(text)
+            out.append((text, conv + [{"role": "user", "content": text}]))
+        made += len(prefixes)
+        progress(f"[teacher] synthesised {len(out)}/{n} user prompts ({made} sampled, "
+                 f"{made / (time.time() - t0):.1f} samples/s)")
+    return out[:n]
+
+
 def save_examples(examples: list[dict], path: Path) -> None:
     from safetensors.numpy import save_file
 
+    names = sorted({e.get("source", "") for e in examples})
     lens = np.array([len(e["tokens"]) for e in examples], dtype=np.int64)
     ans = np.array([len(e["topk_ids"]) for e in examples], dtype=np.int64)
     save_file({
@@ -154,17 +223,23 @@ def save_examples(examples: list[dict], path: Path) -> None:
         "answer_lens": ans,
         "topk_ids": np.concatenate([e["topk_ids"] for e in examples]),
         "topk_logprobs": np.concatenate([e["topk_logprobs"] for e in examples]),
-    }, str(path))
+        "source_index": np.array([names.index(e.get("source", "")) for e in examples], dtype=np.int64),
+    }, str(path), metadata={"sources": json.dumps(names)})
 
 
 def load_examples(path: Path) -> list[dict]:
+    from safetensors import safe_open
     from safetensors.numpy import load_file
 
     d = load_file(str(path))
+    with safe_open(str(path), framework="np") as f:
+        names = json.loads((f.metadata() or {}).get("sources", '[""]'))
+    src = d.get("source_index", np.zeros(len(d["seq_lens"]), dtype=np.int64))
     out, s, a = [], 0, 0
-    for L, P, A in zip(d["seq_lens"], d["prompt_lens"], d["answer_lens"]):
+    for L, P, A, S in zip(d["seq_lens"], d["prompt_lens"], d["answer_lens"], src):
         out.append({"tokens": d["tokens"][s: s + L].tolist(), "prompt_len": int(P),
-                    "topk_ids": d["topk_ids"][a: a + A], "topk_logprobs": d["topk_logprobs"][a: a + A]})
+                    "topk_ids": d["topk_ids"][a: a + A], "topk_logprobs": d["topk_logprobs"][a: a + A],
+                    "source": names[int(S)]})
         s += int(L)
         a += int(A)
     return out
