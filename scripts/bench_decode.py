@@ -3,6 +3,13 @@ side by side over the same prompts, batch 1, one process (so ratios are same-run
 
     .venv/bin/python scripts/bench_decode.py --draft PATH [--prompts gsm8k --n 10 --max-tokens 96]
 
+A draft whose `draftsmith.json` lists `output_token_ids` computes only those output rows in our engine,
+while HF assisted generation needs the draft's full output layer. So that the table separates the
+vocabulary cut from the engine, `--full-vocab` (default on) adds the row "speculative (full-vocab
+draft)": our engine with the SAME draft weights over the full vocabulary (a second Engine on a view of
+the draft folder without the cut), next to "speculative" (the cut as served) and "HF assisted
+(full-vocab draft)". Every row gets one untimed warm-up generation first, HF included.
+
 Reports tokens/s, ratio to target-only, mean accepted length (draft tokens accepted per step),
 acceptance rate, output perplexity under the target (the MJSD paper's quality metric: exp of the
 mean negative log-likelihood of the generated tokens under the *unwarped* target), the share of
@@ -12,9 +19,12 @@ Writes a markdown table, a JSON file and a PNG bar chart into --out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from serving.config import SamplingParams, SpecParams  # noqa: E402
 from serving.engine import Engine  # noqa: E402
+from serving.models import read_output_token_ids  # noqa: E402
 from training.prompts import chat_prompt_ids, load_prompts  # noqa: E402
 
 
@@ -64,10 +75,36 @@ def run_engine_mode(engine, prompts, sampling, spec, label):
     return agg
 
 
+def full_vocab_view(draft_path: Path, into: Path) -> Path | None:
+    """A folder under `into` that is the draft folder `draft_path` without its vocabulary cut: a symlink
+    to every entry but `draftsmith.json`, which is rewritten without `output_token_ids` (its other keys
+    kept). Same weights, same tokenizer; the engine then computes the draft's full output layer.
+    None when the draft has no cut (its own folder already is the full-vocab draft)."""
+    draft_path = Path(draft_path).resolve()
+    if read_output_token_ids(draft_path) is None:
+        return None
+    view = Path(into) / f"{draft_path.name}-full-vocab"
+    view.mkdir(parents=True)
+    for entry in draft_path.iterdir():
+        if entry.name != "draftsmith.json":
+            os.symlink(entry, view / entry.name)
+    meta = json.loads((draft_path / "draftsmith.json").read_text())
+    meta.pop("output_token_ids", None)
+    (view / "draftsmith.json").write_text(json.dumps(meta))
+    assert read_output_token_ids(view) is None
+    return view
+
+
+def warm_up(engine, prompt) -> None:
+    """One untimed generation (first-call allocations, lazy imports, kernel selection)."""
+    engine.generate_all(prompt, SamplingParams(max_tokens=8, seed=0), SpecParams(mode="speculative"), log_mode="none")
+
+
 def run_hf_assisted(engine, prompts, sampling, gamma, label):
-    """transformers' generate(assistant_model=...) on the same pair, same warps, same prompts."""
+    """transformers' generate(assistant_model=...) on the same pair, same warps, same prompts, after one
+    untimed warm-up generation (as the engine rows get). HF needs the draft's full output layer, so it
+    uses the engine's draft as is when uncut, else reloads the draft folder plainly."""
     tm, dm = engine.target.model, engine.draft.model
-    # HF needs the draft's full output layer: reload it plainly if the engine cut it.
     if engine.draft.output_token_ids is not None:
         from serving.models import load_causal_lm
 
@@ -78,16 +115,26 @@ def run_hf_assisted(engine, prompts, sampling, gamma, label):
     agg = dict(label=label, tokens=0, wall=0.0, draft=0.0, target=0.0, steps=0, draft_tokens=0,
                accepted=0, nll=0.0, nll_tokens=0, energy=0.0, energy_known=False, outputs=[])
     greedy = sampling.temperature == 0
-    for i, prompt in enumerate(prompts):
-        torch.manual_seed(1000 + i)
-        kw = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=sampling.temperature,
-                                                       top_k=sampling.top_k or None, top_p=sampling.top_p)
-        ids = torch.tensor([prompt], device=next(tm.parameters()).device)
-        t0 = time.perf_counter()
+    kw = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=sampling.temperature,
+                                                   top_k=sampling.top_k or None, top_p=sampling.top_p)
+    device = next(tm.parameters()).device
+
+    def generate(prompt, max_new_tokens):
+        ids = torch.tensor([prompt], device=device)
         with torch.no_grad():
             out = tm.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=dm,
-                              max_new_tokens=sampling.max_tokens, eos_token_id=sorted(engine.eos_token_ids),
+                              max_new_tokens=max_new_tokens, eos_token_id=sorted(engine.eos_token_ids),
                               pad_token_id=engine.tokenizer.pad_token_id or 0, **kw)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return out
+
+    torch.manual_seed(0)
+    generate(prompts[0], 8)                       # warm-up, untimed (as main() does for the engine)
+    for i, prompt in enumerate(prompts):
+        torch.manual_seed(1000 + i)
+        t0 = time.perf_counter()
+        out = generate(prompt, sampling.max_tokens)
         agg["wall"] += time.perf_counter() - t0
         toks = out[0, len(prompt):].tolist()
         agg["tokens"] += len(toks)
@@ -145,7 +192,7 @@ def plot(table, path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.5 * len(table)), 3.5))
     names = [r["mode"] for r in table]
     ax.bar(names, [r["speedup"] for r in table], color="tab:blue")
     ax.axhline(1.0, color="grey", lw=1, ls="--")
@@ -172,6 +219,9 @@ def main(argv=None) -> int:
     ap.add_argument("--beams", type=int, default=8)
     ap.add_argument("--tau", type=float, default=0.1)
     ap.add_argument("--modes", default="target,speculative,mjsd,hf_assisted")
+    ap.add_argument("--full-vocab", action=argparse.BooleanOptionalAction, default=True,
+                    help="with 'speculative' in --modes and a draft with a vocabulary cut, also run our engine on "
+                         "the same draft over its full vocabulary (row 'speculative (full-vocab draft)')")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, choices=[None, "bfloat16", "float16", "float32"])
     ap.add_argument("--threads", type=int, default=None)
@@ -180,30 +230,56 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype) if args.dtype else None
+    with contextlib.ExitStack() as stack:
+        return _run(args, dtype, stack)
+
+
+def _run(args, dtype, stack: contextlib.ExitStack) -> int:
+    modes = args.modes.split(",")
     engine = Engine.from_paths(args.target, args.draft, device=args.device, dtype=dtype)
     prompts = [chat_prompt_ids(engine.tokenizer, t) for t in load_prompts(args.prompts, "heldout", args.n)]
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               max_tokens=args.max_tokens)
-    # warm-up (first-call allocations, lazy imports)
-    engine.generate_all(prompts[0], SamplingParams(max_tokens=8, seed=0), SpecParams(mode="speculative"), log_mode="none")
-    rows = []
-    for mode in args.modes.split(","):
-        t0 = time.time()
-        if mode == "hf_assisted":
-            rows.append(run_hf_assisted(engine, prompts, sampling, args.gamma, "hf_assisted"))
+    cut = engine.draft.output_token_ids
+    draft_vocab = f"{len(cut)}/{engine.vocab_size} output rows" if cut is not None else "full vocabulary"
+    full_engine = None        # the same draft without its vocabulary cut
+    if args.full_vocab and "speculative" in modes:
+        view = full_vocab_view(engine.draft.path, Path(stack.enter_context(tempfile.TemporaryDirectory())))
+        if view is None:
+            print("[bench] the draft has no vocabulary cut: 'speculative' already is the full-vocab row", flush=True)
         else:
-            spec = SpecParams(mode=mode, gamma=args.gamma, beams=args.beams, tau=args.tau)
-            rows.append(run_engine_mode(engine, prompts, sampling, spec, mode))
+            full_engine = Engine.from_paths(args.target, str(view), device=args.device, dtype=dtype)
+    warm_up(engine, prompts[0])
+    if full_engine is not None:
+        warm_up(full_engine, prompts[0])
+    runs = []                 # (label, how)
+    for mode in modes:
+        if mode == "hf_assisted":
+            # HF always runs the full output layer: the full-vocab engine's draft when there is one.
+            runs.append(("HF assisted (full-vocab draft)", lambda: run_hf_assisted(
+                full_engine or engine, prompts, sampling, args.gamma, "HF assisted (full-vocab draft)")))
+            continue
+        spec = SpecParams(mode=mode, gamma=args.gamma, beams=args.beams, tau=args.tau)
+        runs.append((mode, lambda spec=spec, mode=mode: run_engine_mode(engine, prompts, sampling, spec, mode)))
+        if mode == "speculative" and full_engine is not None:
+            label = "speculative (full-vocab draft)"
+            runs.append((label, lambda spec=spec, label=label: run_engine_mode(full_engine, prompts, sampling,
+                                                                               spec, label)))
+    rows = []
+    for label, how in runs:
+        t0 = time.time()
+        rows.append(how())
         r = rows[-1]
-        print(f"[bench] {mode:12s} {r['tokens']:5d} tokens in {r['wall']:.1f} s = {r['tokens'] / r['wall']:.1f} tok/s "
-              f"({time.time() - t0:.0f} s)", flush=True)
+        print(f"[bench] {label:30s} {r['tokens']:5d} tokens in {r['wall']:.1f} s = {r['tokens'] / r['wall']:.1f} "
+              f"tok/s ({time.time() - t0:.0f} s)", flush=True)
     table = summarise(rows, prompts, engine.target.model)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     setup = (f"target={engine.target_name} draft={args.draft} device={args.device} "
              f"dtype={next(engine.target.model.parameters()).dtype} threads={torch.get_num_threads()} "
              f"prompts={args.prompts}-heldout x{len(prompts)} max_tokens={args.max_tokens} T={args.temperature} "
-             f"top_k={args.top_k} top_p={args.top_p} gamma={args.gamma} beams={args.beams} tau={args.tau}")
+             f"top_k={args.top_k} top_p={args.top_p} gamma={args.gamma} beams={args.beams} tau={args.tau} "
+             f"draft_vocab={draft_vocab}")
     md = to_markdown(table)
     print(setup)
     print(md)

@@ -76,7 +76,7 @@ def main(argv=None) -> int:
 
     path = resolve_model_path(args.target) if args.target else ensure_default_target()
     tok = load_tokenizer(path)
-    model = load_causal_lm(path, "cpu", torch.bfloat16)
+    model = load_causal_lm(path, "cpu")     # the serving dtype (serving.models.default_dtype)
     prompts = sorted((chat_prompt_ids(tok, t) for t in load_prompts("gsm8k", "train", args.prompts)), key=len)
     totals = {c: [0, 0.0] for c in CONFIGS}
     t_start = time.time()
