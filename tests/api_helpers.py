@@ -1,6 +1,8 @@
 """A real HTTP server (uvicorn in a thread) over the FastAPI app with tiny models, for the API tests."""
 from __future__ import annotations
 
+import os
+
 import socket
 import threading
 import time
@@ -11,7 +13,7 @@ import httpx
 from serving.metrics import MetricsHub
 from serving.service import Service, ServiceSettings
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
+REDIS_URL = os.environ["DRAFTSMITH_TEST_REDIS_URL"]     # resolved once per run by conftest.py
 
 
 def free_port() -> int:

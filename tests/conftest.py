@@ -14,3 +14,41 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+# ----------------------------------------------------------------------------- Redis
+# Every test that needs Redis uses one server, found once per run: REDIS_URL when set, else a Redis on
+# 127.0.0.1:6379, else an embedded real redis-server (buffer/embedded.py) started for the run, so the
+# suite passes on a machine that has only Python and make. Test modules read the URL from
+# DRAFTSMITH_TEST_REDIS_URL (api_helpers.REDIS_URL, the `redis_url` fixture).
+_embedded = None
+
+
+def pytest_configure(config):
+    global _embedded
+    import tempfile
+
+    from buffer.embedded import EmbeddedRedis, ping
+
+    candidates = [u for u in (os.environ.get("REDIS_URL"), "redis://127.0.0.1:6379/0") if u]
+    url = next((u for u in candidates if ping(u)), None)
+    if url is None:
+        try:
+            _embedded = EmbeddedRedis(Path(tempfile.mkdtemp(prefix="draftsmith-test-redis-")), persist=False)
+            url = _embedded.start()
+        except (OSError, RuntimeError) as exc:   # the tests that need Redis then fail with this reason
+            url = f"redis://unavailable:0/0?reason={type(exc).__name__}"
+    os.environ["DRAFTSMITH_TEST_REDIS_URL"] = url
+
+
+def pytest_unconfigure(config):
+    if _embedded is not None:
+        _embedded.stop()
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    return os.environ["DRAFTSMITH_TEST_REDIS_URL"]

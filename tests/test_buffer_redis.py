@@ -1,7 +1,7 @@
 """The Redis replay buffer against a real Redis server (buffer/redis_store.py, buffer/embedded.py).
 
-Shared tests use the Redis at 127.0.0.1:6379 with a unique key prefix each (deleted afterwards);
-if none answers, an embedded server in a temp dir; they skip only when neither is available.
+Shared tests use the test run's Redis (tests/conftest.py `redis_url`: REDIS_URL, else 127.0.0.1:6379,
+else an embedded server) with a unique key prefix each (deleted afterwards).
 Tests that stop or fill a server start their OWN redis-server on a free port.
 """
 from __future__ import annotations
@@ -22,21 +22,6 @@ from buffer.records import SequenceRecord, StepRecord
 from buffer.redis_store import (BufferConfig, BufferUnavailable, ReplayBufferReader, ReplayBufferWriter, connect,
                                 redis_url_from_env)
 
-SHARED_URL = "redis://127.0.0.1:6379/0"
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    if ping(SHARED_URL):
-        yield SHARED_URL
-        return
-    try:
-        srv = EmbeddedRedis(tmp_path_factory.mktemp("redis"), persist=False)
-        url = srv.start()
-    except (OSError, RuntimeError) as exc:
-        pytest.skip(f"no Redis at 127.0.0.1:6379 and the embedded redis-server could not start: {exc}")
-    yield url
-    srv.stop()
 
 
 @pytest.fixture

@@ -53,6 +53,9 @@ def test_best_k_follows_the_speedup_formula():
     k_mid, _ = best_k(0.6, 8, step)
     k_high, _ = best_k(0.9, 8, step)
     assert 1 <= k_mid < k_high <= 8
+    # a marginal gain (here 1.3 / 1.2 = 8%) does not clear a 10% bar: a plain step instead
+    marginal = lambda k: 1.0 + 0.2 * k
+    assert best_k(0.3, 1, marginal)[0] == 1 and best_k(0.3, 1, marginal, min_gain=0.1)[0] == 0
     # brute force: the returned k maximises E / T
     for a in (0.2, 0.5, 0.8):
         k, rate = best_k(a, 8, step)

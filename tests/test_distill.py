@@ -1,5 +1,5 @@
 """Distillation end to end on tiny models: records made by actually serving (Engine + ReplayBufferWriter
-into the real Redis at 127.0.0.1:6379 under a unique prefix), data rebuilding, packed training,
+into the test run's real Redis under a unique prefix: tests/conftest.py `redis_url`), data rebuilding, packed training,
 offline acceptance, the job (consumer group acks, candidate folder, MLflow run on a temp SQLite
 store, registry round trip) and the Ray entry point.
 
@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 import torch
 
-from buffer.embedded import EmbeddedRedis, ping
 from buffer.redis_store import BufferConfig, ReplayBufferReader, ReplayBufferWriter, connect
 from deploy_helpers import artifact_dir, fresh_store, template_db
 from serving.config import SamplingParams, SpecParams
@@ -36,7 +35,6 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
-SHARED_URL = "redis://127.0.0.1:6379/0"
 FRACTION = 0.25
 HELD = {0, 1, 10, 11}                       # request indices that are held out (2 per source)
 
@@ -45,20 +43,6 @@ def pick_id(i: int, heldout: bool) -> str:
     """A request id whose held-out membership is `heldout` (the split is a hash of the id)."""
     return next(rid for salt in range(10_000)
                 if data.is_heldout(rid := f"req-{i}-{salt}", FRACTION) == heldout)
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    if ping(SHARED_URL):
-        yield SHARED_URL
-        return
-    try:
-        srv = EmbeddedRedis(tmp_path_factory.mktemp("redis"), persist=False)
-        url = srv.start()
-    except (OSError, RuntimeError) as exc:
-        pytest.skip(f"no Redis at 127.0.0.1:6379 and the embedded redis-server could not start: {exc}")
-    yield url
-    srv.stop()
 
 
 @pytest.fixture(scope="module")

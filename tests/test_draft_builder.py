@@ -83,8 +83,11 @@ def test_bootstrap_writes_a_folder_the_engine_decodes_losslessly(target_dir, tmp
     # the general recipe: packaged maths / science / code prompts beside self-synthesised ones, and
     # held-out agreement reported per category
     assert meta["prompts_source"] == "general"
-    assert {"gsm8k", "humaneval"} <= set(meta["teacher_tokens_by_source"])
-    assert {"gsm8k", "humaneval"} <= set(meta["heldout_top1_agreement_by_source"])
+    sources = {"chat", "multiturn", "gsm8k", "humaneval", "gpqa", "aime"}
+    assert len(meta["teacher_tokens_by_source"]) >= 2 and set(meta["teacher_tokens_by_source"]) <= sources
+    # (the tiny byte-level tokenizer makes most HumanEval / GPQA prompts longer than MAX_PROMPT_TOKENS)
+    assert "gsm8k" in meta["heldout_top1_agreement_by_source"]
+    assert set(meta["heldout_top1_agreement_by_source"]) <= sources
     assert len(meta["output_token_ids"]) <= 200
     assert meta["layers_from_target"] == [0, 3] and meta["train_head"] is True
     assert meta["teacher_examples"] > 0 and meta["train_steps"] > 0

@@ -395,7 +395,7 @@ def bootstrap(out_dir: str | Path, target_path: str | Path | None = None, *, bud
     subset, ranking = choose_output_vocabulary(train_ex, tok, vocab_size or DEFAULT_VOCAB_SIZE)
 
     # 3. train until the budget (minus a margin for evaluation and saving)
-    figures = train_draft(draft, train_ex, held_ex, subset, deadline=t_start + budget_s - 60,
+    figures = train_draft(draft, train_ex, held_ex, subset, deadline=t_start + budget_s - min(60.0, 0.1 * budget_s),
                           batch_size=batch_size, lr=lr, train_head=train_head, bf16=bf16, progress=progress)
     figures["heldout_top1_agreement_by_source"] = per_source_agreement(draft, held_ex, subset)
     progress(f"[bootstrap] held-out agreement by category: {figures['heldout_top1_agreement_by_source']}")
