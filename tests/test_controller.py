@@ -162,14 +162,6 @@ PROMPT = "abc abc abd the cat sat on the mat the cat"   # repeats: the n-gram lo
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     return tiny_models.save_pair(tmp_path_factory.mktemp("ctrl"))
