@@ -34,7 +34,7 @@ Randomness: one torch.Generator per request, seeded from SamplingParams.seed, on
 (CPU or CUDA), so every rule draws where its probability rows live; a seed reproduces a run on the
 same device (CPU and CUDA streams differ). The adaptive controller (serving/controller.py) of a seeded
 request decides from that request's own history only, so its plan, and with it the output, repeats
-too. On CUDA `_Runner.feed` synchronises, so the draft/target
+too. On CUDA `SequenceRunner.feed` and `BatchKV.feed` synchronise, so the draft/target
 time split in the stats is real time, not kernel-launch time.
 
 Concurrency: per-request state (sequence, caches, generator) lives in the `generate()` generator.
@@ -43,7 +43,6 @@ The engine lock is held for one *step* at a time, so concurrent requests interle
 """
 from __future__ import annotations
 
-import copy
 import logging
 import threading
 import time
@@ -54,19 +53,16 @@ from typing import Iterator
 
 import torch
 
-from buffer.records import RecordSink, SequenceRecord, StepRecord
+from buffer.records import RecordSink, StepRecord
 from serving.config import ADAPTIVE_MODES, NGRAM_SWITCH_MODES, SamplingParams, SpecParams
-from serving.controller import CostModel, Plan, ReplicaPriors, RequestController
-from serving.decoding.bild import bild_should_fallback, bild_verify
-from serving.decoding.mentored import mentored_verify
-from serving.decoding.mjsd import beam_sample_finalize, beam_sample_step, mjsd_verify
+from serving.controller import CostModel, ReplicaPriors, RequestController
+from serving.decoding.bild import bild_should_fallback
 from serving.decoding.ngram import ngram_propose, staged_accept
 from serving.decoding.spectr import spectr_verify
-from serving.decoding.speculative import speculative_verify
-from serving.decoding.typical import typical_verify
 from serving.decoding.types import VerifyResult
 from serving.decoding.warp import sample, warp_logprobs
 from serving.energy import EnergyMeter
+from serving.modes import VERIFY_RULES
 from serving.models import (
     LoadedModel,
     ModelLoadError,
@@ -76,24 +72,15 @@ from serving.models import (
     read_output_token_ids,
     resolve_model_path,
 )
+from serving.runner import SequenceRunner
+from serving.scheduler import BatchScheduler, Request
 
 log = logging.getLogger(__name__)
 
-# Verification rules with the uniform signature of serving/decoding/types.py, by mode name ("spectr"
-# verifies a tree of k chains and has its own path; "target" verifies nothing).
-VERIFY_RULES = {
-    "speculative": lambda d, dp, tp, g, spec: speculative_verify(d, dp, tp, g),
-    "staged": lambda d, dp, tp, g, spec: speculative_verify(d, dp, tp, g),
-    "ngram": lambda d, dp, tp, g, spec: speculative_verify(d, dp, tp, g),   # dp is one-hot
-    "mjsd": lambda d, dp, tp, g, spec: mjsd_verify(d, dp, tp, g, tau=spec.tau),
-    "typical": lambda d, dp, tp, g, spec: typical_verify(
-        d, dp, tp, g, posterior_threshold=spec.extra["posterior_threshold"],
-        posterior_alpha=spec.extra["posterior_alpha"]),
-    "mentored": lambda d, dp, tp, g, spec: mentored_verify(d, dp, tp, g, kl_budget=spec.extra["kl_budget"]),
-    "bild": lambda d, dp, tp, g, spec: bild_verify(d, dp, tp, g, rollback_threshold=spec.extra["rollback_threshold"]),
-}
-
-
+# KV tokens a replica's running requests may reserve together (prompt + max_tokens + gamma, times the rows
+# a request fans out to: MJSD beams, SpecTr drafts). A request alone above it is refused (400); below it,
+# requests wait until enough running ones finish.
+DEFAULT_MAX_BATCH_TOKENS = 65536
 BROKEN_AFTER = 3   # consecutive failed decoding steps before the engine reports itself unhealthy
 
 
@@ -116,6 +103,17 @@ class GenerationStats:
     wall_time_s: float = 0.0
     energy_j: float | None = None
     energy_reason: str | None = None
+    # per draft version that proposed steps ("none": steps without a draft model): steps, draft_tokens,
+    # accepted_tokens; a request that spans a hot-swap lists both versions
+    draft_versions: dict = field(default_factory=dict)
+
+    def count_version(self, version: str, drafted: int = 0, accepted: int = 0) -> None:
+        v = self.draft_versions.setdefault(version, {"steps": 0, "draft_tokens": 0, "accepted_tokens": 0})
+        v["steps"] += 1
+        v["draft_tokens"] += drafted
+        v["accepted_tokens"] += accepted
+        if version != "none":
+            self.draft_version = version      # the newest version that drafted for this request
 
     @property
     def mean_accepted_length(self) -> float:
@@ -160,72 +158,6 @@ class GenerationResult:
     stats: GenerationStats
 
 
-class _Runner:
-    """One model + one KV cache for one sequence. `feed` appends tokens and returns logits."""
-
-    def __init__(self, loaded: LoadedModel, vocab_size: int) -> None:
-        self.loaded = loaded
-        self.model = loaded.model
-        self.vocab_size = vocab_size
-        self.cache = None
-        self.length = 0
-        self.batch = 1
-        self.device = next(self.model.parameters()).device
-
-    def feed(self, tokens: list[int] | torch.Tensor, keep: int) -> torch.Tensor:
-        """Append `tokens` ([n] or [batch, n]) to the cache; return fp32 logits of the last `keep`
-        positions over the FULL vocabulary: [keep, vocab] (or [batch, keep, vocab])."""
-        from transformers import DynamicCache
-
-        ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device)
-        batched = ids.dim() == 2
-        if not batched:
-            ids = ids[None]
-        if self.cache is None:
-            self.cache = DynamicCache()
-        with torch.no_grad():
-            out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=keep)
-        self.cache = out.past_key_values
-        self.length += ids.shape[1]
-        logits = out.logits[:, -keep:].float()
-        if self.device.type == "cuda":   # kernels run asynchronously: finish them so the caller's timer is honest
-            torch.cuda.synchronize(self.device)
-        out_ids = self.loaded.output_token_ids
-        if out_ids is not None:  # reduced output layer: scatter back, other tokens impossible
-            full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
-            full[..., out_ids] = logits
-            logits = full
-        elif logits.shape[-1] != self.vocab_size:  # padded embedding tables (e.g. vocab rounded up)
-            logits = logits[..., : self.vocab_size]
-        return logits if batched else logits[0]
-
-    def truncate(self, length: int) -> None:
-        if self.cache is not None and self.length > length:
-            self.cache.crop(-(self.length - length))
-            self.length = length
-
-    def fork(self, batch: int) -> "_Runner":
-        """A copy whose cache is repeated `batch` times (for beam sampling); self is unchanged."""
-        other = copy.copy(self)
-        other.cache = copy.deepcopy(self.cache)
-        other.repeat(batch)
-        return other
-
-    def repeat(self, batch: int) -> None:
-        """In place: a batch-1 cache becomes `batch` identical rows (no copy of self is kept)."""
-        if self.batch != 1:
-            raise RuntimeError(f"repeat needs a batch-1 cache, this one has {self.batch} rows")
-        if self.cache is not None and batch > 1:
-            self.cache.batch_repeat_interleave(batch)
-        self.batch = batch
-
-    def select(self, rows: torch.Tensor) -> None:
-        """Keep the cache rows `rows` ([n] long), in that order."""
-        if self.cache is not None:
-            self.cache.batch_select_indices(rows.to(self.device))
-        self.batch = len(rows)
-
-
 def _bild_stop(threshold: float, sampling: SamplingParams):
     """BiLD's fallback test on the draft's confidence max_v q(v): on the warped q, as the fork's sampling
     BiLD; at temperature 0 the warped q is one-hot (max 1, never unsure), so there it is the raw softmax,
@@ -254,6 +186,8 @@ class Engine:
         max_context: int | None = None,
         record_top_k: int = 20,
         target_name: str = "target",
+        max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+        prefill_chunk: int = 512,
     ) -> None:
         self.target = target
         self.tokenizer = target.tokenizer
@@ -268,6 +202,11 @@ class Engine:
         self.max_context = min(max_context or cfg_max, cfg_max)
         self.eos_token_ids = self._eos_ids()
         self._rng_device = next(target.model.parameters()).device
+        self.target_device = self._rng_device
+        if not isinstance(max_batch_tokens, int) or max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be a positive integer, got {max_batch_tokens!r}")
+        self.max_batch_tokens = max_batch_tokens
+        self.scheduler = BatchScheduler(self, max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk)
         self._lock = threading.Lock()
         self._energy = EnergyMeter(device)
         self.costs = CostModel()          # measured step costs of this replica (serving/controller.py)
@@ -337,6 +276,25 @@ class Engine:
             ids.update(int(i) for i in gen_eos)
         return ids
 
+    # ------------------------------------------------------------------ n-gram proposals
+    # the controller's n-gram proposer: suffixes of 2..3 tokens (a one-token match is mostly noise)
+    CONTROLLER_NGRAM = (3, 2)
+
+    def ngram_tokens(self, seq: list[int], gamma: int, max_ngram: int | None = None,
+                     min_ngram: int | None = None) -> list[int]:
+        """Prompt lookup over seq: up to gamma tokens, cut after a stop token."""
+        tokens = ngram_propose(seq, max_ngram or self.CONTROLLER_NGRAM[0], gamma, min_ngram or self.CONTROLLER_NGRAM[1])
+        for i, tok in enumerate(tokens):
+            if tok in self.eos_token_ids:
+                return tokens[: i + 1]
+        return tokens
+
+    def ngram_rows(self, tokens: list[int]) -> tuple[list[int], torch.Tensor]:
+        """A deterministic proposal as draft rows: one-hot [len, vocab]."""
+        onehot = torch.zeros(len(tokens), self.vocab_size, device=self.target_device)
+        onehot[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)] = 1.0
+        return tokens, onehot
+
     # ------------------------------------------------------------------ generation
     def generate_all(self, prompt_ids: list[int], sampling: SamplingParams, spec: SpecParams, **kw) -> GenerationResult:
         tokens: list[int] = []
@@ -345,6 +303,16 @@ class Engine:
             tokens.extend(last.token_ids)
         assert last is not None
         return GenerationResult(tokens, last.finish_reason or "length", last.stats)
+
+    def footprint(self, prompt_len: int, sampling: SamplingParams, spec: SpecParams) -> int:
+        """The KV tokens a request may reserve: its context at most, times the rows it fans out to."""
+        context = min(self.max_context, prompt_len + sampling.max_tokens + spec.gamma + 1)
+        fan = 1
+        if spec.mode == "mjsd" and sampling.temperature > 0:
+            fan = spec.beams
+        elif spec.mode == "spectr":
+            fan = spec.extra["num_drafts"]
+        return context * fan
 
     def generate(
         self,
@@ -357,6 +325,8 @@ class Engine:
         log_mode: str = "full",
         source: str = "",
     ) -> Iterator[StepOutput]:
+        """Decode one request; yields the tokens of each step as the batch scheduler (serving/scheduler.py)
+        produces them. Closing the generator (or setting `cancel`) takes the request out of the batch."""
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("the prompt is empty: at least one token is needed")
@@ -367,77 +337,43 @@ class Engine:
         mode = spec.mode
         if spec.needs_draft and self.draft is None:
             raise ValueError(f"mode {mode!r} needs a draft model and none is loaded; use mode 'target' or 'ngram'")
+        footprint = self.footprint(len(prompt), sampling, spec)
+        if footprint > self.max_batch_tokens:
+            raise ValueError(
+                f"this request may hold {footprint} KV tokens (prompt + max_tokens + gamma, times beams or drafts), "
+                f"more than this replica's budget of {self.max_batch_tokens}; lower max_tokens, beams or num_drafts")
         request_id = request_id or uuid.uuid4().hex
         gen = torch.Generator(device=self._rng_device)   # on the model's device: rules sample where the rows are
         gen.manual_seed(sampling.seed if sampling.seed is not None else int.from_bytes(uuid.uuid4().bytes[:6], "little"))
-        stop_ids = self.eos_token_ids | set(sampling.stop_token_ids)
         gamma = spec.gamma if mode != "target" else 0
         adaptive = spec.adaptive and mode in ADAPTIVE_MODES
         stats = GenerationStats(mode=mode, draft_version=self.draft_version if spec.needs_draft else "none",
                                 gamma=gamma, accepted_per_position=[0] * gamma, adaptive=adaptive)
-        state = _RequestState(self, prompt)
+        req = Request(id=request_id, prompt=prompt, sampling=sampling, spec=spec, gen=gen, stats=stats,
+                      stop_ids=self.eos_token_ids | set(sampling.stop_token_ids), footprint=footprint,
+                      sink=self.sink if log_mode != "none" else None, log_mode=log_mode, source=source,
+                      cancel=cancel)
         if adaptive:
             # A seeded request must reproduce its output, so its controller decides from its own history
             # only (prior costs, the default prior), never from the replica's timings or other traffic.
             seeded = sampling.seed is not None
             beams = mode == "mjsd" and sampling.temperature > 0 and spec.beams > 1
-            state.controller = RequestController(
+            req.controller = RequestController(
                 gamma=spec.gamma, costs=CostModel() if seeded else self.costs,
                 priors=ReplicaPriors() if seeded else self.priors, version=self.draft_version,
                 greedy=sampling.greedy, draft_key="beams" if beams else "chain",
                 use_ngram=mode in NGRAM_SWITCH_MODES)
-        sink = self.sink if log_mode != "none" else None
-        energy0 = self._energy.read_mj()
-        t_start = time.perf_counter()
-        finish = None
+        self.scheduler.submit(req)
         try:
-            while finish is None:
-                if cancel is not None and cancel.is_set():
-                    finish = "cancelled"
-                    yield StepOutput([], finish, self._finish_stats(stats, t_start, energy0))
-                    return
-                remaining = sampling.max_tokens - stats.tokens
-                room = self.max_context - len(state.seq)
-                if remaining <= 0 or room <= 0:
-                    finish = "length"
-                    yield StepOutput([], finish, self._finish_stats(stats, t_start, energy0))
-                    return
-                with self._lock:
-                    try:
-                        if mode == "target" or room <= gamma + 1:
-                            new = state.target_step(sampling, gen, stats)
-                        else:
-                            new = state.spec_step(sampling, spec, gen, stats, request_id, sink)
-                    except Exception as exc:
-                        self._step_failed(exc)
-                        raise
-                    self._failures = 0
-                # stop tokens, then length
-                out: list[int] = []
-                for t in new:
-                    out.append(t)
-                    if t in stop_ids:
-                        finish = "stop"
-                        break
-                if finish is None and stats.tokens + len(out) >= sampling.max_tokens:
-                    out = out[: sampling.max_tokens - stats.tokens]
-                    finish = "length"
-                stats.tokens += len(out)
+            while True:
+                kind, payload, finish = req.out.get()
+                if kind == "error":
+                    raise payload
+                yield StepOutput(payload, finish, stats)
                 if finish is not None:
-                    self._finish_stats(stats, t_start, energy0)
-                else:
-                    stats.wall_time_s = time.perf_counter() - t_start
-                yield StepOutput(out, finish, stats)
+                    return
         finally:
-            if sink is not None and state.recorded_steps:
-                try:
-                    ids = state.seq[: len(prompt) + stats.tokens]
-                    sink.push_sequence(SequenceRecord(
-                        request_id=request_id, token_ids=ids, prompt_len=len(prompt),
-                        draft_version=stats.draft_version, timestamp=time.time(), source=source,
-                        meta={"log_mode": log_mode}))
-                except Exception as exc:  # a sink must never take a request down
-                    log.warning("replay buffer push failed: %s", exc)
+            req.closed.set()      # a consumer that stops reading leaves the batch at the next round
 
     def _step_failed(self, exc: Exception) -> None:
         """A decoding step raised (device error, out of memory, a corrupt model): after
@@ -456,24 +392,23 @@ class Engine:
 
 
 class _RequestState:
-    """Sequence + caches of one request. All methods run under the engine lock."""
+    """Sequence + caches of one request of a mode that runs alone (serving/modes.py: staged, bild,
+    spectr). The batch scheduler calls one step at a time, under the engine lock."""
 
     def __init__(self, engine: Engine, prompt: list[int]) -> None:
         self.engine = engine
         self.seq = list(prompt)
-        self.target = _Runner(engine.target, engine.vocab_size)
+        self.target = SequenceRunner(engine.target, engine.vocab_size)
         self.draft_model = engine.draft
-        self.draft = _Runner(engine.draft, engine.vocab_size) if engine.draft is not None else None
+        self.draft = SequenceRunner(engine.draft, engine.vocab_size) if engine.draft is not None else None
         self.recorded_steps = 0
-        self.controller: RequestController | None = None
-        self.ngram_proposal: list[int] = []
 
     # -- helpers -----------------------------------------------------------------
     def _sync_draft(self) -> None:
         """Follow a hot-swapped draft: a new model needs a fresh cache."""
         if self.engine.draft is not self.draft_model:
             self.draft_model = self.engine.draft
-            self.draft = _Runner(self.draft_model, self.engine.vocab_size)
+            self.draft = SequenceRunner(self.draft_model, self.engine.vocab_size)
 
     def _draft_catch_up(self, stats: GenerationStats) -> torch.Tensor:
         """Feed the draft the tokens its cache lacks; return logits for the next token [vocab]."""
@@ -491,73 +426,33 @@ class _RequestState:
         stats.target_time_s += time.perf_counter() - t0
         return logits
 
-    # -- target-only ---------------------------------------------------------------
+    # -- target-only (the last tokens before the context limit) -----------------------------
     def target_step(self, sampling: SamplingParams, gen: torch.Generator, stats: GenerationStats) -> list[int]:
-        steady, t0 = len(self.seq) - self.target.length == 1, stats.target_time_s
         logits = self._target_verify([], stats)[-1]
-        if steady:       # target-only traffic tells the controller what a plain step costs
-            self.engine.costs.observe_target(1, stats.target_time_s - t0)
         probs = warp_logprobs(logits, sampling.temperature, sampling.top_k, sampling.top_p).exp()
         tok = int(sample(probs, gen))
         self.seq.append(tok)
         return [tok]
 
-    # -- every drafted mode --------------------------------------------------------------
+    # -- one step of staged / bild / spectr ------------------------------------------------
     def spec_step(self, sampling: SamplingParams, spec: SpecParams, gen: torch.Generator,
                   stats: GenerationStats, request_id: str, sink: RecordSink | None) -> list[int]:
         """One propose -> verify -> accept step; returns the emitted tokens (accepted + 1)."""
         mode = spec.mode
-        if spec.needs_draft:
-            self._sync_draft()
+        self._sync_draft()
         warp = lambda lg: warp_logprobs(lg, sampling.temperature, sampling.top_k, sampling.top_p)
         start = len(self.seq)
-        ctrl = self.controller
-        plan = self._plan(ctrl, spec) if ctrl is not None else None
-        gamma = plan.k if plan is not None else spec.gamma
-        draft_s0, target_s0, wall0 = stats.draft_time_s, stats.target_time_s, time.perf_counter()
-        # costs are learnt from ordinary steps only: not from a pass that also prefilled the prompt
-        steady_target = len(self.seq) - self.target.length == 1
-        steady_draft = self.draft is not None and len(self.seq) - self.draft.length <= spec.gamma + 2
-        version = self.engine.draft_version if spec.needs_draft else "none"
-        algorithm = mode
-        if plan is not None and plan.proposer != "draft":
-            # the controller chose no draft model this step: a plain target step (k = 0), or the n-gram
-            # lookup's proposal verified by this mode's own rule (one-hot draft rows, as mode "ngram")
-            if plan.proposer == "ngram":
-                draft_tokens, draft_probs = self._ngram_rows(self.ngram_proposal[:gamma])
-                version, algorithm = "none", "ngram"
-                stats.ngram_steps += 1
-            else:
-                draft_tokens, draft_probs = [], None
-                version, algorithm = "none", "target"
-                stats.zero_draft_steps += 1
-            target_logits = self._target_verify(draft_tokens, stats)           # [k + 1, vocab]
-            target_probs = warp(target_logits).exp()
-            if draft_tokens:
-                res = VERIFY_RULES[mode](torch.tensor(draft_tokens, dtype=torch.long), draft_probs, target_probs,
-                                         gen, spec)
-            else:   # every rule with nothing drafted: one token from the target
-                res = VerifyResult(num_accepted=0, next_token=int(sample(target_probs[0], gen)))
-        elif mode == "spectr":
+        version = self.engine.draft_version
+        if mode == "spectr":
             draft_tokens, target_logits, res = self._spectr_step(spec, warp, gen, stats)
         else:
-            if mode == "mjsd" and (sampling.temperature == 0 or spec.beams == 1):
-                # greedy (one-hot warp) or one beam: every beam but the first has no candidate, so beam
-                # sampling is the plain draft chain; skip the forked beam caches
-                draft_tokens, draft_probs = self._propose_chain(gamma, warp, gen, stats)
-            elif mode == "mjsd":
-                draft_tokens, draft_probs = self._propose_beams(spec, warp, gen, stats, gamma)
-            elif mode == "ngram":
-                draft_tokens, draft_probs = self._propose_ngram(spec)
-            elif mode == "staged":
+            if mode == "staged":
                 draft_tokens, draft_probs = self._propose_staged(spec, warp, gen, stats)
             elif mode == "bild":
                 draft_tokens, draft_probs = self._propose_chain(
                     spec.gamma, warp, gen, stats, stop=_bild_stop(spec.extra["fallback_threshold"], sampling))
             else:
-                draft_tokens, draft_probs = self._propose_chain(gamma, warp, gen, stats)
-            if plan is not None and plan.probe:
-                stats.probe_steps += 1
+                raise ValueError(f"mode {mode!r} runs in the batch scheduler, not alone")
             target_logits = self._target_verify(draft_tokens, stats)           # [g + 1, vocab]
             target_probs = warp(target_logits).exp()
             res = VERIFY_RULES[mode](torch.tensor(draft_tokens, dtype=torch.long), draft_probs, target_probs, gen, spec)
@@ -573,24 +468,13 @@ class _RequestState:
         stats.accepted_tokens += n
         for i in range(n):
             stats.accepted_per_position[i] += 1
-        if ctrl is not None:
-            ctrl.observe(plan, n)
-            if draft_tokens and plan.proposer == "draft" and steady_draft:
-                self.engine.costs.observe_draft(ctrl.draft_key, len(draft_tokens), stats.draft_time_s - draft_s0)
-            if steady_target:
-                self.engine.costs.observe_target(len(draft_tokens) + 1, stats.target_time_s - target_s0)
-                if steady_draft or not draft_tokens:
-                    forwards = stats.target_time_s - target_s0 + stats.draft_time_s - draft_s0
-                    self.engine.costs.observe_overhead(bool(draft_tokens), time.perf_counter() - wall0 - forwards)
-        # every verified step is recorded, also one that drafted nothing: distillation then learns exactly
-        # the traffic on which the draft is weak (the target's top-k of each emitted token)
-        if sink is not None and (draft_tokens or ctrl is not None):
+        stats.count_version(version, len(draft_tokens), n)
+        if sink is not None and draft_tokens:
             try:
                 ids, lps = _top_k_record(target_logits, self.engine.record_top_k)
                 sink.push_step(StepRecord(
                     request_id=request_id, position=start, draft_tokens=draft_tokens, num_accepted=n,
-                    target_topk_ids=ids, target_topk_logprobs=lps, algorithm=algorithm,
-                    draft_version=version,
+                    target_topk_ids=ids, target_topk_logprobs=lps, algorithm=mode, draft_version=version,
                     temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                     timestamp=time.time(), next_token=int(res.next_token)))
                 self.recorded_steps += 1
@@ -620,35 +504,6 @@ class _RequestState:
                 break
             logits = self._draft_feed([tok], 1, stats)[-1]
         return tokens, torch.stack(probs)
-
-    def _plan(self, ctrl: RequestController, spec: SpecParams) -> Plan:
-        """The controller's choice for this step (serving/controller.py); the n-gram lookup is offered
-        only in NGRAM_SWITCH_MODES (its proposal is kept in `ngram_proposal` for the step)."""
-        ctrl.version = self.engine.draft_version
-        self.ngram_proposal = self._ngram_tokens(spec.gamma) if ctrl.use_ngram else []
-        return ctrl.plan(len(self.ngram_proposal))
-
-    # the controller's n-gram proposer: suffixes of 2..3 tokens (a one-token match is mostly noise)
-    CONTROLLER_NGRAM = (3, 2)
-
-    def _ngram_tokens(self, gamma: int, max_ngram: int | None = None, min_ngram: int | None = None) -> list[int]:
-        """Prompt lookup over seq: up to gamma tokens, cut after a stop token."""
-        tokens = ngram_propose(self.seq, max_ngram or self.CONTROLLER_NGRAM[0], gamma,
-                               min_ngram or self.CONTROLLER_NGRAM[1])
-        for i, tok in enumerate(tokens):
-            if tok in self.engine.eos_token_ids:
-                return tokens[: i + 1]
-        return tokens
-
-    def _propose_ngram(self, spec: SpecParams) -> tuple[list[int], torch.Tensor]:
-        """Prompt lookup over seq: up to gamma tokens (cut after a stop token), one-hot 'draft' rows."""
-        return self._ngram_rows(self._ngram_tokens(spec.gamma, spec.extra["max_ngram"], spec.extra["min_ngram"]))
-
-    def _ngram_rows(self, tokens: list[int]) -> tuple[list[int], torch.Tensor]:
-        """A deterministic proposal as draft rows: one-hot [len, vocab]."""
-        onehot = torch.zeros(len(tokens), self.engine.vocab_size, device=self.target.device)
-        onehot[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)] = 1.0
-        return tokens, onehot
 
     def _propose_staged(self, spec: SpecParams, warp, gen, stats) -> tuple[list[int], torch.Tensor]:
         """Staged speculation: gamma exact draft samples, in fewer sequential draft forwards.
@@ -709,36 +564,3 @@ class _RequestState:
         if self.draft.batch > 1:
             self.draft.select(torch.tensor([row]))
         return chains[row].tolist(), target_logits[int(inverse[row])], res
-
-    def _propose_beams(self, spec: SpecParams, warp, gen, stats, gamma: int) -> tuple[list[int], torch.Tensor]:
-        """MJSD draft: beam *sampling* of gamma tokens; returns the top beam and the warped draft
-        distributions along it. The batch-1 draft cache is not touched by the beams (they run on a
-        forked cache), so it stays a prefix of seq."""
-        logits = self._draft_catch_up(stats)                               # [vocab]
-        t0 = time.perf_counter()
-        step_logprobs = warp(logits)[None]                                 # [1, vocab]
-        beam_logq = torch.zeros(1, device=logits.device)
-        parents_hist, tokens_hist, probs_hist = [], [], []
-        runner = None
-        for i in range(gamma):
-            parent, token, beam_logq = beam_sample_step(beam_logq, step_logprobs, spec.beams, gen)
-            parents_hist.append(parent)
-            tokens_hist.append(token)
-            probs_hist.append(step_logprobs.exp())
-            if i + 1 == gamma:
-                break
-            if runner is None:
-                runner = self.draft.fork(len(token))
-            else:
-                runner.select(parent)
-            step_logprobs = warp(runner.feed(token[:, None], keep=1)[:, -1])  # [B, vocab]
-        stats.draft_time_s += time.perf_counter() - t0
-        # trace the best beam back through the parent pointers
-        row = int(beam_sample_finalize(beam_logq)[0])
-        tokens, probs = [], []
-        for i in range(gamma - 1, -1, -1):
-            tokens.append(int(tokens_hist[i][row]))
-            parent = int(parents_hist[i][row])
-            probs.append(probs_hist[i][parent])
-            row = parent
-        return tokens[::-1], torch.stack(probs[::-1])

@@ -1,13 +1,13 @@
 """One serving replica's core, independent of Ray and HTTP: the engine, the replay-buffer writer, the
 draft watcher (hot-swap), admission control, telemetry, and an async token stream per request.
 
-Scheduling: every admitted request runs its own generator of decoding steps (serving/engine.py) in a
-thread pool of `max_running` threads; each step takes the engine lock, so concurrent requests interleave
-step by step (round-robin at step granularity, about 0.1 s per step on 2 CPU cores) instead of one
-request waiting for another to finish. There is no batching across requests: N running requests each get
-about 1/N of the replica's decoding rate. Requests beyond `max_running` wait in a queue of at most
-`max_waiting`; beyond that the answer is 429 with Retry-After. A request that is not finished within
-`request_timeout_s` (queueing included) is cancelled and answered 408 (or an error event mid-stream).
+Scheduling: every admitted request (at most `max_running` at once) is handed to the engine's batch
+scheduler (serving/scheduler.py), which decodes all running requests together: one draft forward per
+drafted position and one target forward per step for the whole batch (continuous batching: requests join
+and leave between steps; the KV budget `max_batch_tokens` bounds what they may reserve together).
+Requests beyond `max_running` wait in a queue of at most `max_waiting`; beyond that the answer is 429 with
+Retry-After. A request that is not finished within `request_timeout_s` (queueing included) is cancelled and
+answered 408 (or an error event mid-stream).
 
 Hot-swap: a watcher thread polls the registry's `champion` alias every `watch_interval_s` seconds; when it
 names another version, the replica materialises it (verified against its manifest), loads it, and swaps
@@ -53,8 +53,8 @@ class ServiceSettings:
     buffer_prefix: str = "draftsmith:buf"
     api_key: str | None = None              # when set: Bearer auth on /v1/* (admin endpoints included)
     device: str | None = None               # cpu / cuda (default: cuda when available)
-    max_running: int = 4                    # requests decoding at once (interleaved step by step)
-    max_waiting: int = 16                   # queue bound; beyond it 429
+    max_running: int = 16                   # requests decoding at once (batched together)
+    max_waiting: int = 32                   # queue bound; beyond it 429
     request_timeout_s: float = 300.0
     max_tokens_limit: int = 2048
     max_body_bytes: int = 1 << 20

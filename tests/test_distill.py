@@ -19,7 +19,8 @@ import torch
 from buffer.redis_store import BufferConfig, ReplayBufferReader, ReplayBufferWriter, connect
 from deploy_helpers import artifact_dir, fresh_store, template_db
 from serving.config import SamplingParams, SpecParams
-from serving.engine import Engine, _Runner
+from serving.engine import Engine
+from serving.runner import SequenceRunner
 from tiny_models import save_pair
 from training import data, distill
 from training.job import NotEnoughRecords, main, parse_config, pending_records, run_distillation
@@ -184,7 +185,7 @@ def test_packed_rows_equal_the_served_drafts_logits(served):
         for r in range(u.num_rows):
             st = by_id[u.stream_ids[u.row_step[r]]]
             ctx = [int(t) for t in list(seq[u.seq_start: st.position]) + list(st.draft_tokens[:u.row_offset[r]])]
-            full = _Runner(engine.draft, engine.vocab_size).feed(ctx, keep=1)[-1]
+            full = SequenceRunner(engine.draft, engine.vocab_size).feed(ctx, keep=1)[-1]
             assert torch.isinf(full[outside]).all()
             worst = max(worst, float((full[draft.out_rows] - logits[r]).abs().max()))
     assert worst < 1e-4

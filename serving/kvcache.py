@@ -1,0 +1,206 @@
+"""KV-cache bookkeeping for a batch of sequences of different lengths (serving/scheduler.py).
+
+One `BatchKV` holds the cache of one model for every running request: a Hugging Face `DynamicCache`
+whose rows all have the same number of *slots* L, plus a boolean `valid` mask [rows, L] and each row's
+next position id. Requests accept different numbers of tokens, so a row's cache has holes: slots of
+rejected draft tokens and of padding are marked invalid and never attended to again. Rotary positions
+are given explicitly (`position_ids`), so a token's position is its index in its own sequence, not its
+slot. The attention mask passed to the model is `valid` (plus the new block), and the model's causal
+mask is built on slot order, which is time order for every row, so causality holds.
+
+Feeding a block: every row gets the same number n of new slots; a row with m < n tokens is padded on
+the LEFT of its block (its real tokens are the block's last m slots), so a row's newest logits are
+always the block's last positions and `logits_to_keep` works for the whole batch.
+
+Holes cost attention width, not correctness: `compact()` squeezes them out (one gather per layer) when
+the slots exceed the longest row by a margin. Rows join (a batch-1 cache prefilled alone, padded on
+the left to the common width) and leave (row selection) between steps.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+PAD_ID = 0   # token fed in padding slots; masked out, so any id works
+
+
+def _layers(cache) -> list:
+    return cache.layers
+
+
+class BatchKV:
+    """One model's KV cache for a batch of rows with holes; see the module docstring."""
+
+    def __init__(self, model, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        self.cache = None                                        # DynamicCache or None when empty
+        self.valid = torch.zeros(0, 0, dtype=torch.bool, device=device)
+        self.lengths: list[int] = []                             # valid slots per row = next position id
+
+    # ------------------------------------------------------------------ shape
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def slots(self) -> int:
+        return self.valid.shape[1]
+
+    # ------------------------------------------------------------------ forward
+    def feed(self, blocks: list[list[int]], keep: int) -> torch.Tensor:
+        """Append one block per row (rows in order; a row may get []) and return fp32 logits of the
+        last `keep` block positions: [rows, keep, vocab]. Rows with fewer tokens are left-padded."""
+        from transformers import DynamicCache
+
+        if len(blocks) != self.rows:
+            raise ValueError(f"{len(blocks)} blocks for {self.rows} rows")
+        n = max(1, max(len(b) for b in blocks))
+        ids = torch.full((self.rows, n), PAD_ID, dtype=torch.long)
+        block_valid = torch.zeros(self.rows, n, dtype=torch.bool)
+        pos = torch.zeros(self.rows, n, dtype=torch.long)
+        for r, b in enumerate(blocks):
+            m = len(b)
+            if m:
+                ids[r, n - m:] = torch.as_tensor(b, dtype=torch.long)
+                block_valid[r, n - m:] = True
+                pos[r, n - m:] = torch.arange(self.lengths[r], self.lengths[r] + m)
+            # padding slots get the row's next position: harmless (masked as keys, ignored as queries)
+            pos[r, : n - m] = self.lengths[r]
+        block_valid = block_valid.to(self.device)
+        mask = torch.cat([self.valid, block_valid], dim=1)
+        if self.cache is None:
+            self.cache = DynamicCache()
+        with torch.no_grad():
+            out = self.model(input_ids=ids.to(self.device), attention_mask=mask.long(),
+                             position_ids=pos.to(self.device), past_key_values=self.cache, use_cache=True,
+                             logits_to_keep=keep)
+        self.cache = out.past_key_values
+        self.valid = mask
+        for r, b in enumerate(blocks):
+            self.lengths[r] += len(b)
+        return out.logits[:, -keep:].float()
+
+    # ------------------------------------------------------------------ rollback
+    def drop_last(self, row: int, count: int) -> None:
+        """Invalidate the row's `count` newest valid slots (rejected draft tokens)."""
+        if count <= 0:
+            return
+        idx = self.valid[row].nonzero().flatten()
+        if count > len(idx):
+            raise ValueError(f"row {row} has {len(idx)} valid slots, cannot drop {count}")
+        self.valid[row, idx[len(idx) - count:]] = False
+        self.lengths[row] -= count
+
+    def truncate(self, row: int, length: int) -> None:
+        """Keep the row's first `length` tokens."""
+        self.drop_last(row, self.lengths[row] - length)
+
+    # ------------------------------------------------------------------ membership
+    def add_row(self, cache, length: int) -> int:
+        """Append a row holding a batch-1 `cache` of `length` tokens (a prompt prefilled alone), padded on
+        the left to the common width; `cache=None` (length 0) adds a row with nothing cached yet.
+        Returns its row index."""
+        if cache is None or length == 0:     # a row with nothing cached yet (a one-token prompt, a reset)
+            if self.cache is not None:
+                for layer in _layers(self.cache):
+                    layer.keys = torch.cat([layer.keys, layer.keys.new_zeros(1, *layer.keys.shape[1:])])
+                    layer.values = torch.cat([layer.values, layer.values.new_zeros(1, *layer.values.shape[1:])])
+            self.valid = torch.cat([self.valid, self.valid.new_zeros(1, self.slots)])
+            self.lengths.append(0)
+            return self.rows - 1
+        if self.cache is None:     # nothing cached yet (empty batch, or every row was reset)
+            self.cache = cache
+            old = self.rows
+            if old:
+                for layer in _layers(self.cache):
+                    layer.keys = torch.cat([layer.keys.new_zeros(old, *layer.keys.shape[1:]), layer.keys])
+                    layer.values = torch.cat([layer.values.new_zeros(old, *layer.values.shape[1:]), layer.values])
+            self.valid = torch.zeros(old + 1, length, dtype=torch.bool, device=self.device)
+            self.valid[old] = True
+            self.lengths.append(length)
+            return old
+        width = max(self.slots, length)
+        self._pad_left(width - self.slots)
+        for layer, new in zip(_layers(self.cache), _layers(cache)):
+            layer.keys = torch.cat([layer.keys, _left_pad(new.keys, width)], dim=0)
+            layer.values = torch.cat([layer.values, _left_pad(new.values, width)], dim=0)
+        row_valid = torch.zeros(1, width, dtype=torch.bool, device=self.device)
+        row_valid[0, width - length:] = True
+        self.valid = torch.cat([self.valid, row_valid], dim=0)
+        self.lengths.append(length)
+        return self.rows - 1
+
+    def _pad_left(self, extra: int) -> None:
+        if extra <= 0:
+            return
+        if self.cache is not None:
+            for layer in _layers(self.cache):
+                layer.keys = _left_pad(layer.keys, layer.keys.shape[2] + extra)
+                layer.values = _left_pad(layer.values, layer.values.shape[2] + extra)
+        self.valid = torch.cat([self.valid.new_zeros(self.rows, extra), self.valid], dim=1)
+
+    def select(self, rows: list[int] | torch.Tensor) -> None:
+        """Keep these rows, in this order (a row may repeat: beam forks)."""
+        idx = torch.as_tensor(rows, dtype=torch.long, device=self.device)
+        if self.cache is not None:
+            for layer in _layers(self.cache):
+                layer.keys = layer.keys.index_select(0, idx)
+                layer.values = layer.values.index_select(0, idx)
+        self.valid = self.valid.index_select(0, idx)
+        self.lengths = [self.lengths[int(i)] for i in idx]
+
+    def fork(self, rows: list[int]) -> "BatchKV":
+        """A new BatchKV over copies of `rows` (repeats allowed); self is unchanged (layers append with
+        torch.cat, so the fork's forwards never write into self's tensors)."""
+        other = BatchKV(self.model, self.device)
+        idx = torch.as_tensor(rows, dtype=torch.long, device=self.device)
+        if self.cache is not None:
+            other.cache = copy.copy(self.cache)
+            other.cache.layers = [copy.copy(layer) for layer in _layers(self.cache)]
+            for layer in _layers(other.cache):
+                layer.keys = layer.keys.index_select(0, idx)
+                layer.values = layer.values.index_select(0, idx)
+        other.valid = self.valid.index_select(0, idx)
+        other.lengths = [self.lengths[int(i)] for i in idx]
+        return other
+
+    def reset(self) -> None:
+        """Forget every row's tokens (a new model): rows stay, caches empty."""
+        self.cache = None
+        self.valid = torch.zeros(self.rows, 0, dtype=torch.bool, device=self.device)
+        self.lengths = [0] * self.rows
+
+    # ------------------------------------------------------------------ holes
+    def holes(self) -> int:
+        return self.rows * self.slots - sum(self.lengths)
+
+    def compact(self, slack: int = 32) -> bool:
+        """Squeeze out holes when the slots exceed the longest row by more than `slack`; each row's
+        valid slots keep their order and end up right-aligned. Returns whether it compacted."""
+        if self.rows == 0 or self.cache is None:
+            return False
+        width = max(self.lengths)
+        if self.slots - width <= slack:
+            return False
+        gather = torch.zeros(self.rows, width, dtype=torch.long, device=self.device)
+        valid = torch.zeros(self.rows, width, dtype=torch.bool, device=self.device)
+        for r in range(self.rows):
+            idx = self.valid[r].nonzero().flatten()
+            gather[r, width - len(idx):] = idx
+            valid[r, width - len(idx):] = True
+        for layer in _layers(self.cache):
+            g = gather[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+            layer.keys = layer.keys.gather(2, g)
+            layer.values = layer.values.gather(2, g)
+        self.valid = valid
+        return True
+
+
+def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    """[b, h, l, d] -> [b, h, width, d] with zeros on the left."""
+    extra = width - t.shape[2]
+    if extra <= 0:
+        return t
+    return torch.cat([t.new_zeros(t.shape[0], t.shape[1], extra, t.shape[3]), t], dim=2)

@@ -1,0 +1,588 @@
+"""The replica's step scheduler: continuous batching of speculative decoding across requests.
+
+One thread owns the models. Every round it
+1. takes new requests (admitted while their KV footprint fits the replica's token budget),
+2. prefills waiting prompts in chunks (at most `prefill_chunk` tokens per round, so a long prompt does
+   not stall the others), each alone into a batch-1 cache that then joins the batch,
+3. runs ONE batched step for every request of a batched mode (serving/modes.py):
+   - the controller (serving/controller.py) of each request chooses its proposer and k (0..gamma);
+   - one draft forward catches every row up, then the chains and MJSD beam groups of all requests
+     advance together, one forward per drafted position, on a fork of the draft cache whose rows are
+     each request's chain (1 row) or beams (its beam width);
+   - one target forward verifies every request's proposal: ragged blocks, left-padded, with position ids
+     and masks (serving/kvcache.py), so requests of any length and any k share the pass;
+   - each request's own rule, sampling parameters and generator decide its accepted prefix; rejected
+     slots become holes in both caches,
+4. runs one step of each request whose mode cannot batch (staged, bild, spectr) alone,
+5. emits tokens, retires finished or cancelled requests (their rows leave the caches) and squeezes the
+   caches' holes out when they grow.
+
+Requests join and leave between rounds. A hot-swapped draft takes effect at the next round: the draft
+cache is rebuilt for the new model (every row re-fed once), and each step is attributed to the draft
+version that proposed it. A failed batched forward fails the requests of that round (their clients get
+the error) and leaves the scheduler running for the rest.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from buffer.records import RecordSink, SequenceRecord, StepRecord
+from serving.config import SamplingParams, SpecParams
+from serving.controller import Plan, RequestController
+from serving.decoding.mjsd import beam_sample_finalize, beam_sample_step
+from serving.decoding.types import VerifyResult
+from serving.decoding.warp import sample, warp_logprobs
+from serving.kvcache import BatchKV
+from serving.modes import MODE_TABLE, VERIFY_RULES, proposer
+from serving.runner import SequenceRunner, full_vocab_logits
+
+if TYPE_CHECKING:
+    from serving.engine import Engine, GenerationStats
+
+log = logging.getLogger(__name__)
+
+IDLE_EXIT_S = 30.0   # the scheduler thread exits after this long with nothing to do (restarted on submit)
+
+
+@dataclass
+class Request:
+    """One request as the scheduler sees it. The engine's `generate()` reads `out`."""
+
+    id: str
+    prompt: list[int]
+    sampling: SamplingParams
+    spec: SpecParams
+    gen: torch.Generator
+    stats: "GenerationStats"
+    stop_ids: set[int]
+    footprint: int                       # KV tokens it may hold at most (budget accounting)
+    sink: RecordSink | None = None
+    log_mode: str = "full"
+    source: str = ""
+    cancel: threading.Event | None = None
+    controller: RequestController | None = None
+    out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    closed: threading.Event = field(default_factory=threading.Event)   # the consumer went away
+    seq: list[int] = field(default_factory=list)
+    solo: object | None = None           # engine._RequestState of a mode that runs alone
+    prefill: SequenceRunner | None = None
+    recorded_steps: int = 0
+    t_start: float = 0.0
+    energy0: object = None
+    done: bool = False
+
+    def __post_init__(self) -> None:
+        self.seq = list(self.prompt)
+
+    @property
+    def gone(self) -> bool:
+        return self.closed.is_set() or (self.cancel is not None and self.cancel.is_set())
+
+
+@dataclass
+class _RowPlan:
+    proposer: str            # "none", "chain", "beams", "ngram"
+    k: int
+    plan: Plan | None = None
+    ngram: list[int] = field(default_factory=list)
+
+
+class BatchScheduler:
+    """See the module docstring. `submit` is thread-safe; everything else runs on the scheduler thread."""
+
+    def __init__(self, engine: "Engine", *, max_batch_tokens: int, prefill_chunk: int = 512,
+                 compact_slack: int = 64) -> None:
+        self.engine = engine
+        self.max_batch_tokens = max_batch_tokens
+        self.prefill_chunk = prefill_chunk
+        self.compact_slack = compact_slack
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+        self.waiting: list[Request] = []     # not yet admitted (budget)
+        self.prefilling: list[Request] = []  # admitted, prompt being prefilled
+        self.batch: list[Request] = []       # rows of tkv / dkv, in order
+        self.solo: list[Request] = []        # modes that run alone
+        self.tkv: BatchKV | None = None
+        self.dkv: BatchKV | None = None
+        self.dkv_model = None                # the draft model dkv belongs to
+        self.rounds = 0
+        self._steady_draft = True
+        self._step_wall: float | None = None
+        self.batch_sizes: dict[int, int] = {}    # rows per batched step -> count (telemetry)
+        self.on_round = None                     # test hook: called with self after every round
+
+    # ------------------------------------------------------------------ public
+    def submit(self, req: Request) -> None:
+        self._inbox.put(req)
+        with self._start_lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="batch-scheduler", daemon=True)
+                self._thread.start()
+
+    @property
+    def used_tokens(self) -> int:
+        return sum(r.footprint for r in self.prefilling + self.batch + self.solo)
+
+    def snapshot(self) -> dict:
+        return {"running": len(self.batch) + len(self.solo), "prefilling": len(self.prefilling),
+                "waiting": len(self.waiting), "kv_budget_tokens": self.max_batch_tokens,
+                "kv_reserved_tokens": self.used_tokens,
+                "target_cache_slots": self.tkv.slots if self.tkv else 0}
+
+    # ------------------------------------------------------------------ the loop
+    def _run(self) -> None:
+        idle_since = time.monotonic()
+        while True:
+            active = self.waiting or self.prefilling or self.batch or self.solo
+            try:
+                timeout = 0.0 if active else max(0.0, IDLE_EXIT_S - (time.monotonic() - idle_since))
+                req = self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait()
+                self.waiting.append(req)
+                while True:
+                    self.waiting.append(self._inbox.get_nowait())
+            except queue.Empty:
+                pass
+            if not (self.waiting or self.prefilling or self.batch or self.solo):
+                if time.monotonic() - idle_since >= IDLE_EXIT_S:
+                    with self._start_lock:
+                        if self._inbox.empty():
+                            self._thread = None
+                            self.tkv = self.dkv = self.dkv_model = None
+                            return
+                continue
+            try:
+                self._round()
+            except Exception:   # noqa: BLE001 - the loop must survive anything a round throws
+                log.exception("scheduler round failed")
+            idle_since = time.monotonic()
+
+    def _round(self) -> None:
+        self.rounds += 1
+        self._retire_gone()
+        self._admit()
+        if self.prefilling:
+            self._prefill()
+        for req in list(self.solo):
+            self._solo_step(req)
+        if self.batch:
+            self._batch_step()
+        self._compact()
+        if self.on_round is not None:
+            with self.engine._lock:
+                self.on_round(self)
+
+    # ------------------------------------------------------------------ admission
+    def _admit(self) -> None:
+        for req in list(self.waiting):
+            if self.used_tokens + req.footprint > self.max_batch_tokens and (self.batch or self.solo
+                                                                              or self.prefilling):
+                break   # first come, first served: later requests wait behind it
+            self.waiting.remove(req)
+            req.t_start = time.perf_counter()
+            req.energy0 = self.engine._energy.read_mj()
+            if MODE_TABLE[req.spec.mode].batched:
+                self.prefilling.append(req)
+            else:
+                from serving.engine import _RequestState
+
+                req.solo = _RequestState(self.engine, req.prompt)
+                self.solo.append(req)
+
+    def _prefill(self) -> None:
+        """Up to `prefill_chunk` prompt tokens this round; a finished prompt joins the batch."""
+        budget = self.prefill_chunk
+        eng = self.engine
+        for req in list(self.prefilling):
+            if budget <= 0:
+                break
+            if req.prefill is None:
+                req.prefill = SequenceRunner(eng.target, eng.vocab_size)
+            todo = req.seq[req.prefill.length: len(req.seq) - 1]
+            chunk = todo[:budget]
+            with eng._lock:
+                try:
+                    if chunk:
+                        t0 = time.perf_counter()
+                        req.prefill.feed(chunk, keep=1)
+                        req.stats.target_time_s += time.perf_counter() - t0
+                    budget -= max(1, len(chunk))
+                    if req.prefill.length == len(req.seq) - 1:
+                        self._join(req)
+                except Exception as exc:  # noqa: BLE001
+                    eng._step_failed(exc)
+                    self._fail(req, exc)
+
+    def _join(self, req: Request) -> None:
+        """A prefilled request becomes a row of both batch caches."""
+        eng = self.engine
+        n = len(req.seq) - 1
+        if self.tkv is None:
+            self.tkv = BatchKV(eng.target.model, eng.target_device)
+        self._sync_draft_cache()
+        self.tkv.add_row(req.prefill.cache if n else None, n)
+        if self.dkv is not None and not req.spec.needs_draft:
+            self.dkv.add_row(None, 0)      # target / ngram rows: the draft never reads them
+        elif self.dkv is not None:
+            t0 = time.perf_counter()
+            d = SequenceRunner(eng.draft, eng.vocab_size)
+            if n:
+                d.feed(req.seq[:n], keep=1)
+            self.dkv.add_row(d.cache if n else None, n)
+            req.stats.draft_time_s += time.perf_counter() - t0
+        req.prefill = None
+        self.prefilling.remove(req)
+        self.batch.append(req)
+
+    def _sync_draft_cache(self) -> None:
+        """The draft cache belongs to one draft model: after a hot-swap it restarts empty, with every row
+        re-fed at the next draft forward."""
+        eng = self.engine
+        if eng.draft is None:
+            self.dkv, self.dkv_model = None, None
+            return
+        if self.dkv_model is not eng.draft.model:
+            self.dkv = BatchKV(eng.draft.model, eng.target_device)
+            self.dkv_model = eng.draft.model
+            for _ in self.batch:
+                self.dkv.add_row(None, 0)
+
+    # ------------------------------------------------------------------ leaving
+    def _retire_gone(self) -> None:
+        for req in [r for r in self.waiting + self.prefilling + self.solo + self.batch if r.gone]:
+            self._finish(req, "cancelled", [])
+
+    def _remove(self, req: Request) -> None:
+        for lst in (self.waiting, self.prefilling, self.solo):
+            if req in lst:
+                lst.remove(req)
+        if req in self.batch:
+            keep = [i for i, r in enumerate(self.batch) if r is not req]
+            self.batch = [self.batch[i] for i in keep]
+            for kv in (self.tkv, self.dkv):
+                if kv is not None:
+                    kv.select(keep)
+
+    def _compact(self) -> None:
+        for kv in (self.tkv, self.dkv):
+            if kv is not None and kv.rows:
+                kv.compact(self.compact_slack)
+        if self.tkv is not None and not self.batch:
+            self.tkv = BatchKV(self.engine.target.model, self.engine.target_device)
+            if self.dkv is not None:
+                self.dkv = BatchKV(self.dkv_model, self.engine.target_device)
+
+    # ------------------------------------------------------------------ output
+    def _emit(self, req: Request, new: list[int]) -> None:
+        """Stop tokens, then length; hand the tokens to the consumer."""
+        stats = req.stats
+        finish = None
+        out: list[int] = []
+        for t in new:
+            out.append(t)
+            if t in req.stop_ids:
+                finish = "stop"
+                break
+        if finish is None and stats.tokens + len(out) >= req.sampling.max_tokens:
+            out = out[: req.sampling.max_tokens - stats.tokens]
+            finish = "length"
+        if finish is None and len(req.seq) >= self.engine.max_context:
+            finish = "length"
+        stats.tokens += len(out)
+        if finish is not None:
+            self._finish(req, finish, out)
+        else:
+            stats.wall_time_s = time.perf_counter() - req.t_start
+            req.out.put(("step", out, None))
+
+    def _finish(self, req: Request, reason: str, out: list[int]) -> None:
+        if req.done:
+            return
+        req.done = True
+        self._remove(req)
+        stats = req.stats
+        if req.t_start:
+            self.engine._finish_stats(stats, req.t_start, req.energy0)
+        req.out.put(("step", out, reason))
+        self._push_sequence(req)
+
+    def _fail(self, req: Request, exc: BaseException) -> None:
+        if req.done:
+            return
+        req.done = True
+        self._remove(req)
+        req.out.put(("error", exc, None))
+        self._push_sequence(req)
+
+    def _push_sequence(self, req: Request) -> None:
+        recorded = req.recorded_steps + (req.solo.recorded_steps if req.solo is not None else 0)
+        if req.sink is None or not recorded:
+            return
+        try:
+            req.sink.push_sequence(SequenceRecord(
+                request_id=req.id, token_ids=self._seq(req)[: len(req.prompt) + req.stats.tokens],
+                prompt_len=len(req.prompt), draft_version=req.stats.draft_version, timestamp=time.time(),
+                source=req.source, meta={"log_mode": req.log_mode,
+                                         "draft_versions": list(req.stats.draft_versions)}))
+        except Exception as exc:  # noqa: BLE001 - a sink must never take a request down
+            log.warning("replay buffer push failed: %s", exc)
+
+    @staticmethod
+    def _seq(req: Request) -> list[int]:
+        return req.solo.seq if req.solo is not None else req.seq
+
+    # ------------------------------------------------------------------ modes that run alone
+    def _solo_step(self, req: Request) -> None:
+        eng, st, spec = self.engine, req.solo, req.spec
+        gamma = spec.gamma if spec.mode != "target" else 0
+        room = eng.max_context - len(st.seq)
+        with eng._lock:
+            try:
+                if spec.mode == "target" or room <= gamma + 1:
+                    new = st.target_step(req.sampling, req.gen, req.stats)
+                else:
+                    new = st.spec_step(req.sampling, spec, req.gen, req.stats, req.id, req.sink)
+                    req.stats.count_version(eng.draft_version if spec.needs_draft else "none")
+                eng._failures = 0
+            except Exception as exc:  # noqa: BLE001
+                eng._step_failed(exc)
+                self._fail(req, exc)
+                return
+        self._emit(req, new)
+
+    # ------------------------------------------------------------------ the batched step
+    def _plan(self, req: Request) -> _RowPlan:
+        eng, spec, sampling = self.engine, req.spec, req.sampling
+        room = eng.max_context - len(req.seq)
+        if spec.mode == "target" or room <= spec.gamma + 1:
+            return _RowPlan("none", 0)
+        prop = proposer(spec, sampling)
+        ctrl = req.controller
+        if ctrl is not None:
+            ctrl.version = eng.draft_version
+            ngram = eng.ngram_tokens(req.seq, spec.gamma) if ctrl.use_ngram else []
+            plan = ctrl.plan(len(ngram))
+            if plan.proposer == "ngram":
+                return _RowPlan("ngram", plan.k, plan, ngram[: plan.k])
+            if plan.proposer == "none" or plan.k == 0:
+                return _RowPlan("none", 0, plan)
+            return _RowPlan(prop, plan.k, plan)
+        if prop == "ngram":
+            toks = eng.ngram_tokens(req.seq, spec.gamma, spec.extra["max_ngram"], spec.extra["min_ngram"])
+            return _RowPlan("ngram", len(toks), None, toks)
+        return _RowPlan(prop, spec.gamma)
+
+    def _batch_step(self) -> None:
+        eng = self.engine
+        with eng._lock:
+            reqs = list(self.batch)
+            try:
+                wall0 = time.perf_counter()
+                self._step_wall = None
+                plans = [self._plan(r) for r in reqs]
+                self._sync_draft_cache()
+                t0 = time.perf_counter()
+                proposals = self._propose(reqs, plans)
+                t_draft = time.perf_counter() - t0
+                t1 = time.perf_counter()
+                blocks = [r.seq[self.tkv.lengths[i]:] + proposals[i][0] for i, r in enumerate(reqs)]
+                keep = max(len(p[0]) for p in proposals) + 1
+                logits = self.tkv.feed(blocks, keep)
+                logits = full_vocab_logits(logits, eng.target, eng.vocab_size)
+                if eng.target_device.type == "cuda":
+                    torch.cuda.synchronize(eng.target_device)
+                t_target = time.perf_counter() - t1
+                results = []
+                self._step_wall = time.perf_counter() - wall0
+                for i, req in enumerate(reqs):
+                    k = len(proposals[i][0])
+                    results.append(self._accept(i, req, plans[i], proposals[i], logits[i, keep - k - 1:],
+                                                t_draft if plans[i].proposer in ("chain", "beams") else 0.0,
+                                                t_target, len(reqs)))
+                eng._failures = 0
+            except Exception as exc:  # noqa: BLE001
+                eng._step_failed(exc)
+                log.error("batched step over %d requests failed; failing them", len(reqs))
+                self.tkv = self.dkv = self.dkv_model = None
+                for req in reqs:
+                    self._fail(req, exc)
+                return
+        self.batch_sizes[len(reqs)] = self.batch_sizes.get(len(reqs), 0) + 1
+        for req, new in zip(reqs, results):
+            self._emit(req, new)
+
+    def _propose(self, reqs: list[Request], plans: list[_RowPlan]) -> list[tuple[list[int], torch.Tensor | None]]:
+        """Every request's proposal: (tokens [k], draft rows [k, vocab] or None when k = 0)."""
+        eng = self.engine
+        out: list[tuple[list[int], torch.Tensor | None]] = [([], None)] * len(reqs)
+        for i, p in enumerate(plans):
+            if p.proposer == "ngram" and p.ngram:
+                out[i] = eng.ngram_rows(p.ngram)
+        drafting = [i for i, p in enumerate(plans) if p.proposer in ("chain", "beams") and p.k > 0]
+        if not drafting:
+            return out
+        dkv = self.dkv
+        # one forward catches every row up (rows that do not draft this step too: they will)
+        catch_up = [r.seq[dkv.lengths[i]:] if r.spec.needs_draft else [] for i, r in enumerate(reqs)]
+        # draft costs are learnt from ordinary steps only, not from a forward that re-fed a whole sequence
+        self._steady_draft = max(len(b) for b in catch_up) <= max(r.spec.gamma for r in reqs) + 2
+        first = dkv.feed(catch_up, keep=1)[:, -1]
+        first = full_vocab_logits(first, eng.draft, eng.vocab_size)
+        warps = {i: _warper(reqs[i].sampling) for i in drafting}
+        # per drafting request: its rows in the fork, tokens and rows so far, beam state
+        state = {}
+        fork_rows: list[int] = []
+        for i in drafting:
+            lp = warps[i](first[i])
+            if plans[i].proposer == "beams":
+                parent, token, logq = beam_sample_step(torch.zeros(1, device=lp.device), lp[None],
+                                                       reqs[i].spec.beams, reqs[i].gen)
+                # the group gets `beams` fork rows; fewer may be live (a narrow support at the first token)
+                state[i] = {"beam": True, "parents": [parent], "tokens": [token], "probs": [lp.exp()[None]],
+                            "logq": logq, "live": len(token)}
+                width = reqs[i].spec.beams
+            else:
+                p = lp.exp()
+                tok = int(sample(p, reqs[i].gen))
+                state[i] = {"beam": False, "tokens": [tok], "probs": [p]}
+                width = 1
+            state[i]["offset"] = len(fork_rows)
+            state[i]["width"] = width
+            fork_rows += [i] * width
+        K = max(plans[i].k for i in drafting)
+        fork = dkv.fork(fork_rows) if K > 1 else None
+        for step in range(1, K):
+            blocks: list[list[int]] = [[] for _ in fork_rows]
+            for i in drafting:
+                s = state[i]
+                if step >= plans[i].k:
+                    continue
+                if s["beam"]:
+                    toks = s["tokens"][-1]
+                    for j in range(s["live"]):
+                        blocks[s["offset"] + j] = [int(toks[j])]
+                else:
+                    blocks[s["offset"]] = [s["tokens"][-1]]
+            logits = full_vocab_logits(fork.feed(blocks, keep=1)[:, -1], eng.draft, eng.vocab_size)
+            perm = list(range(len(fork_rows)))
+            for i in drafting:
+                s = state[i]
+                if step >= plans[i].k:
+                    continue
+                o = s["offset"]
+                if s["beam"]:
+                    lp = warps[i](logits[o: o + s["live"]])                     # [live, vocab]
+                    parent, token, s["logq"] = beam_sample_step(s["logq"], lp, reqs[i].spec.beams, reqs[i].gen)
+                    s["parents"].append(parent)
+                    s["tokens"].append(token)
+                    s["probs"].append(lp.exp())
+                    s["live"] = len(token)                                      # <= beams
+                    for j in range(len(token)):
+                        perm[o + j] = o + int(parent[j])
+                else:
+                    p = warps[i](logits[o]).exp()
+                    s["tokens"].append(int(sample(p, reqs[i].gen)))
+                    s["probs"].append(p)
+            if perm != list(range(len(fork_rows))):
+                fork.select(perm)
+        for i in drafting:
+            s = state[i]
+            if s["beam"]:
+                out[i] = _best_beam(s)
+            else:
+                out[i] = (s["tokens"], torch.stack(s["probs"]))
+        return out
+
+    def _accept(self, row: int, req: Request, plan: _RowPlan, proposal, target_logits: torch.Tensor,
+                draft_s: float, target_s: float, batch: int) -> list[int]:
+        """The request's own rule on its slice of the batch; rollback of its rejected slots."""
+        eng, spec, sampling, stats = self.engine, req.spec, req.sampling, req.stats
+        draft_tokens, draft_probs = proposal
+        k = len(draft_tokens)
+        target_probs = _warper(sampling)(target_logits).exp()                 # [k + 1, vocab]
+        start = len(req.seq)
+        if k or (plan.proposer == "ngram" and plan.plan is None):
+            # (mode ngram verifies even an empty lookup with its rule, as the unbatched engine did)
+            if draft_probs is None:
+                draft_probs = target_probs.new_zeros(0, target_probs.shape[-1])
+            res = VERIFY_RULES[spec.mode](torch.tensor(draft_tokens, dtype=torch.long), draft_probs,
+                                          target_probs, req.gen, spec)
+        else:
+            res = VerifyResult(num_accepted=0, next_token=int(sample(target_probs[0], req.gen)))
+        n = res.num_accepted
+        emitted = draft_tokens[:n] + [int(res.next_token)]
+        req.seq.extend(emitted)
+        self.tkv.drop_last(row, k - n)
+        # statistics; the step's version is the draft that proposed it
+        stats.draft_time_s += draft_s
+        stats.target_time_s += target_s
+        if spec.mode != "target":
+            stats.steps += 1
+            stats.draft_tokens += k
+            stats.accepted_tokens += n
+            for j in range(n):
+                stats.accepted_per_position[j] += 1
+        drafted_by_model = plan.proposer in ("chain", "beams") and k > 0
+        version = eng.draft_version if drafted_by_model else "none"
+        algorithm = spec.mode if drafted_by_model or spec.mode == "ngram" else ("ngram" if plan.proposer == "ngram"
+                                                                            else "target")
+        if spec.mode != "target":
+            stats.count_version(version, k, n)
+        if plan.plan is not None:
+            if plan.proposer == "ngram":
+                stats.ngram_steps += 1
+            elif k == 0:
+                stats.zero_draft_steps += 1
+            elif plan.plan.probe:
+                stats.probe_steps += 1
+            req.controller.observe(plan.plan, n)
+            if batch == 1:   # the cost model describes a request stepping alone
+                self._observe_costs(req, plan, k, draft_s, target_s)
+        elif spec.mode == "target" and batch == 1:
+            eng.costs.observe_target(1, target_s)
+        recorded = req.sink is not None and spec.mode != "target" and (k or req.controller is not None)
+        if recorded:
+            try:
+                from serving.engine import _top_k_record
+
+                ids, lps = _top_k_record(target_logits, eng.record_top_k)
+                req.sink.push_step(StepRecord(
+                    request_id=req.id, position=start, draft_tokens=draft_tokens, num_accepted=n,
+                    target_topk_ids=ids, target_topk_logprobs=lps, algorithm=algorithm, draft_version=version,
+                    temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                    timestamp=time.time(), next_token=int(res.next_token)))
+                req.recorded_steps += 1
+            except Exception as exc:  # noqa: BLE001
+                log.warning("replay buffer push failed: %s", exc)
+        return emitted
+
+    def _observe_costs(self, req: Request, plan: _RowPlan, k: int, draft_s: float, target_s: float) -> None:
+        costs = self.engine.costs
+        if plan.proposer in ("chain", "beams") and k and self._steady_draft:
+            costs.observe_draft(req.controller.draft_key, k, draft_s)
+        costs.observe_target(k + 1, target_s)
+        if self._step_wall is not None:
+            costs.observe_overhead(bool(k), max(0.0, self._step_wall - draft_s - target_s))
+
+
+def _warper(sampling: SamplingParams):
+    return lambda lg: warp_logprobs(lg, sampling.temperature, sampling.top_k, sampling.top_p)
+
+
+def _best_beam(s: dict) -> tuple[list[int], torch.Tensor]:
+    """Trace the best beam back through the parent pointers: its tokens and the warped draft rows along it."""
+    row = int(beam_sample_finalize(s["logq"])[0])
+    tokens, probs = [], []
+    for i in range(len(s["tokens"]) - 1, -1, -1):
+        tokens.append(int(s["tokens"][i][row]))
+        parent = int(s["parents"][i][row])
+        probs.append(s["probs"][i][parent])
+        row = parent
+    return tokens[::-1], torch.stack(probs[::-1])

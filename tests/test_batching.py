@@ -1,0 +1,323 @@
+"""Batched speculative decoding across requests (serving/scheduler.py, serving/kvcache.py).
+
+Exactness: at temperature 0 in fp32 a request produces the same tokens whether it runs alone or batched
+with others of different lengths, for every batched mode. Speculative sampling keeps the target's
+distribution for a request batched with others. Requests leave (cancel, disconnect) and a draft is
+hot-swapped with a full batch without disturbing the others, and the KV budget refuses or queues what
+does not fit.
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import tiny_models
+from serving.config import SamplingParams, SpecParams
+from serving.engine import Engine
+from serving.kvcache import BatchKV
+from serving.modes import MODE_TABLE, UNBATCHED_MODES
+
+PROMPTS = ["abc abc abd the cat sat on the mat the cat", "hello", "the mat the cat sat on the cat abc abd abc x",
+           "q: 1 + 2 = 3; 2 + 3 = 5; 3 + 4 ="]
+BATCHED = [m for m, info in MODE_TABLE.items() if info.batched]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return tiny_models.save_pair(tmp_path_factory.mktemp("pair"))
+
+
+@pytest.fixture(scope="module")
+def near_draft(tmp_path_factory):
+    """A draft close to the target: acceptances and rejections at every depth."""
+    model = tiny_models.make_model(0, layers=2, sharp=8.0)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.5 * param.std() * torch.randn(param.shape, generator=gen))
+    path = tmp_path_factory.mktemp("near") / "draft"
+    model.save_pretrained(path)
+    tiny_models.make_tokenizer().save_pretrained(path)
+    return path
+
+
+def make_engine(pair, draft=None, **kw):
+    target, own_draft = pair
+    return Engine.from_paths(str(target), str(draft or own_draft), dtype=torch.float32, device="cpu",
+                             draft_version="v1", **kw)
+
+
+@pytest.fixture(scope="module")
+def engine(pair, near_draft):
+    return make_engine(pair, near_draft)
+
+
+def ids(eng, text):
+    return eng.tokenizer(text)["input_ids"]
+
+
+def run_concurrently(eng, jobs):
+    """jobs: [(prompt ids, SamplingParams, SpecParams)] started at once; returns their results in order."""
+    results: list = [None] * len(jobs)
+    errors: list = []
+    start = threading.Barrier(len(jobs))
+
+    def one(i):
+        try:
+            start.wait(10)
+            results[i] = eng.generate_all(*jobs[i])
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    return results
+
+
+def max_batch(eng) -> int:
+    return max(eng.scheduler.batch_sizes or {0: 0})
+
+
+# ---------------------------------------------------------------------------- exactness
+@pytest.mark.parametrize("mode", BATCHED)
+def test_greedy_batched_equals_alone(engine, mode):
+    """T=0, fp32: each request's tokens are the same batched with three others as alone (fixed gamma, so
+    the plan does not depend on timing)."""
+    spec = SpecParams(mode=mode, gamma=3, beams=3, adaptive=False)
+    jobs = [(ids(engine, p), SamplingParams(temperature=0.0, max_tokens=40, seed=i), spec)
+            for i, p in enumerate(PROMPTS)]
+    alone = [engine.generate_all(*job).token_ids for job in jobs]
+    engine.scheduler.batch_sizes.clear()
+    batched = run_concurrently(engine, jobs)
+    assert max_batch(engine) >= 2, engine.scheduler.batch_sizes     # they really shared forwards
+    assert [r.token_ids for r in batched] == alone
+    assert all(len(t) > 0 for t in alone)
+
+
+@pytest.mark.parametrize("mode", BATCHED)
+def test_seeded_sampling_batched_equals_alone(engine, mode):
+    """T=1 with a seed per request (MJSD: beam sampling with 3 beams, each request's beam group a slice of
+    the batched draft fork): the same tokens batched as alone; the rows' float differences (~1e-7) do not
+    move a draw."""
+    spec = SpecParams(mode=mode, gamma=3, beams=3, adaptive=False)
+    jobs = [(ids(engine, p), SamplingParams(temperature=1.0, top_k=20, max_tokens=30, seed=7 + i), spec)
+            for i, p in enumerate(PROMPTS)]
+    alone = [engine.generate_all(*job).token_ids for job in jobs]
+    batched = run_concurrently(engine, jobs)
+    assert [r.token_ids for r in batched] == alone
+
+
+def test_adaptive_default_mode_batched_is_target_greedy(engine):
+    """The served default (mjsd, adaptive) at T=0 is target greedy whatever k each row's controller picks,
+    and a long-prompt request (chunked prefill) joins a running batch without changing anyone's output."""
+    long_prompt = ids(engine, " ".join(PROMPTS) * 3)
+    jobs = [(ids(engine, p), SamplingParams(temperature=0.0, max_tokens=30), SpecParams()) for p in PROMPTS]
+    jobs.append((long_prompt, SamplingParams(temperature=0.0, max_tokens=30), SpecParams()))
+    want = [engine.generate_all(p, s, SpecParams(mode="target")).token_ids for p, s, _ in jobs]
+    engine.scheduler.prefill_chunk = 16
+    try:
+        got = run_concurrently(engine, jobs)
+    finally:
+        engine.scheduler.prefill_chunk = 512
+    assert [r.token_ids for r in got] == want
+
+
+# ---------------------------------------------------------------------------- distribution
+def test_speculative_sampling_keeps_the_target_distribution_in_a_batch(engine):
+    """The first token of 480 requests, decoded 8 at a time by speculative sampling with a draft that
+    differs from the target: its frequencies match the target's warped distribution (chi-square), and
+    clearly not the draft's (the test can fail)."""
+    prompt = ids(engine, "the cat sat on")
+    sampling_kw = dict(temperature=1.0, top_k=4, max_tokens=1)
+    with torch.no_grad():
+        t_logits = engine.target.model(torch.tensor([prompt])).logits[0, -1].float()
+        d_logits = engine.draft.model(torch.tensor([prompt])).logits[0, -1].float()
+    from serving.decoding.warp import warp_logprobs
+
+    p_target = warp_logprobs(t_logits, 1.0, 4, 1.0).exp()
+    p_draft = warp_logprobs(d_logits, 1.0, 4, 1.0).exp()
+    support = torch.nonzero(p_target > 0).flatten().tolist()
+    counts: dict[int, int] = {}
+    lock = threading.Lock()
+    engine.scheduler.batch_sizes.clear()
+
+    def worker(w):
+        for i in range(60):
+            r = engine.generate_all(prompt, SamplingParams(seed=1000 * w + i, **sampling_kw),
+                                    SpecParams(mode="speculative", gamma=3, adaptive=False))
+            with lock:
+                counts[r.token_ids[0]] = counts.get(r.token_ids[0], 0) + 1
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    n = sum(counts.values())
+    assert n == 480 and max_batch(engine) >= 4
+    assert set(counts) <= set(support)
+
+    def chi2(p):
+        return sum((counts.get(t, 0) - n * float(p[t])) ** 2 / max(n * float(p[t]), 1e-9) for t in support)
+
+    # 3 degrees of freedom: P(chi2 > 16.27) = 0.001
+    assert chi2(p_target) < 16.27, (counts, p_target[support])
+    assert (p_target - p_draft).abs().sum() > 0.2      # the draft really differs ...
+    assert chi2(p_draft) > chi2(p_target)              # ... and the sample follows the target, not it
+
+
+# ---------------------------------------------------------------------------- leaving and swapping
+def test_cancelled_and_abandoned_requests_leave_without_disturbing_others(engine):
+    spec = SpecParams(mode="speculative", gamma=3, adaptive=False)
+    sampling = SamplingParams(temperature=0.0, max_tokens=40)
+    keep = [ids(engine, PROMPTS[0]), ids(engine, PROMPTS[2])]
+    alone = [engine.generate_all(p, sampling, spec).token_ids for p in keep]
+    cancel = threading.Event()
+    leaving = engine.generate(ids(engine, PROMPTS[3]), sampling, spec, cancel=cancel)
+    abandoned = engine.generate(ids(engine, PROMPTS[1]), sampling, spec)
+    next(leaving)
+    next(abandoned)
+    results: list = [None, None]
+
+    def one(i):
+        results[i] = engine.generate_all(keep[i], sampling, spec).token_ids
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    cancel.set()
+    abandoned.close()            # the client went away
+    finals = [o for o in leaving]
+    for t in threads:
+        t.join(60)
+    assert results == alone
+    assert finals and finals[-1].finish_reason == "cancelled"
+    sched = engine.scheduler
+    deadline = threading.Event()
+    for _ in range(50):          # the abandoned request leaves at the next round
+        if not (sched.batch or sched.prefilling or sched.waiting):
+            break
+        deadline.wait(0.05)
+    assert not sched.batch and sched.tkv is None or sched.tkv.rows == len(sched.batch)
+
+
+def test_hot_swap_with_a_full_batch_loses_nothing(pair, near_draft):
+    """Swap the draft while 4 requests decode: every request finishes with target-greedy tokens (lossless
+    at T=0), and steps are credited to the version that proposed them: some request lists both."""
+    eng = make_engine(pair)
+    target, own_draft = pair
+    sampling = SamplingParams(temperature=0.0, max_tokens=60)
+    spec = SpecParams(mode="speculative", gamma=3, adaptive=False)
+    prompts = [ids(eng, p) for p in PROMPTS]
+    want = [eng.generate_all(p, sampling, SpecParams(mode="target")).token_ids for p in prompts]
+    rounds0 = threading.Event()
+
+    def swap_after_some_rounds(sched):
+        if sched.rounds >= 4 and not rounds0.is_set():
+            rounds0.set()
+
+    eng.scheduler.on_round = swap_after_some_rounds
+    results: list = [None] * 4
+
+    def one(i):
+        results[i] = eng.generate_all(prompts[i], sampling, spec)
+
+    eng.scheduler.rounds = 0
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    assert rounds0.wait(30)
+    eng.swap_draft(near_draft, "v2")
+    for t in threads:
+        t.join(60)
+    eng.scheduler.on_round = None
+    assert [r.token_ids for r in results] == want
+    versions = [set(r.stats.draft_versions) for r in results]
+    assert any({"v1", "v2"} <= v for v in versions), versions
+    for r in results:   # per-version counts add up to the request's totals
+        assert sum(v["draft_tokens"] for v in r.stats.draft_versions.values()) == r.stats.draft_tokens
+        assert sum(v["accepted_tokens"] for v in r.stats.draft_versions.values()) == r.stats.accepted_tokens
+
+
+# ---------------------------------------------------------------------------- the KV budget
+def test_kv_budget_refuses_a_request_too_large_and_queues_the_rest(pair):
+    eng = make_engine(pair, max_batch_tokens=200)
+    prompt = ids(eng, PROMPTS[0])
+    with pytest.raises(ValueError, match="budget of 200"):
+        eng.generate_all(prompt, SamplingParams(temperature=1.0, max_tokens=50), SpecParams(beams=8))
+    # each request reserves len(prompt) + 40 + gamma + 1 < 100 tokens: two fit at once, four queue
+    spec = SpecParams(mode="speculative", gamma=3, adaptive=False)
+    sampling = SamplingParams(temperature=0.0, max_tokens=40)
+    assert 2 * eng.footprint(len(prompt), sampling, spec) <= 200 < 3 * eng.footprint(len(prompt), sampling, spec)
+    results = run_concurrently(eng, [(prompt, sampling, spec)] * 4)
+    assert all(r.token_ids == results[0].token_ids for r in results)
+    assert max_batch(eng) == 2
+
+
+def test_unbatched_modes_run_beside_the_batch(engine):
+    """A mode that cannot batch (spectr, staged, bild) runs alone between batched steps; both finish."""
+    assert set(UNBATCHED_MODES) == {"spectr", "staged", "bild"}
+    sampling = SamplingParams(temperature=0.0, max_tokens=30)
+    jobs = [(ids(engine, PROMPTS[0]), sampling, SpecParams(mode="speculative", gamma=3, adaptive=False)),
+            (ids(engine, PROMPTS[2]), sampling, SpecParams(mode="spectr", gamma=3, extra={"num_drafts": 2})),
+            (ids(engine, PROMPTS[3]), sampling, SpecParams(mode="staged", gamma=3))]
+    want = [engine.generate_all(p, s, SpecParams(mode="target")).token_ids for p, s, _ in jobs]
+    got = run_concurrently(engine, jobs)
+    assert [r.token_ids for r in got] == want
+
+
+# ---------------------------------------------------------------------------- the cache itself
+def test_batch_cache_rows_with_holes_match_fresh_forwards():
+    """BatchKV: ragged blocks, rejected slots, joins, leaves, forks and compaction keep every row's logits
+    equal to a fresh forward over its tokens."""
+    from transformers import DynamicCache
+
+    model = tiny_models.make_model(0, layers=2, sharp=8.0)
+
+    def fresh(seq):
+        with torch.no_grad():
+            return model(input_ids=torch.tensor([seq])).logits[0, -1].float()
+
+    def prefill(seq):
+        with torch.no_grad():
+            return model(input_ids=torch.tensor([seq]), past_key_values=DynamicCache(), use_cache=True).past_key_values
+
+    gen = torch.Generator().manual_seed(0)
+    A = torch.randint(0, 256, (12,), generator=gen).tolist()
+    B = torch.randint(0, 256, (5,), generator=gen).tolist()
+    kv = BatchKV(model, torch.device("cpu"))
+    kv.add_row(prefill(A[:-1]), len(A) - 1)
+    kv.add_row(prefill(B[:-1]), len(B) - 1)
+    lg = kv.feed([[A[-1], 5, 6, 7], [B[-1]]], keep=4)
+    torch.testing.assert_close(lg[0, -1], fresh(A + [5, 6, 7]))
+    torch.testing.assert_close(lg[1, -1], fresh(B))
+    kv.drop_last(0, 2)                                      # keep A + [5]
+    lg = kv.feed([[9], [1, 2]], keep=1)
+    torch.testing.assert_close(lg[0, -1], fresh(A + [5, 9]))
+    torch.testing.assert_close(lg[1, -1], fresh(B + [1, 2]))
+    assert kv.holes() > 0 and kv.compact(slack=0) and kv.holes() == kv.slots - kv.lengths[1]
+    fork = kv.fork([0, 0, 1])
+    lg = fork.feed([[1], [2], [3]], keep=1)
+    torch.testing.assert_close(lg[1, -1], fresh(A + [5, 9, 2]))
+    torch.testing.assert_close(lg[2, -1], fresh(B + [1, 2, 3]))
+    lg = kv.feed([[8], []], keep=1)                         # the fork did not touch kv; a row may get nothing
+    torch.testing.assert_close(lg[0, -1], fresh(A + [5, 9, 8]))
+    kv.select([1])
+    kv.add_row(None, 0)                                     # a one-token prompt: nothing cached yet
+    lg = kv.feed([[4], [7]], keep=1)
+    torch.testing.assert_close(lg[0, -1], fresh(B + [1, 2, 4]))
+    torch.testing.assert_close(lg[1, -1], fresh([7]))
