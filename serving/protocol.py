@@ -228,6 +228,12 @@ class TextStream:
     stop string and do not end in an incomplete UTF-8 sequence are released; once a stop string appears
     the text before it is released and `stopped` is set (the stop string itself is not returned, as in
     OpenAI's API). `finish()` releases what was held back.
+
+    Each push decodes a short window, not the whole output (as vLLM's detokenizer): the tokens from
+    `prefix` on, against the same window without the new tokens; the difference is the new text. The
+    window starts a few tokens back, so a tokenizer that renders a token differently at the start of a
+    text (a leading space) is decoded in context. A window ending inside a multi-byte character is held
+    until the character completes.
     """
 
     def __init__(self, tokenizer, stops: list[str]) -> None:
@@ -235,19 +241,28 @@ class TextStream:
         self.stops = list(stops or [])
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.ids: list[int] = []
+        self.prefix = 0          # window start
+        self.read = 0            # tokens already turned into text
         self.sent = 0
         self.stopped = False
-        self.text = ""
+        self.text = ""           # every complete character decoded so far
 
-    def _decode(self) -> str:
-        return self.tok.decode(self.ids, skip_special_tokens=True)
+    def _decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def _advance(self, final: bool = False) -> None:
+        before = self._decode(self.ids[self.prefix: self.read])
+        after = self._decode(self.ids[self.prefix:])
+        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
+            self.text += after[len(before):]
+            self.prefix, self.read = self.read, len(self.ids)
 
     def push(self, ids: list[int]) -> str:
         if self.stopped or not ids:
             return ""
         self.ids.extend(int(i) for i in ids)
-        text = self._decode()
-        self.text = text
+        self._advance()
+        text = self.text
         if self.stops:
             start = max(0, self.sent - self.hold)
             hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
@@ -259,8 +274,6 @@ class TextStream:
                 self.sent = max(self.sent, cut)
                 return out
         safe = len(text) - self.hold
-        while safe > self.sent and text[safe - 1] == "\ufffd":
-            safe -= 1
         if safe <= self.sent:
             return ""
         out = text[self.sent:safe]
@@ -270,6 +283,8 @@ class TextStream:
     def finish(self) -> str:
         if self.stopped:
             return ""
+        if self.read < len(self.ids):
+            self._advance(final=True)        # flush a trailing incomplete character as the tokenizer renders it
         out = self.text[self.sent:]
         self.sent = len(self.text)
         return out
