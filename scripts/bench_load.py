@@ -35,9 +35,9 @@ def pct(values: list[float], q: float) -> float | None:
     return v[min(len(v) - 1, int(round(q * (len(v) - 1))))]
 
 
-def engine_baseline(prompts: list[str], args, threads: int | None = None) -> dict:
-    """In-process tokens/s over the same requests (no HTTP, no Ray), torch on `threads` threads
-    (default: every core)."""
+def engine_baseline(prompts: list[str], args, threads: int | None = None, clients: int = 1) -> dict:
+    """In-process tokens/s over the same requests (no HTTP, no Ray): `clients` threads send requests back to
+    back to one Engine (its batch scheduler batches them), torch on `threads` threads (default: every core)."""
     import torch
 
     from deploy.registry import Registry
@@ -47,26 +47,57 @@ def engine_baseline(prompts: list[str], args, threads: int | None = None) -> dic
 
     threads = threads or os.cpu_count() or 2
     torch.set_num_threads(threads)
-    reg = Registry(None)
-    version = reg.champion()
-    draft = str(reg.materialize(version)) if version else None
-    eng = Engine.from_paths(None, draft, draft_version=version or "none")
-    spec = SpecParams(mode=args.mode if draft else "target")
+    eng, version = _ENGINES.get(threads, (None, None))
+    if eng is None:
+        reg = Registry(None)
+        version = reg.champion()
+        draft = str(reg.materialize(version)) if version else None
+        eng = Engine.from_paths(None, draft, draft_version=version or "none")
+        _ENGINES[threads] = (eng, version)
+    spec = SpecParams(mode=args.mode if eng.draft is not None else "target")
     for j in range(2):   # warm-up (first calls pay for kernel selection and allocations)
         eng.generate_all(chat_prompt_ids(eng.tokenizer, prompts[-1 - j]), SamplingParams(max_tokens=8, seed=j), spec)
-    tokens, t0, i = 0, time.perf_counter(), 0
-    while time.perf_counter() - t0 < args.engine_seconds:
-        ids = chat_prompt_ids(eng.tokenizer, prompts[i % len(prompts)])
-        r = eng.generate_all(ids, SamplingParams(temperature=0.7, max_tokens=args.max_tokens, seed=i), spec)
-        tokens += len(r.token_ids)
-        i += 1
-    dt = time.perf_counter() - t0
-    print(f"[engine] {threads} threads: {i} requests, {tokens} tokens in {dt:.1f} s: {tokens / dt:.1f} tok/s "
-          f"(draft {version})", flush=True)
-    del eng
+    lock, stop = threading.Lock(), threading.Event()
+    results: list[dict] = []
+
+    def client(cid: int) -> None:
+        k = 0
+        while not stop.is_set():
+            ids = chat_prompt_ids(eng.tokenizer, prompts[(cid * 997 + k) % len(prompts)])
+            t0, ttft, n = time.perf_counter(), None, 0
+            for out in eng.generate(ids, SamplingParams(temperature=0.7, max_tokens=args.max_tokens),
+                                    spec):
+                if out.token_ids and ttft is None:
+                    ttft = time.perf_counter() - t0
+                n += len(out.token_ids)
+            with lock:
+                results.append({"start": t0, "end": time.perf_counter(), "ttft": ttft, "tokens": n})
+            k += 1
+
+    eng.scheduler.batch_sizes.clear()
+    workers = [threading.Thread(target=client, args=(c,), daemon=True) for c in range(clients)]
+    t0 = time.perf_counter()
+    for w in workers:
+        w.start()
+    time.sleep(args.engine_seconds)
+    stop.set()
+    for w in workers:
+        w.join(timeout=300)
+    dt = max(r["end"] for r in results) - t0
+    tokens = sum(r["tokens"] for r in results)
+    ttft = [r["ttft"] for r in results if r["ttft"] is not None]
+    sizes = dict(eng.scheduler.batch_sizes)
+    mean_batch = sum(k * v for k, v in sizes.items()) / max(1, sum(sizes.values()))
+    print(f"[engine] {threads} threads, {clients} clients: {len(results)} requests, {tokens} tokens in {dt:.1f} s: "
+          f"{tokens / dt:.1f} tok/s, TTFT p50 {pct(ttft, 0.5)}, mean batch {mean_batch:.2f} (draft {version})", flush=True)
     torch.set_num_threads(os.cpu_count() or 2)
-    return {"requests": i, "tokens": tokens, "seconds": dt, "tokens_per_s": tokens / dt, "draft_version": version,
-            "threads": threads}
+    return {"requests": len(results), "tokens": tokens, "seconds": dt, "tokens_per_s": tokens / dt,
+            "draft_version": version, "threads": threads, "clients": clients, "ttft_p50_s": pct(ttft, 0.5),
+            "ttft_p99_s": pct(ttft, 0.99), "mean_batch_rows": mean_batch,
+            "latency_p50_s": pct([r["end"] - r["start"] for r in results], 0.5)}
+
+
+_ENGINES: dict = {}
 
 
 def run_level(url: str, n: int, prompts: list[str], args) -> dict:
@@ -163,6 +194,9 @@ def main() -> int:
     p.add_argument("--engine-threads", type=int, nargs="+", default=None,
                    help="also measure the in-process engine at these torch thread counts (e.g. the replica's "
                         "1 on a 2-core machine), to separate HTTP + Ray cost from the core left to the proxy")
+    p.add_argument("--engine-clients", type=int, nargs="+", default=None,
+                   help="also run the in-process engine with this many concurrent clients (its batch scheduler)")
+    p.add_argument("--no-http", action="store_true", help="in-process levels only, no server")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "load")
     args = p.parse_args()
     from training.prompts import load_prompts
@@ -171,11 +205,19 @@ def main() -> int:
     report = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
     if args.engine_seconds > 0:
         report["engine"] = engine_baseline(prompts, args)
+        for c in args.engine_clients or []:
+            report.setdefault("engine_levels", []).append(engine_baseline(prompts, args, clients=c))
         for t in args.engine_threads or []:
             report.setdefault("engine_at_threads", []).append(engine_baseline(prompts, args, t))
+        _ENGINES.clear()
+        import gc
+
+        gc.collect()
+    if args.no_http:
+        report["levels"] = []
     proc = None
     url = args.url
-    if url is None:
+    if url is None and not args.no_http:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -183,7 +225,8 @@ def main() -> int:
         proc = start_server(port)
         url = f"http://127.0.0.1:{port}"
     try:
-        report["levels"] = [run_level(url, n, prompts, args) for n in args.clients]
+        if not args.no_http:
+            report["levels"] = [run_level(url, n, prompts, args) for n in args.clients]
     finally:
         if proc is not None:
             import signal
@@ -210,6 +253,15 @@ def main() -> int:
                 e["http_overhead_at_1_client"] = 1 - one["tokens_per_s"] / e["tokens_per_s"]
                 lines.append(f"In-process engine on {e['threads']} thread(s): {e['tokens_per_s']:.1f} tok/s "
                              f"(HTTP + Ray overhead against it {100 * e['http_overhead_at_1_client']:.1f}%)")
+    if report.get("engine_levels"):
+        lines += ["", "In-process engine (batch scheduler), concurrent clients:", "",
+                  "| clients | requests | tokens/s | x 1 client | mean batch rows | TTFT p50 / p99 (s) | latency p50 (s) |",
+                  "|---:|---:|---:|---:|---:|---:|---:|"]
+        base = next((e["tokens_per_s"] for e in report["engine_levels"] if e["clients"] == 1), None)
+        for e in report["engine_levels"]:
+            ratio = f"{e['tokens_per_s'] / base:.2f}" if base else "-"
+            lines.append(f"| {e['clients']} | {e['requests']} | {e['tokens_per_s']:.1f} | {ratio} | {e['mean_batch_rows']:.2f} "
+                         f"| {f(e['ttft_p50_s'])} / {f(e['ttft_p99_s'])} | {f(e['latency_p50_s'])} |")
     table = "\n".join(lines)
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -223,7 +275,11 @@ def main() -> int:
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
     xs = [lv["clients"] for lv in report["levels"]]
     ax[0].plot(xs, [lv["tokens_per_s"] for lv in report["levels"]], "o-", label="HTTP (Ray Serve)")
-    if eng:
+    if report.get("engine_levels"):
+        ex = [e["clients"] for e in report["engine_levels"]]
+        ax[0].plot(ex, [e["tokens_per_s"] for e in report["engine_levels"]], "s-", label="in-process engine (batched)")
+        ax[1].plot(ex, [e["ttft_p50_s"] or 0 for e in report["engine_levels"]], "s--", label="TTFT p50, in-process")
+    elif eng:
         ax[0].axhline(eng, color="gray", ls="--", label="in-process engine, 1 request")
     ax[0].set_xlabel("concurrent streaming clients")
     ax[0].set_ylabel("output tokens/s")

@@ -67,7 +67,8 @@ class CostModel:
         self.weight = weight
         self._target: dict[int, float] = {}          # tokens verified -> EWMA seconds
         self._draft: dict[str, float] = {}           # proposer -> EWMA seconds per drafted token
-        self._overhead: dict[bool, float] = {}       # drafted? -> EWMA seconds of a step outside the forwards
+        self._overhead: dict[tuple, float] = {}      # (batch rows, drafted?) -> EWMA seconds outside the forwards
+        self._draft_rows: dict[int, float] = {}      # rows in a batched draft forward -> EWMA seconds per forward
         self._lock = threading.Lock()
 
     def _ewma(self, table: dict, key, value: float) -> None:
@@ -84,15 +85,49 @@ class CostModel:
             with self._lock:
                 self._ewma(self._draft, proposer, float(seconds) / drafted)
 
-    def observe_overhead(self, drafted: bool, seconds: float) -> None:
-        """A step's time outside the model forwards (warping, sampling, the rule, bookkeeping)."""
+    def observe_overhead(self, drafted: bool, seconds: float, rows: int = 1) -> None:
+        """A step's time outside the model forwards (warping, sampling, the rule, bookkeeping), for a batch
+        of `rows` requests."""
         if seconds >= 0:
             with self._lock:
-                self._ewma(self._overhead, bool(drafted), float(seconds))
+                self._ewma(self._overhead, (int(rows), bool(drafted)), float(seconds))
 
-    def overhead_s(self, drafted: bool) -> float:
+    def overhead_s(self, drafted: bool, rows: int = 1) -> float:
         with self._lock:
-            return self._overhead.get(bool(drafted), 0.0)
+            v = self._overhead.get((int(rows), bool(drafted)))
+            if v is None:   # another batch size measured: scale per row
+                near = [(r, t) for (r, d), t in self._overhead.items() if d == bool(drafted)]
+                if near:
+                    r, t = min(near, key=lambda rt: abs(rt[0] - rows))
+                    v = t * rows / r
+            return v or 0.0
+
+    def observe_draft_forward(self, rows: int, forwards: int, seconds: float) -> None:
+        """A batched proposal: `forwards` draft forwards over `rows` rows (chains + beams) took `seconds`."""
+        if rows >= 1 and forwards >= 1 and seconds > 0:
+            with self._lock:
+                self._ewma(self._draft_rows, int(rows), float(seconds) / forwards)
+
+    def draft_forward_s(self, rows: int) -> float:
+        """Seconds of one draft forward over `rows` rows: measured; else the line through measured sizes;
+        else the one-request per-token figures (a chain is one row); else the prior ratio."""
+        with self._lock:
+            table = dict(self._draft_rows)
+            per_token = dict(self._draft)
+        if rows in table:
+            return table[rows]
+        if len(table) >= 2:
+            xs, ys = zip(*table.items())
+            mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+            den = sum((x - mx) ** 2 for x in xs)
+            slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den) if den else 0.0
+            return max(my + slope * (rows - mx), 0.25 * min(ys))
+        if table:
+            (r, t), = table.items()
+            return t * (1.0 + 0.05 * (rows - r))
+        if "chain" in per_token:
+            return per_token["chain"] * (1.0 + 0.05 * (rows - 1))
+        return PRIOR_DRAFT_RATIO * self.target_s(1) * (1.0 + 0.05 * (rows - 1))
 
     def target_s(self, tokens: int) -> float:
         """Seconds for a target pass over `tokens` new tokens: measured; else the least-squares line through
@@ -127,7 +162,8 @@ class CostModel:
     def snapshot(self) -> dict:
         with self._lock:
             return {"target_s": dict(self._target), "draft_token_s": dict(self._draft),
-                    "overhead_s": dict(self._overhead)}
+                    "draft_forward_s": dict(self._draft_rows),
+                    "overhead_s": {f"{r}/{'draft' if d else 'plain'}": t for (r, d), t in self._overhead.items()}}
 
 
 @dataclass
@@ -242,6 +278,11 @@ class RequestController:
                                 lambda k: self.costs.step_s("ngram", k), self.min_gain)
             if kn and rate_n > rate:
                 plan = Plan("ngram", kn)
+        return self.take(plan)
+
+    def take(self, plan: Plan) -> Plan:
+        """Accept a plan made for this request (alone, or by `plan_batch` for its batch): while it drafts
+        nothing, count the plain steps and turn every `probe_gap`-th into a one-token probe."""
         if plan.k == 0:
             self.zero_run += 1
             if self.zero_run >= self.probe_gap:       # no evidence arrives while not drafting: probe
@@ -259,3 +300,62 @@ class RequestController:
             if plan.probe:
                 self.probe_gap = self.probe_gap0 if accepted else min(self.max_probe_gap, 2 * self.probe_gap)
             self.zero_run = 0
+
+
+@dataclass
+class RowOption:
+    """What one request of a batch could do this step (input of `plan_batch`)."""
+
+    alpha_draft: float | None      # per-token acceptance of its draft proposer (None: no draft model)
+    draft_rows: int                # rows it adds to the batched draft forward when drafting (1, or beams)
+    alpha_ngram: float | None      # acceptance of the n-gram lookup (None: not offered)
+    ngram_available: int           # tokens the lookup proposes now
+    gamma: int                     # its upper bound
+
+
+def plan_batch(rows: list[RowOption], costs: CostModel, *, fixed_width: int = 0,
+               min_gain: float = MIN_GAIN) -> list[Plan]:
+    """One draft length K for a whole batch, and each row's proposer at that K.
+
+    In a batched step every request pays for the widest proposal (the target verifies a padded block of
+    K + 1 tokens per row), so per-row choices made as if alone overspend: the batch picks the K in
+    0..max gamma with the largest  sum_r E(alpha_r, min(K, gamma_r)) / T(K)  where
+    T(K) = target_s(rows * (max(K, fixed_width) + 1)) + K * draft_forward_s(drafting rows) + overhead,
+    and each row takes the draft or the n-gram lookup, whichever emits more at that K (the lookup costs no
+    draft forward). `fixed_width`: the widest proposal of rows that plan for themselves (fixed gamma,
+    seeded requests), which the block pays anyway. Drafting must beat K = 0 by `min_gain`."""
+    n = len(rows)
+    if n == 0:
+        return []
+    max_k = max(r.gamma for r in rows)
+
+    def choose(K: int) -> tuple[float, float, list[Plan]]:
+        plans, tokens, drows = [], 0.0, 0
+        for r in rows:
+            e_d = expected_tokens(r.alpha_draft, min(K, r.gamma)) if r.alpha_draft is not None and K else 1.0
+            kn = min(K, r.gamma, r.ngram_available) if r.alpha_ngram is not None else 0
+            e_n = expected_tokens(r.alpha_ngram, kn) if kn else 1.0
+            if kn and e_n >= e_d:
+                plans.append(Plan("ngram", kn))
+                tokens += e_n
+            elif K and r.alpha_draft is not None:
+                plans.append(Plan("draft", min(K, r.gamma)))
+                tokens += e_d
+                drows += r.draft_rows
+            else:
+                plans.append(Plan("none", 0))
+                tokens += 1.0
+        width = max(K, fixed_width) + 1
+        t = costs.target_s(n * width) + (K * costs.draft_forward_s(drows) if drows else 0.0) \
+            + costs.overhead_s(K > 0, n)
+        return tokens / t, t, plans
+
+    rate0, _, plans0 = choose(0)
+    best_rate, best = rate0, plans0
+    for K in range(1, max_k + 1):
+        rate, _, plans = choose(K)
+        if rate > best_rate * (1 + 1e-9):
+            best_rate, best = rate, plans
+    if best is not plans0 and best_rate < rate0 * (1 + min_gain):
+        return plans0
+    return best

@@ -21,12 +21,86 @@ from __future__ import annotations
 import copy
 
 import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 PAD_ID = 0   # token fed in padding slots; masked out, so any id works
+GROW_SLOTS = 64   # head-room a batch cache layer allocates when it must grow
 
 
 def _layers(cache) -> list:
     return cache.layers
+
+
+class GrowableLayer(DynamicLayer):
+    """A DynamicLayer that appends in place into a buffer with head-room, instead of concatenating (which
+    copies the whole cache of every layer at every forward: for 8 rows of 300 slots on the default target,
+    about 110 MB per target pass). `keys` / `values` are views of the buffers' filled part; assigning them
+    (row selection, compaction, joins) replaces the buffers, and the next append grows them again."""
+
+    def __init__(self, **kwargs) -> None:
+        self._kbuf = self._vbuf = None
+        self._len = self._vlen = 0    # filled slots of each buffer (equal between updates)
+        super().__init__(**kwargs)
+
+    @property
+    def keys(self):
+        return None if self._kbuf is None else self._kbuf[:, :, : self._len]
+
+    @keys.setter
+    def keys(self, value) -> None:
+        self._kbuf = value
+        self._len = 0 if value is None else value.shape[2]
+
+    @property
+    def values(self):
+        return None if self._vbuf is None else self._vbuf[:, :, : self._vlen]
+
+    @values.setter
+    def values(self, value) -> None:
+        self._vbuf = value
+        self._vlen = 0 if value is None else value.shape[2]
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        b, h, _, d = key_states.shape
+        self.keys = key_states.new_zeros(b, h, 0, d)
+        self.values = value_states.new_zeros(b, value_states.shape[1], 0, value_states.shape[3])
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[2]
+        need = self._len + n
+        if self._vlen != self._len:
+            raise RuntimeError(f"keys hold {self._len} slots but values {self._vlen}")
+        if need > min(self._kbuf.shape[2], self._vbuf.shape[2]) or self._kbuf.shape[0] != key_states.shape[0]:
+            cap = need + max(GROW_SLOTS, need // 4)
+            kb = key_states.new_empty(key_states.shape[0], key_states.shape[1], cap, key_states.shape[3])
+            vb = value_states.new_empty(value_states.shape[0], value_states.shape[1], cap, value_states.shape[3])
+            if self._len:
+                kb[:, :, : self._len] = self._kbuf[:, :, : self._len]
+                vb[:, :, : self._len] = self._vbuf[:, :, : self._len]
+            self._kbuf, self._vbuf = kb, vb
+        self._kbuf[:, :, self._len: need] = key_states
+        self._vbuf[:, :, self._len: need] = value_states
+        self._len = self._vlen = need
+        return self.keys, self.values
+
+
+def _growable_cache(source=None):
+    """A DynamicCache whose layers are GrowableLayers, holding `source`'s tensors if given."""
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = GrowableLayer
+    if source is not None:
+        cache.layers = []
+        for layer in _layers(source):
+            g = GrowableLayer()
+            g.lazy_initialization(layer.keys, layer.values)
+            g.keys, g.values = layer.keys, layer.values
+            cache.layers.append(g)
+    return cache
 
 
 class BatchKV:
@@ -52,8 +126,6 @@ class BatchKV:
     def feed(self, blocks: list[list[int]], keep: int) -> torch.Tensor:
         """Append one block per row (rows in order; a row may get []) and return fp32 logits of the
         last `keep` block positions: [rows, keep, vocab]. Rows with fewer tokens are left-padded."""
-        from transformers import DynamicCache
-
         if len(blocks) != self.rows:
             raise ValueError(f"{len(blocks)} blocks for {self.rows} rows")
         n = max(1, max(len(b) for b in blocks))
@@ -71,7 +143,7 @@ class BatchKV:
         block_valid = block_valid.to(self.device)
         mask = torch.cat([self.valid, block_valid], dim=1)
         if self.cache is None:
-            self.cache = DynamicCache()
+            self.cache = _growable_cache()
         with torch.no_grad():
             out = self.model(input_ids=ids.to(self.device), attention_mask=mask.long(),
                              position_ids=pos.to(self.device), past_key_values=self.cache, use_cache=True,
@@ -111,7 +183,7 @@ class BatchKV:
             self.lengths.append(0)
             return self.rows - 1
         if self.cache is None:     # nothing cached yet (empty batch, or every row was reset)
-            self.cache = cache
+            self.cache = _growable_cache(cache)
             old = self.rows
             if old:
                 for layer in _layers(self.cache):
@@ -149,6 +221,19 @@ class BatchKV:
                 layer.keys = layer.keys.index_select(0, idx)
                 layer.values = layer.values.index_select(0, idx)
         self.valid = self.valid.index_select(0, idx)
+        self.lengths = [self.lengths[int(i)] for i in idx]
+
+    def reorder_tail(self, rows: list[int], tail: int) -> None:
+        """`select(rows)` for rows that differ only in their last `tail` slots (the beams of one group:
+        identical prefixes, copied from one row): only those slots move, in place."""
+        idx = torch.as_tensor(rows, dtype=torch.long, device=self.device)
+        if tail <= 0:
+            return
+        if self.cache is not None:
+            for layer in _layers(self.cache):
+                layer.keys[:, :, -tail:] = layer.keys[:, :, -tail:].index_select(0, idx)
+                layer.values[:, :, -tail:] = layer.values[:, :, -tail:].index_select(0, idx)
+        self.valid[:, -tail:] = self.valid[:, -tail:].index_select(0, idx)
         self.lengths = [self.lengths[int(i)] for i in idx]
 
     def fork(self, rows: list[int]) -> "BatchKV":
@@ -204,3 +289,51 @@ def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
     if extra <= 0:
         return t
     return torch.cat([t.new_zeros(t.shape[0], t.shape[1], extra, t.shape[3]), t], dim=2)
+
+
+class PrefixCache:
+    """Target KV of recent prompts, so a new prompt that starts like one of them (the chat template's system
+    prompt, earlier turns of a conversation) prefills only the rest (as vLLM's automatic prefix caching,
+    with whole prompts as entries). Least recently used entries go once more than `max_tokens` are held.
+    Entries are private copies: nothing the batch does changes them."""
+
+    def __init__(self, max_tokens: int = 2048, min_match: int = 8) -> None:
+        self.max_tokens = max_tokens
+        self.min_match = min_match
+        self._entries: list[tuple[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]]] = []
+        self.hits = self.lookups = self.tokens_saved = 0
+
+    def put(self, tokens: list[int], cache) -> None:
+        if not tokens or len(tokens) > self.max_tokens or cache is None:
+            return
+        key = tuple(tokens)
+        self._entries = [e for e in self._entries if e[0] != key]
+        n = len(tokens)
+        layers = [(layer.keys[:, :, :n].clone(), layer.values[:, :, :n].clone()) for layer in _layers(cache)]
+        self._entries.append((key, layers))
+        while sum(len(k) for k, _ in self._entries) > self.max_tokens:
+            self._entries.pop(0)
+
+    def get(self, tokens: list[int]):
+        """(matched length, a batch-1 DynamicCache of that prefix) for the longest cached prefix of `tokens`
+        (at least `min_match`), else (0, None)."""
+        self.lookups += 1
+        best, best_i = 0, -1
+        for i, (key, _) in enumerate(self._entries):
+            n = 0
+            for a, b in zip(key, tokens):
+                if a != b:
+                    break
+                n += 1
+            if n > best:
+                best, best_i = n, i
+        if best < self.min_match:
+            return 0, None
+        key, layers = self._entries.pop(best_i)
+        self._entries.append((key, layers))           # most recently used
+        cache = DynamicCache()
+        for i, (k, v) in enumerate(layers):
+            cache.update(k[:, :, :best].clone(), v[:, :, :best].clone(), i)
+        self.hits += 1
+        self.tokens_saved += best
+        return best, cache

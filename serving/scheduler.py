@@ -35,11 +35,11 @@ import torch
 
 from buffer.records import RecordSink, SequenceRecord, StepRecord
 from serving.config import SamplingParams, SpecParams
-from serving.controller import Plan, RequestController
+from serving.controller import Plan, RequestController, RowOption, plan_batch
 from serving.decoding.mjsd import beam_sample_finalize, beam_sample_step
 from serving.decoding.types import VerifyResult
 from serving.decoding.warp import sample, warp_logprobs
-from serving.kvcache import BatchKV
+from serving.kvcache import BatchKV, PrefixCache
 from serving.modes import MODE_TABLE, VERIFY_RULES, proposer
 from serving.runner import SequenceRunner, full_vocab_logits
 
@@ -115,9 +115,11 @@ class BatchScheduler:
         self.dkv_model = None                # the draft model dkv belongs to
         self.rounds = 0
         self._steady_draft = True
-        self._step_wall: float | None = None
+        self._fork_rows = 0          # rows of the last batched draft proposal (0: nothing drafted)
+        self._forwards = 0           # draft forwards it took
         self.batch_sizes: dict[int, int] = {}    # rows per batched step -> count (telemetry)
         self.on_round = None                     # test hook: called with self after every round
+        self.prefix_cache = PrefixCache()        # target KV of recent prompts (shared prefixes prefill once)
 
     # ------------------------------------------------------------------ public
     def submit(self, req: Request) -> None:
@@ -135,7 +137,9 @@ class BatchScheduler:
         return {"running": len(self.batch) + len(self.solo), "prefilling": len(self.prefilling),
                 "waiting": len(self.waiting), "kv_budget_tokens": self.max_batch_tokens,
                 "kv_reserved_tokens": self.used_tokens,
-                "target_cache_slots": self.tkv.slots if self.tkv else 0}
+                "target_cache_slots": self.tkv.slots if self.tkv else 0,
+                "prefix_cache_hits": self.prefix_cache.hits, "prefix_cache_lookups": self.prefix_cache.lookups,
+                "prefix_tokens_saved": self.prefix_cache.tokens_saved}
 
     # ------------------------------------------------------------------ the loop
     def _run(self) -> None:
@@ -205,6 +209,9 @@ class BatchScheduler:
                 break
             if req.prefill is None:
                 req.prefill = SequenceRunner(eng.target, eng.vocab_size)
+                hit, cache = self.prefix_cache.get(req.seq[: len(req.seq) - 1])
+                if hit:
+                    req.prefill.cache, req.prefill.length = cache, hit
             todo = req.seq[req.prefill.length: len(req.seq) - 1]
             chunk = todo[:budget]
             with eng._lock:
@@ -227,6 +234,8 @@ class BatchScheduler:
         if self.tkv is None:
             self.tkv = BatchKV(eng.target.model, eng.target_device)
         self._sync_draft_cache()
+        if n:
+            self.prefix_cache.put(req.seq[:n], req.prefill.cache)
         self.tkv.add_row(req.prefill.cache if n else None, n)
         if self.dkv is not None and not req.spec.needs_draft:
             self.dkv.add_row(None, 0)      # target / ngram rows: the draft never reads them
@@ -379,14 +388,69 @@ class BatchScheduler:
             return _RowPlan("ngram", len(toks), None, toks)
         return _RowPlan(prop, spec.gamma)
 
+    def _plans(self, reqs: list[Request]) -> list[_RowPlan]:
+        """Each row's proposal this step. Alone, a request's controller plans for itself; in a batch, the
+        adaptive rows share one draft length chosen for the whole batch (controller.plan_batch: every row
+        pays for the widest block), while fixed-gamma and seeded requests (whose output must not depend on
+        other traffic) keep planning for themselves."""
+        if len(reqs) == 1:
+            return [self._plan(reqs[0])]
+        eng = self.engine
+        plans: list[_RowPlan | None] = [None] * len(reqs)
+        shared, options, ngrams = [], [], {}
+        for i, req in enumerate(reqs):
+            ctrl, spec = req.controller, req.spec
+            room = eng.max_context - len(req.seq)
+            if ctrl is None or ctrl.costs is not eng.costs or room <= spec.gamma + 1:
+                plans[i] = self._plan(req)
+                continue
+            ctrl.version = eng.draft_version
+            ngram = eng.ngram_tokens(req.seq, spec.gamma) if ctrl.use_ngram else []
+            ngrams[i] = ngram
+            has_draft = spec.needs_draft and eng.draft is not None
+            prop = proposer(spec, req.sampling)
+            options.append(RowOption(
+                alpha_draft=ctrl.alpha("draft") if has_draft else None,
+                draft_rows=spec.beams if prop == "beams" else 1,
+                alpha_ngram=ctrl.alpha("ngram") if ctrl.use_ngram else None,
+                ngram_available=len(ngram), gamma=spec.gamma))
+            shared.append(i)
+        if shared:
+            fixed = max((p.k for p in plans if p is not None), default=0)
+            for i, plan in zip(shared, plan_batch(options, eng.costs, fixed_width=fixed)):
+                req = reqs[i]
+                plan = req.controller.take(plan)
+                if plan.proposer == "ngram":
+                    plans[i] = _RowPlan("ngram", plan.k, plan, ngrams[i][: plan.k])
+                elif plan.k == 0:
+                    plans[i] = _RowPlan("none", 0, plan)
+                else:
+                    plans[i] = _RowPlan(proposer(req.spec, req.sampling), plan.k, plan)
+        return plans
+
+    def _observe_batch_costs(self, blocks, proposals, keep: int, t_draft: float, t_target: float,
+                             t_wall: float) -> None:
+        """What this step's forwards cost, for the controller: the target pass by the tokens it verified
+        (rows x block width), a draft forward by its rows, the rest of the step by batch size. Steps that
+        also re-fed context (a prefill remainder, a draft rebuilt after a swap) teach nothing."""
+        costs = self.engine.costs
+        steady_target = all(len(b) == len(p[0]) + 1 for b, p in zip(blocks, proposals))
+        if not steady_target:
+            return
+        costs.observe_target(len(blocks) * keep, t_target)
+        drafted = self._fork_rows > 0
+        if drafted and self._steady_draft:
+            costs.observe_draft_forward(self._fork_rows, self._forwards, t_draft)
+        if not drafted or self._steady_draft:
+            costs.observe_overhead(drafted, max(0.0, t_wall - t_draft - t_target), rows=len(blocks))
+
     def _batch_step(self) -> None:
         eng = self.engine
         with eng._lock:
             reqs = list(self.batch)
             try:
                 wall0 = time.perf_counter()
-                self._step_wall = None
-                plans = [self._plan(r) for r in reqs]
+                plans = self._plans(reqs)
                 self._sync_draft_cache()
                 t0 = time.perf_counter()
                 proposals = self._propose(reqs, plans)
@@ -399,13 +463,15 @@ class BatchScheduler:
                 if eng.target_device.type == "cuda":
                     torch.cuda.synchronize(eng.target_device)
                 t_target = time.perf_counter() - t1
+                probs, record = self._warp_rows(reqs, logits)
                 results = []
-                self._step_wall = time.perf_counter() - wall0
                 for i, req in enumerate(reqs):
                     k = len(proposals[i][0])
-                    results.append(self._accept(i, req, plans[i], proposals[i], logits[i, keep - k - 1:],
+                    rec = None if record is None else (record[0][i, keep - k - 1:], record[1][i, keep - k - 1:])
+                    results.append(self._accept(i, req, plans[i], proposals[i], probs[i][keep - k - 1:], rec,
                                                 t_draft if plans[i].proposer in ("chain", "beams") else 0.0,
                                                 t_target, len(reqs)))
+                self._observe_batch_costs(blocks, proposals, keep, t_draft, t_target, time.perf_counter() - wall0)
                 eng._failures = 0
             except Exception as exc:  # noqa: BLE001
                 eng._step_failed(exc)
@@ -419,24 +485,33 @@ class BatchScheduler:
             self._emit(req, new)
 
     def _propose(self, reqs: list[Request], plans: list[_RowPlan]) -> list[tuple[list[int], torch.Tensor | None]]:
-        """Every request's proposal: (tokens [k], draft rows [k, vocab] or None when k = 0)."""
+        """Every request's proposal: (tokens [k], draft rows [k, vocab] or None when k = 0).
+
+        The draft's rows are warped and sampled in its own output space (its kept vocabulary rows:
+        warping is exact there, every other token has probability 0), and only the proposal's k rows are
+        scattered back to the full vocabulary for the rule. The chains and beam groups of all requests
+        share one fork of the draft cache: a chain is one row, a beam group `beams` rows. Beams of a group
+        share their prefix, so re-ordering beams after a beam step moves only the slots drafted so far."""
         eng = self.engine
         out: list[tuple[list[int], torch.Tensor | None]] = [([], None)] * len(reqs)
         for i, p in enumerate(plans):
             if p.proposer == "ngram" and p.ngram:
                 out[i] = eng.ngram_rows(p.ngram)
         drafting = [i for i, p in enumerate(plans) if p.proposer in ("chain", "beams") and p.k > 0]
+        self._fork_rows = self._forwards = 0
         if not drafting:
             return out
         dkv = self.dkv
-        # one forward catches every row up (rows that do not draft this step too: they will)
+        out_ids = eng.draft.output_token_ids          # kept rows -> token ids (None: the full vocabulary)
+        to_token = (lambda j: int(out_ids[j])) if out_ids is not None else int
+        space = (lambda lg: lg.float()) if out_ids is not None else \
+            (lambda lg: full_vocab_logits(lg, eng.draft, eng.vocab_size))
+        # one forward catches every drafting row up (rows of other modes get nothing)
         catch_up = [r.seq[dkv.lengths[i]:] if r.spec.needs_draft else [] for i, r in enumerate(reqs)]
         # draft costs are learnt from ordinary steps only, not from a forward that re-fed a whole sequence
         self._steady_draft = max(len(b) for b in catch_up) <= max(r.spec.gamma for r in reqs) + 2
-        first = dkv.feed(catch_up, keep=1)[:, -1]
-        first = full_vocab_logits(first, eng.draft, eng.vocab_size)
+        first = space(dkv.feed(catch_up, keep=1)[:, -1])
         warps = {i: _warper(reqs[i].sampling) for i in drafting}
-        # per drafting request: its rows in the fork, tokens and rows so far, beam state
         state = {}
         fork_rows: list[int] = []
         for i in drafting:
@@ -450,13 +525,12 @@ class BatchScheduler:
                 width = reqs[i].spec.beams
             else:
                 p = lp.exp()
-                tok = int(sample(p, reqs[i].gen))
-                state[i] = {"beam": False, "tokens": [tok], "probs": [p]}
+                state[i] = {"beam": False, "tokens": [int(sample(p, reqs[i].gen))], "probs": [p]}
                 width = 1
             state[i]["offset"] = len(fork_rows)
-            state[i]["width"] = width
             fork_rows += [i] * width
         K = max(plans[i].k for i in drafting)
+        self._fork_rows, self._forwards = len(fork_rows), K
         fork = dkv.fork(fork_rows) if K > 1 else None
         for step in range(1, K):
             blocks: list[list[int]] = [[] for _ in fork_rows]
@@ -467,10 +541,10 @@ class BatchScheduler:
                 if s["beam"]:
                     toks = s["tokens"][-1]
                     for j in range(s["live"]):
-                        blocks[s["offset"] + j] = [int(toks[j])]
+                        blocks[s["offset"] + j] = [to_token(toks[j])]
                 else:
-                    blocks[s["offset"]] = [s["tokens"][-1]]
-            logits = full_vocab_logits(fork.feed(blocks, keep=1)[:, -1], eng.draft, eng.vocab_size)
+                    blocks[s["offset"]] = [to_token(s["tokens"][-1])]
+            logits = space(fork.feed(blocks, keep=1)[:, -1])
             perm = list(range(len(fork_rows)))
             for i in drafting:
                 s = state[i]
@@ -478,7 +552,7 @@ class BatchScheduler:
                     continue
                 o = s["offset"]
                 if s["beam"]:
-                    lp = warps[i](logits[o: o + s["live"]])                     # [live, vocab]
+                    lp = warps[i](logits[o: o + s["live"]])                     # [live, space]
                     parent, token, s["logq"] = beam_sample_step(s["logq"], lp, reqs[i].spec.beams, reqs[i].gen)
                     s["parents"].append(parent)
                     s["tokens"].append(token)
@@ -490,23 +564,44 @@ class BatchScheduler:
                     p = warps[i](logits[o]).exp()
                     s["tokens"].append(int(sample(p, reqs[i].gen)))
                     s["probs"].append(p)
-            if perm != list(range(len(fork_rows))):
-                fork.select(perm)
+            if step + 1 < K and perm != list(range(len(fork_rows))):
+                fork.reorder_tail(perm, step)
         for i in drafting:
             s = state[i]
-            if s["beam"]:
-                out[i] = _best_beam(s)
-            else:
-                out[i] = (s["tokens"], torch.stack(s["probs"]))
+            tokens, rows = _best_beam(s) if s["beam"] else (s["tokens"], torch.stack(s["probs"]))
+            tokens = [to_token(t) for t in tokens]
+            if out_ids is not None:   # the k proposal rows back to the full vocabulary
+                full = rows.new_zeros(rows.shape[0], eng.vocab_size)
+                full[:, out_ids] = rows
+                rows = full
+            out[i] = (tokens, rows)
         return out
 
-    def _accept(self, row: int, req: Request, plan: _RowPlan, proposal, target_logits: torch.Tensor,
+    def _warp_rows(self, reqs: list[Request], logits: torch.Tensor):
+        """Every row's warped target distribution, one call per distinct (temperature, top-k, top-p) in the
+        batch, and, when anything is recorded, the raw top-k log-probs of every position in one call:
+        (probs per row [keep, vocab], (ids [rows, keep, k], logprobs [rows, keep, k]) or None)."""
+        groups: dict[tuple, list[int]] = {}
+        for i, r in enumerate(reqs):
+            groups.setdefault((r.sampling.temperature, r.sampling.top_k, r.sampling.top_p), []).append(i)
+        probs: list = [None] * len(reqs)
+        for (t, k, p), rows in groups.items():
+            warped = warp_logprobs(logits[rows], t, k, p).exp()
+            for j, i in enumerate(rows):
+                probs[i] = warped[j]
+        record = None
+        if any(r.sink is not None and r.spec.mode != "target" for r in reqs):
+            vals, ids = torch.topk(torch.log_softmax(logits, dim=-1), self.engine.record_top_k, dim=-1)
+            record = (ids.to(torch.int32).cpu().numpy(), vals.to(torch.float16).cpu().numpy())
+        return probs, record
+
+    def _accept(self, row: int, req: Request, plan: _RowPlan, proposal, target_probs: torch.Tensor, record,
                 draft_s: float, target_s: float, batch: int) -> list[int]:
-        """The request's own rule on its slice of the batch; rollback of its rejected slots."""
+        """The request's own rule on its slice of the batch (`target_probs` [k + 1, vocab], warped;
+        `record`: raw top-k ids and log-probs of those positions); rollback of its rejected slots."""
         eng, spec, sampling, stats = self.engine, req.spec, req.sampling, req.stats
         draft_tokens, draft_probs = proposal
         k = len(draft_tokens)
-        target_probs = _warper(sampling)(target_logits).exp()                 # [k + 1, vocab]
         start = len(req.seq)
         if k or (plan.proposer == "ngram" and plan.plan is None):
             # (mode ngram verifies even an empty lookup with its rule, as the unbatched engine did)
@@ -545,14 +640,10 @@ class BatchScheduler:
             req.controller.observe(plan.plan, n)
             if batch == 1:   # the cost model describes a request stepping alone
                 self._observe_costs(req, plan, k, draft_s, target_s)
-        elif spec.mode == "target" and batch == 1:
-            eng.costs.observe_target(1, target_s)
         recorded = req.sink is not None and spec.mode != "target" and (k or req.controller is not None)
         if recorded:
             try:
-                from serving.engine import _top_k_record
-
-                ids, lps = _top_k_record(target_logits, eng.record_top_k)
+                ids, lps = record
                 req.sink.push_step(StepRecord(
                     request_id=req.id, position=start, draft_tokens=draft_tokens, num_accepted=n,
                     target_topk_ids=ids, target_topk_logprobs=lps, algorithm=algorithm, draft_version=version,
@@ -564,12 +655,10 @@ class BatchScheduler:
         return emitted
 
     def _observe_costs(self, req: Request, plan: _RowPlan, k: int, draft_s: float, target_s: float) -> None:
-        costs = self.engine.costs
+        """A request alone: its proposer's draft time per token (the target and the rest of the step are
+        observed for every batch size by _observe_batch_costs)."""
         if plan.proposer in ("chain", "beams") and k and self._steady_draft:
-            costs.observe_draft(req.controller.draft_key, k, draft_s)
-        costs.observe_target(k + 1, target_s)
-        if self._step_wall is not None:
-            costs.observe_overhead(bool(k), max(0.0, self._step_wall - draft_s - target_s))
+            self.engine.costs.observe_draft(req.controller.draft_key, k, draft_s)
 
 
 def _warper(sampling: SamplingParams):

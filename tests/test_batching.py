@@ -280,6 +280,23 @@ def test_unbatched_modes_run_beside_the_batch(engine):
     assert [r.token_ids for r in got] == want
 
 
+def test_prefix_cache_prefills_a_shared_prompt_start_once(pair):
+    """A prompt that starts like an earlier one prefills only the rest, and decodes the same tokens (T=0)
+    as with a cold cache; a prompt sharing nothing misses."""
+    eng = make_engine(pair)
+    system = ids(eng, "system: you are a helpful assistant who answers briefly and well. ")
+    a, b = system + ids(eng, "user: the cat sat"), system + ids(eng, "user: abc abd abc")
+    sampling, spec = SamplingParams(temperature=0.0, max_tokens=20), SpecParams(mode="speculative", gamma=3)
+    cold = make_engine(pair).generate_all(b, sampling, spec).token_ids
+    eng.generate_all(a, sampling, spec)
+    pc = eng.scheduler.prefix_cache
+    assert (pc.hits, pc.lookups) == (0, 1)
+    assert eng.generate_all(b, sampling, spec).token_ids == cold
+    assert pc.hits == 1 and pc.tokens_saved >= len(system)
+    eng.generate_all(ids(eng, "zzz unrelated"), sampling, spec)
+    assert pc.hits == 1 and pc.lookups == 3
+
+
 # ---------------------------------------------------------------------------- the cache itself
 def test_batch_cache_rows_with_holes_match_fresh_forwards():
     """BatchKV: ragged blocks, rejected slots, joins, leaves, forks and compaction keep every row's logits

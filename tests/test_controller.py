@@ -314,3 +314,49 @@ def test_steps_that_draft_nothing_are_recorded(pair, monkeypatch):
         got = list(seq[rec.position: rec.position + k + 1])
         want = list(rec.draft_tokens[:k]) + [rec.next_token]
         assert got[: len(want)] == want[: len(got)]
+
+
+# ---------------------------------------------------------------------------- one draft length for a batch
+def _costs(target_per_token=0.001, target_fixed=0.04, draft_fwd=0.01):
+    from serving.controller import CostModel
+
+    c = CostModel()
+    for n in (1, 2, 4, 8, 16, 32, 40):
+        c.observe_target(n, target_fixed + target_per_token * n)
+    for rows in (1, 8, 64):
+        c.observe_draft_forward(rows, 1, draft_fwd * (1 + rows / 32))
+    return c
+
+
+def test_plan_batch_drafts_only_when_the_whole_batch_gains():
+    from serving.controller import RowOption, expected_tokens, plan_batch
+
+    row = lambda a, rows=1: RowOption(alpha_draft=a, draft_rows=rows, alpha_ngram=None, ngram_available=0, gamma=4)
+    cheap = _costs()
+    plans = plan_batch([row(0.8)] * 8, cheap)
+    assert {p.proposer for p in plans} == {"draft"} and len({p.k for p in plans}) == 1 and plans[0].k >= 2
+    # the same rows with a weak draft: a plain batched step is the better buy
+    assert all(p.k == 0 for p in plan_batch([row(0.15)] * 8, cheap))
+    # beams make the draft forward 8x wider: the batch drafts less than with chains
+    k_chain = plan_batch([row(0.6)] * 8, _costs(draft_fwd=0.02))[0].k
+    k_beams = plan_batch([row(0.6, rows=8)] * 8, _costs(draft_fwd=0.02))[0].k
+    assert k_beams <= k_chain
+    # the chosen K maximises the batch's predicted rate (recomputed here)
+    c = _costs(draft_fwd=0.02)
+    rates = [sum(expected_tokens(0.6, K) for _ in range(8))
+             / (c.target_s(8 * (K + 1)) + (K * c.draft_forward_s(8) if K else 0.0)) for K in range(5)]
+    best = max(range(5), key=lambda K: rates[K])
+    if rates[best] >= rates[0] * 1.05:
+        assert k_chain == best
+
+
+def test_plan_batch_uses_the_ngram_lookup_where_it_beats_the_draft_and_respects_gamma():
+    from serving.controller import RowOption, plan_batch
+
+    rows = [RowOption(alpha_draft=0.3, draft_rows=1, alpha_ngram=0.9, ngram_available=4, gamma=4),
+            RowOption(alpha_draft=0.8, draft_rows=1, alpha_ngram=None, ngram_available=0, gamma=2),
+            RowOption(alpha_draft=None, draft_rows=1, alpha_ngram=None, ngram_available=0, gamma=4)]
+    plans = plan_batch(rows, _costs())
+    assert plans[0].proposer == "ngram" and plans[0].k >= 1
+    assert plans[1].proposer == "draft" and 1 <= plans[1].k <= 2
+    assert plans[2].proposer == "none" and plans[2].k == 0
