@@ -186,6 +186,28 @@ def render(merged: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def split_by_version(stats: dict) -> list[dict]:
+    """One finished request's stats as one dict per draft version that proposed its steps, so live
+    per-version acceptance is exact when a hot-swap lands mid-request: each part carries that version's
+    steps, draft and accepted tokens (GenerationStats.draft_versions), and the request's tokens and wall
+    time in proportion to its steps. Steps that drafted nothing (version "none") count under the version
+    that drafted for the request, or "none" when no draft did."""
+    per = {v: c for v, c in (stats.get("draft_versions") or {}).items() if v != "none"}
+    if len(per) <= 1:
+        return [stats]
+    total = sum(c["steps"] for c in per.values()) or 1
+    parts = []
+    for v, c in per.items():
+        share = c["steps"] / total
+        part = dict(stats, draft_version=v, steps=c["steps"], draft_tokens=c["draft_tokens"],
+                    accepted_tokens=c["accepted_tokens"], tokens=(stats.get("tokens") or 0) * share,
+                    wall_time_s=(stats.get("wall_time_s") or 0.0) * share)
+        if stats.get("energy_j") is not None:
+            part["energy_j"] = stats["energy_j"] * share
+        parts.append(part)
+    return parts
+
+
 class MetricsHub:
     """Merges replica snapshots and logs live per-version acceptance to MLflow (LiveStatsLogger).
 
@@ -216,7 +238,8 @@ class MetricsHub:
     def observe(self, stats: dict) -> None:
         if self.live is not None:
             try:
-                self.live.observe(stats)
+                for part in split_by_version(stats):
+                    self.live.observe(part)
             except Exception:  # noqa: BLE001
                 pass
 

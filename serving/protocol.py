@@ -300,6 +300,7 @@ def spec_metrics(stats: dict) -> dict:
     return {
         "mode": stats.get("mode"),
         "draft_version": stats.get("draft_version"),
+        "draft_versions": stats.get("draft_versions"),   # per version that drafted: steps, draft / accepted tokens
         "gamma": stats.get("gamma"),
         "steps": stats.get("steps"),
         "draft_tokens": stats.get("draft_tokens"),

@@ -338,3 +338,23 @@ def test_batch_cache_rows_with_holes_match_fresh_forwards():
     lg = kv.feed([[4], [7]], keep=1)
     torch.testing.assert_close(lg[0, -1], fresh(B + [1, 2, 4]))
     torch.testing.assert_close(lg[1, -1], fresh([7]))
+
+
+def test_live_statistics_credit_each_version_its_own_steps():
+    """A request that spans a swap: MLflow's live per-version sums get each version's own draft and accepted
+    tokens (serving/metrics.py split_by_version), and the parts add up to the request."""
+    from serving.metrics import split_by_version
+
+    stats = {"draft_version": "4", "steps": 10, "draft_tokens": 30, "accepted_tokens": 12, "tokens": 25,
+             "wall_time_s": 2.0, "energy_j": None,
+             "draft_versions": {"3": {"steps": 4, "draft_tokens": 16, "accepted_tokens": 2},
+                                "4": {"steps": 4, "draft_tokens": 14, "accepted_tokens": 10},
+                                "none": {"steps": 2, "draft_tokens": 0, "accepted_tokens": 0}}}
+    parts = {p["draft_version"]: p for p in split_by_version(stats)}
+    assert set(parts) == {"3", "4"}
+    assert parts["3"]["accepted_tokens"] / parts["3"]["draft_tokens"] == 2 / 16
+    assert parts["4"]["accepted_tokens"] / parts["4"]["draft_tokens"] == 10 / 14
+    assert sum(p["tokens"] for p in parts.values()) == 25
+    assert sum(p["wall_time_s"] for p in parts.values()) == 2.0
+    one = dict(stats, draft_versions={"4": {"steps": 10, "draft_tokens": 30, "accepted_tokens": 12}})
+    assert split_by_version(one) == [one]
