@@ -51,10 +51,12 @@ class ServiceSettings:
     redis_url: str | None = None            # replay buffer (default REDIS_URL or the embedded server)
     buffer: bool = True                     # log verification steps to the replay buffer
     buffer_prefix: str = "draftsmith:buf"
-    api_key: str | None = None              # when set: Bearer auth on /v1/* (admin endpoints included)
+    api_key: str | None = None              # when set: Bearer auth on /v1/* inference routes (not admin)
+    admin_api_key: str | None = None        # when set: Bearer auth on /v1/admin/*; unset: loopback callers only
     device: str | None = None               # cpu / cuda (default: cuda when available)
     max_running: int = 16                   # requests decoding at once (batched together)
     max_waiting: int = 32                   # queue bound; beyond it 429
+    max_batch_tokens: int = 65536           # KV tokens the running requests may reserve together (beams count)
     request_timeout_s: float = 300.0
     max_tokens_limit: int = 2048
     max_body_bytes: int = 1 << 20
@@ -64,7 +66,7 @@ class ServiceSettings:
     replica_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
 
     def __post_init__(self) -> None:
-        for name in ("max_running", "max_waiting", "max_tokens_limit", "max_body_bytes"):
+        for name in ("max_running", "max_waiting", "max_tokens_limit", "max_body_bytes", "max_batch_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < (0 if name == "max_waiting" else 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
@@ -178,7 +180,8 @@ class Service:
         from serving.engine import Engine
 
         device = self.s.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        engine = Engine.from_paths(self.s.target, None, device=device, sink=self.sink)
+        engine = Engine.from_paths(self.s.target, None, device=device, sink=self.sink,
+                                   max_batch_tokens=self.s.max_batch_tokens)
         if self.s.draft is not None:
             engine.swap_draft(self.s.draft, "local")
         else:
@@ -346,10 +349,12 @@ def settings_from_env(**overrides) -> ServiceSettings:
     """ServiceSettings from DRAFTSMITH_* environment variables, then `overrides` (None values ignored)."""
     env = os.environ
     kw: dict = {}
-    for name, conv in (("max_running", int), ("max_waiting", int), ("request_timeout_s", float),
+    for name, conv in (("max_running", int), ("max_waiting", int), ("max_batch_tokens", int), ("request_timeout_s", float),
                        ("max_tokens_limit", int), ("watch_interval_s", float), ("torch_threads", int)):
         v = env.get(f"DRAFTSMITH_{name.upper()}")
         if v:
             kw[name] = conv(v)
+    if env.get("DRAFTSMITH_ADMIN_KEY"):
+        kw["admin_api_key"] = env["DRAFTSMITH_ADMIN_KEY"]
     kw.update({k: v for k, v in overrides.items() if v is not None})
     return ServiceSettings(**kw)

@@ -358,3 +358,29 @@ def test_live_statistics_credit_each_version_its_own_steps():
     assert sum(p["wall_time_s"] for p in parts.values()) == 2.0
     one = dict(stats, draft_versions={"4": {"steps": 10, "draft_tokens": 30, "accepted_tokens": 12}})
     assert split_by_version(one) == [one]
+
+
+def test_http_request_over_the_kv_budget_is_a_clear_400(pair):
+    """Over HTTP a request whose beams x context exceed the replica's KV budget is answered 400 with an
+    OpenAI-style body saying what to lower; a request within it is served."""
+    import httpx
+
+    from api_helpers import LiveServer, tiny_service
+
+    target, draft = pair
+    eng = Engine.from_paths(str(target), str(draft), dtype=torch.float32, draft_version="local",
+                            max_batch_tokens=300)
+    srv = LiveServer(tiny_service(target, draft, engine=eng, buffer=False)).start()
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            r = c.post("/v1/completions", json={"prompt": "the cat", "max_tokens": 100, "temperature": 1.0,
+                                                "speculative": {"mode": "mjsd", "beams": 8}})
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert set(err) >= {"message", "type", "param", "code"} and "budget of 300" in err["message"]
+            assert "beams" in err["message"]
+            ok = c.post("/v1/completions", json={"prompt": "the cat", "max_tokens": 8, "temperature": 1.0,
+                                                 "speculative": {"mode": "mjsd", "beams": 2}})
+            assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] > 0
+    finally:
+        srv.stop()
