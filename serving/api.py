@@ -10,21 +10,35 @@
     POST /v1/admin/reload                        load the champion now (other replicas: within seconds)
     POST /v1/admin/rollback {"to": v?}           move the champion alias back (`draftsmith rollback`)
 
-With an API key configured, every /v1/* route needs `Authorization: Bearer <key>` (401 otherwise);
-/health and /metrics stay open for probes and scrapers. Every error is an OpenAI-style body
-`{"error": {"message", "type", "param", "code"}}`: 400 bad field / malformed JSON, 401, 404 unknown
-model or route, 405, 408 timeout, 413 body over `max_body_bytes`, 429 queue full (Retry-After),
-503 no draft yet for a draft mode / engine unhealthy. A failure after a stream started is sent as
-`data: {"error": ...}` followed by `data: [DONE]`.
+Keys. The inference key (`api_key`) guards /v1/models and the completion routes: with one configured they
+need `Authorization: Bearer <key>` (401 otherwise). The admin routes /v1/admin/* never accept the
+inference key: with an admin key (`admin_api_key`, `--admin-key`, DRAFTSMITH_ADMIN_KEY) they need
+`Bearer <admin key>` from any address (401 without a valid one, 403 for the inference key); without one
+they answer loopback callers only (127.0.0.0/8, ::1) and refuse every other address with 403. The
+caller's address is the ASGI scope's `client`: behind Ray Serve that is the client of the proxy's HTTP
+server, which the proxy forwards to the replica with the scope; uvicorn replaces it by X-Forwarded-For
+only for peers in FORWARDED_ALLOW_IPS (default 127.0.0.1, so a reverse proxy on the same host should
+set that header, or the deployment should set an admin key). /health and /metrics stay open for probes
+and scrapers; /health shows failure details (exception text) only to callers the admin routes accept.
+
+Every error is an OpenAI-style body `{"error": {"message", "type", "param", "code"}}`: 400 bad field /
+malformed JSON / request over the KV budget, 401, 403, 404 unknown model or route, 405, 408 timeout,
+413 body over `max_body_bytes`, 429 queue full (Retry-After), 500 internal fault, 503 no draft yet for
+a draft mode / engine unhealthy. Messages say what was wrong with the request; an internal fault's body
+names only a reference (`err-...`) that the replica's log has next to the traceback, never the
+exception's text. A failure after a stream started is sent as `data: {"error": ...}` followed by
+`data: [DONE]`.
 """
 from __future__ import annotations
 
 import contextlib
 import hmac
+import ipaddress
 import json
 import logging
 import threading
 import time
+import uuid
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -93,6 +107,37 @@ class _TooLarge(Exception):
     pass
 
 
+def is_loopback(host: str | None) -> bool:
+    """Whether `host` (an address as the ASGI scope gives it) is 127.0.0.0/8 or ::1 (also IPv4-mapped).
+    Anything else, None and names included, is not."""
+    if not host:
+        return False
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return (mapped or ip).is_loopback
+
+
+def _bearer(request: Request) -> str | None:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def _same(a: str | None, b: str | None) -> bool:
+    return a is not None and b is not None and hmac.compare_digest(a.encode(), b.encode())
+
+
+def internal_error(where: str, exc: BaseException | None = None) -> dict:
+    """Log an unexpected fault with a fresh reference and return the error body the client gets: what
+    happened and the reference, never the exception's text (it may carry paths, shapes, internals)."""
+    ref = "err-" + uuid.uuid4().hex[:12]
+    log.error("internal error %s in %s", ref, where, exc_info=exc if exc is not None else True)
+    return P.error_body(f"internal server error while {where}; the server log has the details under reference "
+                        f"{ref}", "server_error", None, "internal_error")
+
+
 def _err(e: P.APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
@@ -103,6 +148,7 @@ def build_app(service: Service) -> FastAPI:
                               "distilled draft.")
     svc = service
     key = svc.s.api_key
+    admin_key = svc.s.admin_api_key
 
     # ---------------------------------------------------------------- errors
     @app.exception_handler(P.APIError)
@@ -122,25 +168,52 @@ def build_app(service: Service) -> FastAPI:
                             headers=getattr(e, "headers", None))
 
     @app.exception_handler(Exception)
-    async def _internal(_req, e: Exception):
-        log.exception("internal error")
+    async def _internal(req: Request, e: Exception):
         svc.telemetry.inc("request_errors_total", code="500")
-        return JSONResponse(P.error_body(f"internal error: {type(e).__name__}", "server_error", None,
-                                         "internal_error"), status_code=500)
+        return JSONResponse(internal_error(f"handling {req.method} {req.url.path}", e), status_code=500)
 
     def auth(request: Request) -> None:
+        """The inference key, on /v1/models and the completion routes."""
         if not key:
             return
-        got = request.headers.get("authorization", "")
-        scheme, _, token = got.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        if not _same(_bearer(request), key):
             raise P.APIError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
                              type="authentication_error", code="invalid_api_key")
 
+    def admin_allowed(request: Request) -> bool:
+        if admin_key:
+            return _same(_bearer(request), admin_key)
+        return is_loopback(request.client.host if request.client else None)
+
+    def admin_auth(request: Request) -> None:
+        """/v1/admin/*: the admin key when one is set (from any address), else loopback callers only.
+        The inference key never opens these routes."""
+        if admin_key:
+            token = _bearer(request)
+            if _same(token, admin_key):
+                return
+            if _same(token, key):
+                raise P.APIError(403, "the inference API key does not open admin endpoints; send the admin key "
+                                 "('Authorization: Bearer <admin key>')", type="permission_error",
+                                 code="admin_key_required")
+            raise P.APIError(401, "admin endpoints need the admin key: send 'Authorization: Bearer <admin key>'",
+                             type="authentication_error", code="invalid_admin_key")
+        if not admin_allowed(request):
+            raise P.APIError(403, "admin endpoints answer loopback callers only when no admin key is configured; "
+                             "call from the server's host, or start the server with --admin-key (or "
+                             "DRAFTSMITH_ADMIN_KEY) and send it as 'Authorization: Bearer <admin key>'",
+                             type="permission_error", code="admin_loopback_only")
+
     # ---------------------------------------------------------------- probes
     @app.get("/health")
-    async def health():
+    async def health(request: Request):
         ok, info = svc.health()
+        if not admin_allowed(request):
+            # an open probe: say what state the replica is in, but not the exception text behind it
+            if not ok:
+                info["reason"] = "unhealthy; an admin caller sees the cause here and at /v1/admin/draft"
+            if info.get("swap_error"):
+                info["swap_error"] = "the last draft swap failed; an admin caller sees the cause at /v1/admin/draft"
         return JSONResponse(info, status_code=200 if ok else 503)
 
     @app.get("/metrics", response_class=PlainTextResponse)
@@ -169,10 +242,8 @@ def build_app(service: Service) -> FastAPI:
         except P.APIError:
             raise
         except Exception as e:  # noqa: BLE001
-            log.exception("internal error")
             svc.telemetry.inc("request_errors_total", code="500")
-            return JSONResponse(P.error_body(f"internal error: {type(e).__name__}: {e}", "server_error", None,
-                                             "internal_error"), status_code=500)
+            return JSONResponse(internal_error("generating", e), status_code=500)
 
     def _prompt_ids(body, chat: bool) -> list[int]:
         tok = svc.engine.tokenizer
@@ -218,6 +289,14 @@ def build_app(service: Service) -> FastAPI:
         except ValueError as e:
             raise P.APIError(400, str(e)) from None
         spec = P.spec_params(body, svc.engine.draft is not None)
+        # the engine refuses a request that could never fit its KV budget; say so as a 400 here (its
+        # exception inside decoding would be an internal error whose text the client does not see)
+        footprint, budget = svc.engine.footprint(len(prompt), sampling, spec), svc.engine.max_batch_tokens
+        if footprint > budget:
+            raise P.APIError(400, f"this request may hold {footprint} KV tokens (prompt + max_tokens + gamma, times "
+                             f"beams or drafts), more than this server's budget of {budget}; lower max_tokens, "
+                             "speculative.beams or speculative.params.num_drafts", param="max_tokens",
+                             code="kv_budget_exceeded")
         rid = P.new_id("chatcmpl" if chat else "cmpl")
         deadline = t0 + svc.s.request_timeout_s
         ts = P.TextStream(svc.engine.tokenizer, body.stop)
@@ -294,26 +373,26 @@ def build_app(service: Service) -> FastAPI:
             svc.telemetry.inc("request_errors_total", code=str(e.status))
             yield event(e.body())
         except Exception as e:  # noqa: BLE001 - a stream ends with an error event, never a dropped socket
-            log.exception("error while streaming %s", rid)
             svc.telemetry.inc("request_errors_total", code="500")
-            yield event(P.error_body(f"internal error: {type(e).__name__}: {e}", "server_error", None, "internal_error"))
+            yield event(internal_error(f"streaming {rid}", e))
         finally:
             cancel.set()
         yield "data: [DONE]\n\n"
 
     # ---------------------------------------------------------------- admin
-    @app.get("/v1/admin/draft", dependencies=[Depends(auth)])
+    @app.get("/v1/admin/draft", dependencies=[Depends(admin_auth)])
     async def admin_draft():
         champion = None
         if svc.registry is not None:
             try:
                 champion = await run_in_threadpool(svc.registry.champion)
-            except Exception as e:  # noqa: BLE001
-                champion = f"unknown ({e})"
+            except Exception:  # noqa: BLE001
+                log.warning("admin: cannot read the champion alias", exc_info=True)
+                champion = "unknown (the registry could not be read; the replica log has the cause)"
         return {"replica": svc.s.replica_id, "draft_version": svc.engine.draft_version, "champion": champion,
                 "swap_error": svc.swap_error}
 
-    @app.post("/v1/admin/reload", dependencies=[Depends(auth)])
+    @app.post("/v1/admin/reload", dependencies=[Depends(admin_auth)])
     async def admin_reload():
         if svc.registry is None:
             raise P.APIError(409, "this server serves an explicit draft folder (--draft); there is no registry "
@@ -324,7 +403,7 @@ def build_app(service: Service) -> FastAPI:
         return {"replica": svc.s.replica_id, "draft_version": version,
                 "note": "other replicas load the champion within their watch interval"}
 
-    @app.post("/v1/admin/rollback", dependencies=[Depends(auth)])
+    @app.post("/v1/admin/rollback", dependencies=[Depends(admin_auth)])
     async def admin_rollback(body: P.RollbackRequest):
         if svc.registry is None:
             raise P.APIError(409, "this server serves an explicit draft folder (--draft); nothing to roll back",

@@ -362,21 +362,71 @@ def test_client_disconnect_stops_decoding(pair):
 
 
 # ----------------------------------------------------------------------------- auth, metrics, buffer
-def test_api_key_guards_v1_and_admin_but_not_probes(pair):
+def test_api_key_guards_inference_routes_but_not_admin_or_probes(pair):
+    """The inference key guards /v1/models and the completion routes; it neither opens nor closes the
+    admin routes, which (no admin key here) answer loopback callers only: this test's client is on
+    127.0.0.1; a remote caller is simulated through X-Forwarded-For, which uvicorn honours from 127.0.0.1
+    only (tests/test_safe_defaults.py calls from a real non-loopback address)."""
     srv = LiveServer(tiny_service(*pair, api_key="s3cret")).start()
     try:
         with httpx.Client(base_url=srv.url, timeout=30) as c:
             assert_error(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}), 401, code="invalid_api_key")
             assert_error(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2},
                                 headers={"Authorization": "Bearer wrong"}), 401)
-            assert_error(c.post("/v1/admin/reload"), 401)
-            assert_error(c.post("/v1/admin/rollback", json={}), 401)
             assert_error(c.get("/v1/models"), 401)
             auth = {"Authorization": "Bearer s3cret"}
             assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=auth).status_code == 200
-            r = c.post("/v1/admin/reload", headers=auth)
-            assert_error(r, 409, code="no_registry")          # an explicit --draft has no registry to reload
+            # admin from loopback: no key needed, and the inference key changes nothing
+            for headers in ({}, auth):
+                assert_error(c.post("/v1/admin/reload", headers=headers), 409, code="no_registry")  # explicit draft
+                assert c.get("/v1/admin/draft", headers=headers).status_code == 200
+            remote = {**auth, "X-Forwarded-For": "203.0.113.7"}
+            assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=remote).status_code == 200
+            for r in (c.post("/v1/admin/reload", headers=remote), c.post("/v1/admin/rollback", json={}, headers=remote),
+                      c.get("/v1/admin/draft", headers=remote)):
+                err = assert_error(r, 403, code="admin_loopback_only")
+                assert err["type"] == "permission_error" and "--admin-key" in err["message"]
             assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200
+    finally:
+        srv.stop()
+
+
+def test_admin_key_is_separate_from_the_inference_key(pair):
+    srv = LiveServer(tiny_service(*pair, api_key="inference-k", admin_api_key="admin-k")).start()
+    try:
+        with httpx.Client(base_url=srv.url, timeout=30) as c:
+            inf, adm = {"Authorization": "Bearer inference-k"}, {"Authorization": "Bearer admin-k"}
+            # an admin key set: required from loopback too
+            assert_error(c.post("/v1/admin/reload"), 401, code="invalid_admin_key")
+            assert_error(c.get("/v1/admin/draft", headers={"Authorization": "Bearer nope"}), 401,
+                         code="invalid_admin_key")
+            err = assert_error(c.post("/v1/admin/rollback", json={}, headers=inf), 403, code="admin_key_required")
+            assert "inference API key does not open admin endpoints" in err["message"]
+            assert_error(c.post("/v1/admin/reload", headers=adm), 409, code="no_registry")
+            assert c.get("/v1/admin/draft", headers={**adm, "X-Forwarded-For": "203.0.113.7"}).status_code == 200
+            # and the admin key is not an inference key
+            assert_error(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=adm), 401)
+            assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=inf).status_code == 200
+    finally:
+        srv.stop()
+
+
+def test_a_request_over_the_kv_budget_is_a_400_that_says_so(pair):
+    import torch
+
+    from serving.engine import Engine
+
+    engine = Engine.from_paths(str(pair[0]), str(pair[1]), dtype=torch.float32, draft_version="local",
+                               max_batch_tokens=64)
+    srv = LiveServer(tiny_service(*pair, engine=engine, buffer=False)).start()
+    try:
+        with httpx.Client(base_url=srv.url, timeout=30) as c:
+            body = {"prompt": "the quick brown fox", "max_tokens": 40, "temperature": 0.8,
+                    "speculative": {"mode": "mjsd", "beams": 4}}
+            err = assert_error(c.post("/v1/completions", json=body), 400, param="max_tokens", code="kv_budget_exceeded")
+            assert "budget of 64" in err["message"] and "lower max_tokens" in err["message"]
+            ok = c.post("/v1/completions", json={**body, "max_tokens": 4, "speculative": {"mode": "target"}})
+            assert ok.status_code == 200, ok.text
     finally:
         srv.stop()
 
@@ -490,27 +540,45 @@ def test_serving_survives_a_redis_restart_mid_load(pair, tmp_path):
     assert sink.stats()["reconnects"] >= 1
 
 
-def test_a_failing_engine_answers_500_bodies_then_health_503(pair):
+def test_a_failing_engine_answers_500_bodies_then_health_503(pair, caplog):
     """Faults inside decoding (a device error, say) give OpenAI-style 500 bodies, never a dropped
-    connection; after 3 consecutive failed steps /health says 503 (Ray Serve then restarts the replica)."""
+    connection, and never the exception's text: the body names a reference that the log has next to the
+    traceback. After 3 consecutive failed steps /health says 503 (Ray Serve then restarts the replica);
+    its reason carries the cause for callers the admin routes accept (loopback here), not for others."""
     svc = tiny_service(*pair)
     srv = LiveServer(svc).start()
+    secret = "CUDA error: device-side assert at /srv/private/path (simulated)"
     try:
         with httpx.Client(base_url=srv.url, timeout=30) as c:
             assert c.get("/health").status_code == 200
             real = svc.engine.target.model.forward
 
             def broken(*a, **k):
-                raise RuntimeError("CUDA error: device-side assert (simulated)")
+                raise RuntimeError(secret)
 
             svc.engine.target.model.forward = broken
-            for i in range(3):
-                err = assert_error(complete(c, max_tokens=4, speculative={"mode": "target"}), 500)
-                assert err["type"] == "server_error" and "simulated" in err["message"]
-            events = sse_events(complete(c, max_tokens=4, stream=True, speculative={"mode": "target"}))
-            assert events[-1] == "[DONE]" and events[-2]["error"]["type"] == "server_error"
+            refs = []
+            with caplog.at_level("ERROR", logger="serving.api"):
+                for i in range(3):
+                    r = complete(c, max_tokens=4, speculative={"mode": "target"})
+                    err = assert_error(r, 500, code="internal_error")
+                    assert err["type"] == "server_error" and "simulated" not in r.text and "RuntimeError" not in r.text
+                    assert "internal server error while generating" in err["message"]
+                    refs.append(err["message"].rsplit(" ", 1)[-1])
+                r = complete(c, max_tokens=4, stream=True, speculative={"mode": "target"})
+                events = sse_events(r)
+                assert events[-1] == "[DONE]" and events[-2]["error"]["type"] == "server_error"
+                assert "simulated" not in r.text and "internal server error while streaming" in r.text
+                refs.append(events[-2]["error"]["message"].rsplit(" ", 1)[-1])
+            assert all(ref.startswith("err-") for ref in refs) and len(set(refs)) == 4
+            logged = "\n".join(rec.getMessage() + "\n" + (rec.exc_text or "") for rec in caplog.records)
+            for ref in refs:                                  # the operator finds the cause by the reference
+                assert ref in logged
+            assert "simulated" in caplog.text
             h = c.get("/health")
             assert h.status_code == 503 and "consecutive decoding steps failed" in h.json()["reason"]
+            h = c.get("/health", headers={"X-Forwarded-For": "203.0.113.7"})    # a remote probe
+            assert h.status_code == 503 and h.json()["status"] == "unhealthy" and "simulated" not in h.text
             svc.engine.target.model.forward = real
     finally:
         srv.stop()
