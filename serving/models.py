@@ -85,15 +85,69 @@ def gguf_path() -> Path:
     return path
 
 
-def ensure_default_target(root: Path | None = None) -> Path:
-    """Convert the packaged GGUF to a plain model folder once; return the folder."""
-    out = (root or cache_dir()) / "models" / DEFAULT_TARGET
-    if (out / "config.json").exists() and any(out.glob("*.safetensors")):
+def _folder_ready(out: Path) -> bool:
+    return (out / "config.json").exists() and any(out.glob("*.safetensors"))
+
+
+def convert_once(out: Path, build, what: str = "model") -> Path:
+    """Make the model folder `out` once, safely across threads and processes: `build(tmp)` writes the
+    folder into `tmp`, which then becomes `out` by one rename.
+
+    An exclusive lock (fcntl.flock on `<out>.lock`, released by the kernel if the holder dies) is held
+    while converting, so processes starting at once (replicas, a trainer, a second `draftsmith serve`)
+    never write into the same temporary folder: the first converts, the others wait for it and return
+    the finished folder. The temporary folder is private to the holder (`<out>.tmp-<pid>`); temporary
+    folders that crashed holders left behind are removed under the lock."""
+    import fcntl
+    import shutil
+
+    out = Path(out)
+    if _folder_ready(out):
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out.with_name(out.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        t_wait = time.time()
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("another process is converting %s to %s; waiting for it", what, out)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            log.info("waited %.1f s for the conversion of %s", time.time() - t_wait, what)
+        if _folder_ready(out):
+            return out
+        for stale in out.parent.glob(out.name + ".tmp*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        if out.exists():                     # an incomplete folder (no weights): convert again
+            shutil.rmtree(out)
+        tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+        try:
+            build(tmp)
+            if not _folder_ready(tmp):
+                raise ModelLoadError(f"converting {what} wrote no model folder (config.json + *.safetensors) "
+                                     f"into {tmp}")
+            os.rename(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return out
+    finally:
+        os.close(fd)                         # releases the lock
+
+
+def ensure_default_target(root: Path | None = None) -> Path:
+    """Convert the packaged GGUF to a plain model folder once (under a lock, see convert_once); return
+    the folder."""
+    out = (root or cache_dir()) / "models" / DEFAULT_TARGET
+    if _folder_ready(out):
+        return out
+    return convert_once(out, _convert_gguf, what=GGUF_FILE)
+
+
+def _convert_gguf(tmp: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = gguf_path()
-    log.info("converting %s to a plain model folder at %s (one-off, ~20 s)", src.name, out)
+    log.info("converting %s to a plain model folder (one-off, ~20 s)", src.name)
     t0 = time.time()
     tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
     quantized = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
@@ -108,13 +162,9 @@ def ensure_default_target(root: Path | None = None) -> Path:
         raise ModelLoadError(f"GGUF conversion lost weights: missing={missing} unexpected={unexpected}")
     if missing:  # tied output layer
         model.tie_weights()
-    tmp = out.with_name(out.name + ".tmp")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    if not out.exists():
-        tmp.rename(out)
     log.info("converted in %.1f s", time.time() - t0)
-    return out
 
 
 def resolve_model_path(spec: str | os.PathLike | None) -> Path:
