@@ -1,6 +1,6 @@
 """`draftsmith` command line (console script `draftsmith = deploy.cli:main`).
 
-    draftsmith serve [--host H] [--port P] [--target T] [--draft D] [--replicas N] [--api-key K]
+    draftsmith serve [--host H] [--port P] [--target T] [--draft D] [--replicas N] [--api-key K] [--admin-key K]
     draftsmith bootstrap [--out DIR] [--budget 14m] [--force]
     draftsmith distill [--every 10m] [--min-records N] [--margin 0.01]
     draftsmith register CANDIDATE_DIR            (or a full model folder: a new base draft)
@@ -110,7 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--draft", default=None, help="draft folder or registry version (default: the champion)")
     s.add_argument("--replicas", type=_positive_int, default=1)
     s.add_argument("--api-key", default=os.environ.get("DRAFTSMITH_API_KEY"),
-                   help="require this bearer token (default $DRAFTSMITH_API_KEY; none = open)")
+                   help="require this bearer token on the inference routes (default $DRAFTSMITH_API_KEY; "
+                        "none = open); it does not open the admin routes")
+    s.add_argument("--admin-key", default=None,
+                   help="require this bearer token on /v1/admin/* from any address (default "
+                        "$DRAFTSMITH_ADMIN_KEY; none = admin routes answer loopback callers only)")
     s.add_argument("--no-bootstrap", action="store_true",
                    help="with no registered draft, serve target-only instead of building the default draft "
                         "in the background")
@@ -171,14 +175,24 @@ def _gate_policy(args):
 
 
 def cmd_serve(args) -> int:
+    """Serve until SIGINT or SIGTERM; serve_forever then stops every process below this one: Ray's, the
+    embedded Redis, and a background bootstrap started here (the next start begins it again; a finished
+    teacher-data cache is re-used)."""
     try:
         from serving.app import serve_forever
     except ImportError as e:
         raise CommandFailed(f"the serving application is not available ({e})") from None
+    if args.admin_key is not None and not args.admin_key.strip():
+        raise BadInput("--admin-key is empty; pass a secret, or leave it out to keep admin routes loopback-only")
+    admin = args.admin_key or os.environ.get("DRAFTSMITH_ADMIN_KEY")
+    if admin and args.api_key and admin == args.api_key:
+        raise BadInput("the admin key (--admin-key / $DRAFTSMITH_ADMIN_KEY) must differ from the API key "
+                       "(--api-key / $DRAFTSMITH_API_KEY): every inference client would hold the admin key")
     if args.draft is None and not args.no_bootstrap:
         _bootstrap_in_background(args)
+    keys = {"admin_api_key": args.admin_key} if args.admin_key else {}   # else serve_forever reads the env
     serve_forever(host=args.host, port=args.port, target=args.target, draft=args.draft,
-                  replicas=args.replicas, api_key=args.api_key)
+                  replicas=args.replicas, api_key=args.api_key, **keys)
     return EXIT_OK
 
 

@@ -1,13 +1,24 @@
 """The Ray Serve application: N replicas of the FastAPI app (serving/api.py) over a Service each, plus
 one named MetricsHub actor that merges their metrics and logs live acceptance to MLflow.
 
-    draftsmith serve [--port 8000] [--replicas 1] [--draft DIR] [--api-key KEY]    -> serve_forever(...)
+    draftsmith serve [--port 8000] [--replicas 1] [--draft DIR] [--api-key KEY] [--admin-key KEY]
+                                                                                 -> serve_forever(...)
     serve run serving.app:app_builder target=... replicas=2                       (an existing Ray)
     serve deploy deploy/serve_config.yaml                                          (a running cluster)
 
 `serve_forever` starts (or joins, with RAY_ADDRESS) Ray, resolves the Redis URL once (REDIS_URL or the
 embedded server under ./data, shared by every replica) and the MLflow tracking URI, starts the hub, and
-runs the app on host:port until interrupted. CPU budget: each replica asks Ray for `num_cpus` (default
+runs the app on host:port until SIGINT or SIGTERM. Then, in order, it stops the hub, Serve, Ray
+(`ray.shutdown`, which stops the raylet and with it Ray's agents), the embedded Redis, and finally every
+process still running below it. (Before, Ray's own SIGTERM handler exited the driver and Ray went down by
+fate-sharing: its DashboardAgent and RuntimeEnvAgent, orphaned, kept running for minutes.) For that
+last sweep `serve_forever` makes its process a child subreaper (Linux), so whatever Ray orphans on the
+way is re-parented to it instead of to init and is still found. A second signal, or a shutdown longer
+than SHUTDOWN_TIMEOUT_S, stops everything below at once with SIGKILL.
+
+Keys: `app_builder` (serve run / serve deploy) takes `api_key` and `admin_api_key` from its args, else
+from DRAFTSMITH_API_KEY / DRAFTSMITH_ADMIN_KEY in the environment of the process that builds the app,
+so deploy/serve_config.yaml holds no key. CPU budget: each replica asks Ray for `num_cpus` (default
 2 / replicas on a 2-core machine, so that one or two replicas fit beside the proxy) and sets torch's
 thread count to match.
 """
@@ -15,6 +26,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import sys
+import threading
 import time
 
 from ray import serve
@@ -24,6 +38,7 @@ from serving.service import Service, ServiceSettings, settings_from_env
 
 log = logging.getLogger(__name__)
 APP_NAME = "draftsmith"
+SHUTDOWN_TIMEOUT_S = 60.0     # graceful stop (replicas finish in-flight requests: up to 20 s); then SIGKILL
 
 
 @serve.deployment(name="Draftsmith", max_ongoing_requests=64, health_check_period_s=10,
@@ -81,15 +96,16 @@ def build(settings: ServiceSettings, replicas: int = 1, num_cpus: float | None =
     return DraftsmithDeployment.options(**opts).bind(fields)
 
 
-def app_builder(args: dict):
-    """Entry point for `serve run serving.app:app_builder key=value ...` and serve_config.yaml.
-
-    args: any ServiceSettings field, plus `replicas` and `num_cpus`. The hub is started here, so the
-    app has merged metrics and live MLflow charts however it was deployed."""
+def settings_from_args(args: dict) -> tuple[ServiceSettings, int, float | None]:
+    """`app_builder`'s args -> (settings, replicas, num_cpus). Values arrive as strings from `serve run`;
+    `api_key` / `admin_api_key` not given (or empty) come from DRAFTSMITH_API_KEY / DRAFTSMITH_ADMIN_KEY."""
     args = dict(args or {})
     replicas = int(args.pop("replicas", 1))
     num_cpus = args.pop("num_cpus", None)
-    conv = {"max_running": int, "max_waiting": int, "max_tokens_limit": int, "max_body_bytes": int,
+    for field_name, env_name in (("api_key", "DRAFTSMITH_API_KEY"), ("admin_api_key", "DRAFTSMITH_ADMIN_KEY")):
+        if not args.get(field_name):
+            args[field_name] = os.environ.get(env_name) or None
+    conv = {"max_running": int, "max_waiting": int, "max_batch_tokens": int, "max_tokens_limit": int, "max_body_bytes": int,
             "request_timeout_s": float, "watch_interval_s": float, "live_interval_s": float, "torch_threads": int}
     for k, f in conv.items():
         if k in args and args[k] is not None:
@@ -97,45 +113,214 @@ def app_builder(args: dict):
     if "buffer" in args and isinstance(args["buffer"], str):
         args["buffer"] = args["buffer"].lower() not in ("0", "false", "no", "off")
     settings = ServiceSettings(**args)
+    check_keys(settings)
+    return settings, replicas, float(num_cpus) if num_cpus is not None else None
+
+
+def check_keys(settings: ServiceSettings) -> None:
+    """ValueError when the admin key equals the inference key (every inference client would hold it)."""
+    if settings.admin_api_key and settings.admin_api_key == settings.api_key:
+        raise ValueError("admin_api_key (DRAFTSMITH_ADMIN_KEY) must differ from api_key (DRAFTSMITH_API_KEY)")
+
+
+def app_builder(args: dict):
+    """Entry point for `serve run serving.app:app_builder key=value ...` and serve_config.yaml.
+
+    args: any ServiceSettings field, plus `replicas` and `num_cpus` (see settings_from_args). The hub is
+    started here, so the app has merged metrics and live MLflow charts however it was deployed."""
+    settings, replicas, num_cpus = settings_from_args(args)
     if settings.redis_url is None and settings.buffer and not os.environ.get("REDIS_URL"):
         from buffer.embedded import ensure_embedded
 
         settings.redis_url = ensure_embedded()
     start_hub(settings)
-    return build(settings, replicas, float(num_cpus) if num_cpus is not None else None)
+    return build(settings, replicas, num_cpus)
+
+
+# ---------------------------------------------------------------------------------- process lifecycle
+class _Stop(BaseException):
+    """Raised in the main thread by the SIGTERM / SIGINT handler (a BaseException, like KeyboardInterrupt,
+    so no `except Exception` on the way swallows it)."""
+
+
+def become_subreaper() -> bool:
+    """Make this process a child subreaper (Linux prctl PR_SET_CHILD_SUBREAPER): orphaned descendants are
+    re-parented to it, not to init, so they stay findable below it. False where that is not possible."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(36, 1, 0, 0, 0) == 0        # PR_SET_CHILD_SUBREAPER = 36
+    except (OSError, AttributeError):
+        return False
+
+
+def _proc_table() -> dict[int, tuple[int, str]]:
+    """pid -> (ppid, state) of every process, from /proc."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        rest = stat[stat.rfind(")") + 2:].split()       # the command name may hold spaces and parentheses
+        if len(rest) >= 2:
+            out[int(entry)] = (int(rest[1]), rest[0])
+    return out
+
+
+def descendants(pid: int | None = None) -> list[int]:
+    """Live (not zombie) processes below `pid` (default: this process), from /proc."""
+    root = os.getpid() if pid is None else pid
+    table = _proc_table()
+    children: dict[int, list[int]] = {}
+    for p, (pp, _) in table.items():
+        children.setdefault(pp, []).append(p)
+    out, todo = [], list(children.get(root, ()))
+    while todo:
+        p = todo.pop()
+        if table.get(p, (0, "Z"))[1] not in ("Z", "X"):
+            out.append(p)
+        todo.extend(children.get(p, ()))
+    return out
+
+
+def _reap_children() -> None:
+    """Collect exit statuses of this process's finished children (adopted orphans included)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def stop_descendants(grace_s: float = 10.0) -> list[int]:
+    """SIGTERM every process below this one, SIGKILL what is left after `grace_s`; return the pids
+    that were still running when called."""
+    found = pids = descendants()
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in pids:
+            try:
+                os.kill(p, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.monotonic() + (grace_s if sig == signal.SIGTERM else 5.0)
+        while time.monotonic() < deadline:
+            _reap_children()
+            if not descendants():
+                break
+            time.sleep(0.1)
+        left = descendants()
+        if not left:
+            break
+        pids = left
+    _reap_children()
+    return found
+
+
+def _hard_stop(code: int) -> None:
+    """A second signal or a hung shutdown: kill everything below at once and exit."""
+    try:
+        print("[serve] stopping every remaining process now (SIGKILL)", file=sys.stderr, flush=True)
+        stop_descendants(grace_s=0.0)
+    finally:
+        os._exit(code)
+
+
+def _install_stop_handlers() -> None:
+    def first(signum, _frame):
+        raise _Stop(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, first)
 
 
 def serve_forever(host: str = "127.0.0.1", port: int = 8000, target: str | None = None, draft: str | None = None,
-                  replicas: int = 1, api_key: str | None = None, **settings) -> None:
-    """Start Ray (or join RAY_ADDRESS), the embedded Redis when needed, the hub and the app; block until ^C."""
+                  replicas: int = 1, api_key: str | None = None, admin_api_key: str | None = None,
+                  **settings) -> None:
+    """Start Ray (or join RAY_ADDRESS), the embedded Redis when needed, the hub and the app; block until
+    SIGINT or SIGTERM, then stop everything this process started (see the module docstring)."""
     import ray
 
     from deploy.registry import default_tracking_uri
 
-    s = settings_from_env(target=target, draft=draft, api_key=api_key, **settings)
-    s.tracking_uri = s.tracking_uri or default_tracking_uri()
-    if s.buffer and s.redis_url is None and not os.environ.get("REDIS_URL"):
-        from buffer.embedded import ensure_embedded
-
-        s.redis_url = ensure_embedded()
-    s.redis_url = s.redis_url or os.environ.get("REDIS_URL")
-    ray.init(address=os.environ.get("RAY_ADDRESS") or None, namespace=HUB_NAMESPACE, ignore_reinit_error=True,
-             include_dashboard=False, log_to_driver=True)
-    hub = start_hub(s)
-    serve.start(http_options={"host": host, "port": int(port)})
-    serve.run(build(s, replicas), name=APP_NAME, route_prefix="/")
-    print(f"[serve] Draftsmith is up: http://{host}:{port}/v1 (model {target or 'smollm2-135m-instruct'}, "
-          f"{replicas} replica(s), buffer {'on' if s.buffer else 'off'}, MLflow {s.tracking_uri}); Ctrl-C stops it",
-          flush=True)
+    main_thread = threading.current_thread() is threading.main_thread()
+    if main_thread:
+        become_subreaper()
+        _install_stop_handlers()
+    hub = None
+    why = "stopped"
     try:
+        s = settings_from_env(target=target, draft=draft, api_key=api_key, admin_api_key=admin_api_key, **settings)
+        check_keys(s)
+        s.tracking_uri = s.tracking_uri or default_tracking_uri()
+        if s.buffer and s.redis_url is None and not os.environ.get("REDIS_URL"):
+            from buffer.embedded import ensure_embedded
+
+            s.redis_url = ensure_embedded()
+        s.redis_url = s.redis_url or os.environ.get("REDIS_URL")
+        ray.init(address=os.environ.get("RAY_ADDRESS") or None, namespace=HUB_NAMESPACE, ignore_reinit_error=True,
+                 include_dashboard=False, log_to_driver=True)
+        if main_thread:
+            _install_stop_handlers()            # ray.init installs its own SIGTERM handler (sys.exit)
+        hub = start_hub(s)
+        serve.start(http_options={"host": host, "port": int(port)})
+        serve.run(build(s, replicas), name=APP_NAME, route_prefix="/")
+        admin = "admin key set" if s.admin_api_key else "admin endpoints: loopback callers only"
+        print(f"[serve] Draftsmith is up: http://{host}:{port}/v1 (model {target or 'smollm2-135m-instruct'}, "
+              f"{replicas} replica(s), buffer {'on' if s.buffer else 'off'}, MLflow {s.tracking_uri}, {admin}); "
+              "Ctrl-C or SIGTERM stops it", flush=True)
         while True:
+            # Orphans re-parented here while serving stay zombies until the shutdown reaps them: reaping
+            # now (waitpid(-1)) could take the exit status of a child that Ray's own code waits for.
             time.sleep(3600)
-    except KeyboardInterrupt:
-        print("[serve] shutting down", flush=True)
+    except (_Stop, KeyboardInterrupt) as e:
+        signum = e.args[0] if isinstance(e, _Stop) and e.args else signal.SIGINT
+        why = f"{signal.Signals(signum).name} received"
     finally:
+        _shutdown(hub, why, main_thread)
+
+
+def _shutdown(hub, why: str, main_thread: bool) -> None:
+    import ray
+
+    if main_thread:
+        # from here on a second SIGINT / SIGTERM (an impatient operator) kills everything at once
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, _f: _hard_stop(128 + signum))
+    watchdog = threading.Timer(SHUTDOWN_TIMEOUT_S, _hard_stop, args=(1,))
+    watchdog.daemon = True
+    watchdog.start()
+    print(f"[serve] {why}: shutting down", flush=True)
+    steps = []
+    if ray.is_initialized():                   # (serve.shutdown would start Ray to look for Serve)
+        if hub is not None:
+            steps.append(("metrics hub", lambda: ray.get(hub.stop.remote(), timeout=10)))
+        steps.append(("Serve", serve.shutdown))
+        if hub is not None:
+            steps.append(("hub actor", lambda: ray.kill(hub)))
+        steps.append(("Ray", ray.shutdown))
+
+    def embedded_redis():
+        from buffer.embedded import stop_embedded
+
+        stop_embedded()
+
+    steps.append(("embedded Redis", embedded_redis))
+    for name, step in steps:
         try:
-            ray.get(hub.stop.remote(), timeout=10)
-        except Exception:  # noqa: BLE001
-            pass
-        serve.shutdown()
-        ray.kill(hub)
+            step()
+        except Exception as e:  # noqa: BLE001 - every later step must still run
+            log.warning("shutdown: stopping the %s failed: %s", name, e)
+    left = stop_descendants() if main_thread else []
+    watchdog.cancel()
+    if left:
+        print(f"[serve] stopped {len(left)} process(es) left behind by Ray's shutdown", flush=True)
+    print("[serve] stopped", flush=True)
