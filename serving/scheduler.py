@@ -164,8 +164,13 @@ class BatchScheduler:
                 continue
             try:
                 self._round()
-            except Exception:   # noqa: BLE001 - the loop must survive anything a round throws
-                log.exception("scheduler round failed")
+            except Exception as exc:   # noqa: BLE001 - the loop must survive anything a round throws
+                # a fault outside the guarded forwards (bookkeeping): fail what is running rather than
+                # repeat it every round, and start the caches afresh
+                log.exception("scheduler round failed; failing the running requests")
+                for req in self.prefilling + self.batch + self.solo:
+                    self._fail(req, exc)
+                self.tkv = self.dkv = self.dkv_model = None
             idle_since = time.monotonic()
 
     def _round(self) -> None:

@@ -384,3 +384,21 @@ def test_http_request_over_the_kv_budget_is_a_clear_400(pair):
             assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] > 0
     finally:
         srv.stop()
+
+
+def test_a_fault_in_the_scheduler_fails_the_running_requests_and_it_keeps_serving(pair, monkeypatch):
+    """A bug outside the model forwards (here: compaction raising) fails the requests of that round with the
+    error, instead of hanging them, and the next request is served normally."""
+    eng = make_engine(pair)
+    spec, sampling = SpecParams(mode="speculative", gamma=3), SamplingParams(temperature=0.0, max_tokens=12)
+    prompt = ids(eng, PROMPTS[0])
+    want = eng.generate_all(prompt, sampling, spec).token_ids
+
+    def broken(self, slack=32):
+        raise RuntimeError("compaction bug (simulated)")
+
+    monkeypatch.setattr(BatchKV, "compact", broken)
+    with pytest.raises(RuntimeError, match="compaction bug"):
+        eng.generate_all(prompt, sampling, spec)
+    monkeypatch.undo()
+    assert eng.generate_all(prompt, sampling, spec).token_ids == want
