@@ -30,12 +30,33 @@ peft `merge_and_unload()`, and caches the merged plain folder under
 store, so two registries that both have a "version 3" never share a cache entry). Serving loads
 that folder with plain transformers; peft is only needed here.
 
+**Faults.** Reads tell "not there" from "cannot read": a registered model or version that does not
+exist is `{}` / None / UsageError, while any other failure (server down, database unreadable) raises
+`RegistryUnavailable`, so an outage never reads as "no champion" or "not paused". Callers keep what
+they have (replicas keep serving their draft) and fail closed (no promotion).
+
+**Alias moves are serialised across processes** by an exclusive `fcntl.flock` on a lock file
+(`AliasLock`): next to the SQLite file for a local store, under `<DRAFTSMITH_DATA>/locks/` for a
+tracking server. Every promote, rollback, candidate-alias move and pause/resume takes it, re-reads the
+aliases under it, and only then writes. MLflow has no conditional (compare-and-set) alias update, so an
+MLflow-side CAS would be a read-then-write race again; the file lock covers every process that shares
+the store's data folder (the deployment model here: one machine or one shared volume). The rollback
+pause is enforced here too: `promote` refuses while promotions are paused (`PromotionsPaused`), and a
+pause that cannot be read refuses as well.
+
+**Targets.** Every version records the fingerprint of the target it was built for
+(`draftsmith.target_sha256`, `target_fingerprint`: sha256 over the target folder's config and weight
+files, computed once per folder and cached by file size and mtime). The gate refuses a candidate for
+another target and replicas refuse to load one (serving/service.py).
+
 Default store: `sqlite:///<DRAFTSMITH_DATA>/mlflow.db` with artifacts in `<DRAFTSMITH_DATA>/mlartifacts`
 (`DRAFTSMITH_DATA` defaults to `./data`), created on first use; `MLFLOW_TRACKING_URI` (or the
 `tracking_uri` argument) selects a tracking server instead, whose own artifact store is then used.
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
 import logging
@@ -62,6 +83,10 @@ VOCABULARY = "vocabulary.json"                  # a candidate's chosen output vo
 MARKER = ".draftsmith-materialized.json"        # written last into a cached merged folder
 TAG = "draftsmith."                             # prefix of every tag this module writes
 PAUSE_TAG = TAG + "promotions_paused"           # registered-model tag: scheduled distillation paused
+TARGET_HASH_TAG = TAG + "target_sha256"         # version tag: fingerprint of the target the draft was built for
+SINCE_TAG = TAG + "champion_since_ms"           # version tag: when it last became the champion (epoch ms)
+NOT_FOUND = "RESOURCE_DOES_NOT_EXIST"
+TARGET_CONFIG_IGNORED = ("transformers_version", "_name_or_path")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
@@ -76,6 +101,23 @@ class UsageError(RegistryError, ValueError):
 
 class ArtifactError(RegistryError):
     """A version's stored artifacts are missing, corrupt or unusable; nothing was changed."""
+
+
+class RegistryUnavailable(RegistryError):
+    """MLflow could not be read or written (server down, database unreadable...): a transient fault, not
+    an answer. Nothing was changed; retry later."""
+
+
+class PromotionsPaused(RegistryError):
+    """Promotion refused: promotions are paused (after a rollback) until `draftsmith resume`."""
+
+
+def _not_found(exc: BaseException) -> bool:
+    return getattr(exc, "error_code", None) == NOT_FOUND
+
+
+def _unavailable(exc: BaseException, what: str) -> RegistryUnavailable:
+    return RegistryUnavailable(f"MLflow unavailable: cannot {what} ({type(exc).__name__}: {str(exc)[:300]})")
 
 
 # ---------------------------------------------------------------------------------- locations
@@ -143,6 +185,149 @@ def verify_manifest(root: Path, manifest: dict[str, dict], what: str) -> None:
 
 def _canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+
+
+# ---------------------------------------------------------------------------------- target fingerprints
+_FINGERPRINTS: dict[str, tuple[tuple, str]] = {}
+_FINGERPRINT_LOCK = threading.Lock()
+
+
+def _draftsmith_cache() -> Path:
+    """`DRAFTSMITH_CACHE` (default ~/.cache/draftsmith), as serving.models.cache_dir (not imported: torch)."""
+    return Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith"))
+
+
+def resolve_target_folder(target: str | os.PathLike | None) -> Path | None:
+    """The local folder of a target: the converted default target under the cache (only if it has been
+    converted already; nothing is converted here), or a folder holding config.json; None otherwise."""
+    if target in (None, "", "default", DEFAULT_TARGET_NAME):
+        folder = _draftsmith_cache() / "models" / DEFAULT_TARGET_NAME
+    else:
+        folder = Path(str(target)).expanduser()
+    return folder.resolve() if (folder / "config.json").is_file() else None
+
+
+def _target_files(folder: Path) -> list[Path]:
+    files = [folder / "config.json"]
+    files += sorted(p for p in folder.iterdir() if p.is_file() and (p.name.endswith(WEIGHT_SUFFIXES)
+                                                                    or p.name in WEIGHT_INDEXES))
+    if (folder / "tokenizer.json").is_file():
+        files.append(folder / "tokenizer.json")
+    return files
+
+
+def target_fingerprint(target: str | os.PathLike | None) -> str | None:
+    """sha256 over a target folder's config.json (without `transformers_version` / `_name_or_path`), weight
+    files and tokenizer.json: what a draft version is pinned to (`draftsmith.target_sha256`). None when the
+    target has no local folder. Computed once per folder: cached in memory and in
+    `<DRAFTSMITH_CACHE>/target-fingerprints.json`, keyed by each file's size and mtime, so a later call
+    costs a few stat() calls."""
+    folder = resolve_target_folder(target)
+    if folder is None:
+        return None
+    files = _target_files(folder)
+    stamp = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    key = str(folder)
+    with _FINGERPRINT_LOCK:
+        hit = _FINGERPRINTS.get(key)
+        if hit is not None and hit[0] == stamp:
+            return hit[1]
+        store = _draftsmith_cache() / "target-fingerprints.json"
+        try:
+            disk = json.loads(store.read_text())
+        except (OSError, json.JSONDecodeError):
+            disk = {}
+        entry = disk.get(key) if isinstance(disk, dict) else None
+        if isinstance(entry, dict) and entry.get("stamp") == [list(x) for x in stamp] and entry.get("sha256"):
+            _FINGERPRINTS[key] = (stamp, entry["sha256"])
+            return entry["sha256"]
+        h = hashlib.sha256()
+        for p in files:
+            if p.name == "config.json":
+                try:
+                    cfg = json.loads(p.read_text())
+                except (OSError, json.JSONDecodeError):
+                    cfg = {}
+                if isinstance(cfg, dict):
+                    cfg = {k: v for k, v in cfg.items() if k not in TARGET_CONFIG_IGNORED}
+                digest = hashlib.sha256(_canonical_json(cfg).encode()).hexdigest()
+            else:
+                digest = _sha256(p)
+            h.update(f"{p.name}\0{digest}\n".encode())
+        sha = h.hexdigest()
+        _FINGERPRINTS[key] = (stamp, sha)
+        if isinstance(disk, dict):
+            disk[key] = {"stamp": [list(x) for x in stamp], "sha256": sha}
+            try:
+                store.parent.mkdir(parents=True, exist_ok=True)
+                tmp = store.with_name(f".{store.name}.{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(disk))
+                os.replace(tmp, store)
+            except OSError as e:
+                log.debug("target fingerprint cache not written: %s", e)
+        return sha
+
+
+def short_hash(sha: str | None) -> str:
+    return "unknown" if not sha else sha[:12]
+
+
+# ---------------------------------------------------------------------------------- the alias lock
+class AliasLock:
+    """Serialises alias moves (and pause/resume) of one registered model across threads and processes:
+    an exclusive `fcntl.flock` on `path`, waited for up to `timeout_s` seconds (RegistryError after).
+    Re-entrant within one thread of one Registry (rollback pauses while holding it). The kernel drops
+    the lock when its holder dies, so a killed process never leaves it taken."""
+
+    def __init__(self, path: str | os.PathLike, timeout_s: float = 120.0) -> None:
+        self.path = Path(path)
+        self.timeout_s = float(timeout_s)
+        self._local = threading.RLock()
+        self._depth = 0
+        self._fd: int | None = None
+
+    def _take(self) -> int:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as e:
+                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    os.close(fd)
+                    raise
+                if time.monotonic() >= deadline:
+                    os.close(fd)
+                    raise RegistryError(f"another process has held the alias lock {self.path} for more than "
+                                        f"{self.timeout_s:g} s; nothing was changed, try again") from None
+                time.sleep(0.05)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "since": time.time()}).encode(), 0)
+        return fd
+
+    def __enter__(self) -> "AliasLock":
+        if not self._local.acquire(timeout=self.timeout_s):
+            raise RegistryError(f"alias lock {self.path}: another thread held it for more than {self.timeout_s:g} s")
+        try:
+            if self._depth == 0:
+                self._fd = self._take()
+            self._depth += 1
+        except BaseException:
+            self._local.release()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self._depth -= 1
+            if self._depth == 0 and self._fd is not None:
+                fd, self._fd = self._fd, None
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                os.close(fd)
+        finally:
+            self._local.release()
 
 
 # ---------------------------------------------------------------------------------- vocabularies
@@ -278,6 +463,11 @@ class VersionInfo:
     params: dict = field(default_factory=dict)
 
     @property
+    def target_sha256(self) -> str | None:
+        """Fingerprint of the target this draft was built for (None: not recorded, an older version)."""
+        return self.tags.get(TARGET_HASH_TAG) or None
+
+    @property
     def offline_acceptance(self) -> float | None:
         """Held-out acceptance of this draft as measured when it was built (None when unknown)."""
         for k in ("offline_acceptance_after", "heldout_top1_agreement_after", "offline_acceptance"):
@@ -308,11 +498,14 @@ class Registry:
         tracking_uri: MLflow tracking URI (default: `MLFLOW_TRACKING_URI` or the local SQLite store).
         artifact_root: artifact folder for a local store (default `<DRAFTSMITH_DATA>/mlartifacts`).
         cache_root: where merged drafts are cached (default `<DRAFTSMITH_CACHE>/drafts`).
+        lock_path: the alias lock file (default: next to a SQLite store, else under
+            `<DRAFTSMITH_DATA>/locks/`); every process that moves this model's aliases must use the same one.
     """
 
     def __init__(self, target: str | os.PathLike | None = None, *, name: str | None = None,
                  tracking_uri: str | None = None, artifact_root: str | os.PathLike | None = None,
-                 cache_root: str | os.PathLike | None = None) -> None:
+                 cache_root: str | os.PathLike | None = None, lock_path: str | os.PathLike | None = None,
+                 lock_timeout_s: float = 120.0) -> None:
         self.target = str(target) if target not in (None, "") else DEFAULT_TARGET_NAME
         self.name = name or model_name_for(self.target)
         self.tracking_uri = tracking_uri or default_tracking_uri()
@@ -320,7 +513,15 @@ class Registry:
         self._cache_root = Path(cache_root) if cache_root else None
         self._client = None
         self._experiment_id: str | None = None
-        self._lock = threading.Lock()
+        self.alias_lock = AliasLock(lock_path or self._default_lock_path(), timeout_s=lock_timeout_s)
+
+    def _default_lock_path(self) -> Path:
+        slug = re.sub(r"[^A-Za-z0-9._-]+", "-", self.name)
+        if self.tracking_uri.startswith("sqlite:///"):
+            db = Path(self.tracking_uri[len("sqlite:///"):]).resolve()
+            return db.parent / f".{db.name}.{slug}.aliases.lock"
+        uri_id = hashlib.sha256(self.tracking_uri.encode()).hexdigest()[:12]
+        return data_dir() / "locks" / f"{slug}-{uri_id}.aliases.lock"
 
     # ------------------------------------------------------------------ plumbing
     @property
@@ -382,7 +583,9 @@ class Registry:
 
         try:
             self.client.get_registered_model(self.name)
-        except MlflowException:
+        except Exception as e:  # noqa: BLE001 - only "does not exist" means create it
+            if not _not_found(e):
+                raise _unavailable(e, f"read the registered model {self.name}") from None
             try:
                 self.client.create_registered_model(
                     self.name, tags={TAG + "target": self.target},
@@ -392,23 +595,25 @@ class Registry:
             except MlflowException:
                 self.client.get_registered_model(self.name)  # created concurrently; re-raise if truly failing
 
-    def exists(self) -> bool:
-        from mlflow.exceptions import MlflowException
-
+    def _registered_model(self):
+        """The registered model, or None when it does not exist yet; RegistryUnavailable when MLflow
+        cannot be read (an outage never reads as "nothing registered")."""
         try:
-            self.client.get_registered_model(self.name)
-            return True
-        except MlflowException:
-            return False
+            return self.client.get_registered_model(self.name)
+        except Exception as e:  # noqa: BLE001 - classified below
+            if _not_found(e):
+                return None
+            raise _unavailable(e, f"read the registered model {self.name}") from None
+
+    def exists(self) -> bool:
+        return self._registered_model() is not None
 
     # ------------------------------------------------------------------ queries
     def aliases(self) -> dict[str, str]:
-        """{alias: version} of the registered model ({} when nothing is registered yet)."""
-        from mlflow.exceptions import MlflowException
-
-        try:
-            rm = self.client.get_registered_model(self.name)
-        except MlflowException:
+        """{alias: version} of the registered model ({} when nothing is registered yet).
+        RegistryUnavailable when MLflow cannot be read."""
+        rm = self._registered_model()
+        if rm is None:
             return {}
         return {a: str(v) for a, v in (rm.aliases or {}).items()}
 
@@ -424,7 +629,9 @@ class Registry:
         v = _version_str(version)
         try:
             return self.client.get_model_version(self.name, v)
-        except MlflowException:
+        except MlflowException as e:
+            if not _not_found(e):
+                raise _unavailable(e, f"read version {v} of {self.name}") from None
             known = ", ".join(i.version for i in self.versions()) or "none"
             raise UsageError(f"version {v} is not registered in {self.name} (registered versions: {known}); "
                              "see `draftsmith versions`") from None
@@ -433,7 +640,10 @@ class Registry:
         tags = dict(mv.tags or {})
         metrics, params = {}, {}
         if mv.run_id:
-            run = self.client.get_run(mv.run_id)
+            try:
+                run = self.client.get_run(mv.run_id)
+            except Exception as e:  # noqa: BLE001
+                raise _unavailable(e, f"read the run of version {mv.version}") from None
             metrics, params = dict(run.data.metrics), dict(run.data.params)
         parent = tags.get(TAG + "parent_version") or None
         return VersionInfo(
@@ -456,7 +666,10 @@ class Registry:
         """All versions, oldest first (empty before the first registration)."""
         if not self.exists():
             return []
-        mvs = self.client.search_model_versions(f"name='{self.name}'")
+        try:
+            mvs = self.client.search_model_versions(f"name='{self.name}'")
+        except Exception as e:  # noqa: BLE001
+            raise _unavailable(e, f"list the versions of {self.name}") from None
         by_v = self._aliases_by_version()
         return sorted((self._info(mv, by_v) for mv in mvs), key=lambda i: int(i.version))
 
@@ -473,11 +686,8 @@ class Registry:
 
     def history(self) -> list[dict]:
         """Alias moves and gate verdicts, oldest first."""
-        from mlflow.exceptions import MlflowException
-
-        try:
-            rm = self.client.get_registered_model(self.name)
-        except MlflowException:
+        rm = self._registered_model()
+        if rm is None:
             return []
         items = [(k, v) for k, v in (rm.tags or {}).items() if k.startswith(TAG + "history.")]
         out = []
@@ -487,6 +697,47 @@ class Registry:
             except json.JSONDecodeError:
                 out.append({"action": "unreadable", "raw": v})
         return out
+
+    def champion_since_ms(self, info: "VersionInfo") -> int | None:
+        """When `info`'s version last became the champion (promotion or restoring rollback), epoch ms."""
+        raw = info.tags.get(SINCE_TAG)
+        if raw and str(raw).isdigit():
+            return int(raw)
+        for key in (TAG + "restored_at", TAG + "promoted_at"):
+            if info.tags.get(key):
+                try:
+                    return int(time.mktime(time.strptime(info.tags[key], "%Y-%m-%dT%H:%M:%S%z")) * 1000)
+                except ValueError:
+                    continue
+        return None
+
+    def live_intervals(self, version: Any, *, since_ms: int | None = None, until_ms: int | None = None,
+                       experiment: str = LIVE_EXPERIMENT) -> list[dict]:
+        """The live serving intervals LiveStatsLogger logged for draft `version` (every run tagged with it),
+        oldest first, logged in [since_ms, until_ms): one dict per flush with `time_ms`,
+        `acceptance_rate`, and, where logged, `draft_tokens`, `accepted_tokens`, `requests`, `tokens`.
+        RegistryUnavailable when MLflow cannot be read."""
+        v = str(version)
+        try:
+            exp = self.client.get_experiment_by_name(experiment)
+            if exp is None:
+                return []
+            runs = self.client.search_runs([exp.experiment_id],
+                                           filter_string=f"tags.`{TAG}draft_version` = '{v}'", max_results=50)
+            out: dict[tuple[str, int], dict] = {}
+            for run in runs:
+                for key in ("acceptance_rate", "draft_tokens", "accepted_tokens", "requests", "tokens"):
+                    for m in self.client.get_metric_history(run.info.run_id, key):
+                        if since_ms is not None and m.timestamp < since_ms:
+                            continue
+                        if until_ms is not None and m.timestamp >= until_ms:
+                            continue
+                        out.setdefault((run.info.run_id, m.timestamp), {"time_ms": m.timestamp})[key] = m.value
+        except RegistryError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise _unavailable(e, f"read the live statistics of draft version {v}") from None
+        return sorted((d for d in out.values() if "acceptance_rate" in d), key=lambda d: d["time_ms"])
 
     def _record_history(self, entry: dict) -> None:
         entry = {"time": time.time(), **entry}
@@ -541,11 +792,13 @@ class Registry:
 
     def register_base(self, folder: str | os.PathLike, *, metrics: dict | None = None,
                       params: dict | None = None, description: str = "base draft",
-                      set_champion_if_none: bool = False) -> str:
+                      set_champion_if_none: bool = False, target_sha256: str | None = None) -> str:
         """Register a full draft model folder (config.json + weights + tokenizer) as a new base version.
 
         Numeric fields of the folder's `draftsmith.json` (except `output_token_ids`) and `metrics`
-        become run metrics, its other fields and `params` run params.
+        become run metrics, its other fields and `params` run params. `target_sha256`: the fingerprint
+        of the target it was built for (`target_fingerprint`); default: this registry's target's, when
+        that target has a local folder.
         """
         folder = Path(folder)
         if not (folder / "config.json").is_file():
@@ -564,16 +817,21 @@ class Registry:
         all_metrics = {**_numeric(meta), **_numeric(metrics)}
         all_params = _flatten("", {k: v for k, v in meta.items() if _key(k) not in all_metrics}, {})
         all_params.update(_flatten("", params or {}, {}))
+        target_sha = target_sha256 or target_fingerprint(self.target)
         version = self._create_version(
             kind="base", files={"draft": folder}, run_name=f"{self.name}-base", params=all_params,
-            metrics=all_metrics, tags={TAG + "source_path": str(folder.resolve())[:5000], **_vocab_tags(vocab)},
+            metrics=all_metrics, tags={TAG + "source_path": str(folder.resolve())[:5000], **_vocab_tags(vocab),
+                                       **({TARGET_HASH_TAG: target_sha} if target_sha else {})},
             description=description)
         if set_champion_if_none and self.champion() is None:
             self.promote(version, reason="first base draft")
         return version
 
-    def register_candidate(self, candidate_dir: str | os.PathLike) -> str:
-        """Register a distillation candidate folder (docs/architecture.md, "Candidate folder") and point the `candidate` alias at it."""
+    def register_candidate(self, candidate_dir: str | os.PathLike, *, target_sha256: str | None = None,
+                           tags: dict[str, str] | None = None) -> str:
+        """Register a distillation candidate folder (docs/architecture.md, "Candidate folder") and point the
+        `candidate` alias at it. Its target fingerprint: candidate.json `target_sha256` (the job writes the
+        one the scheduler gave it), else `target_sha256`, else its parent version's."""
         cdir = Path(candidate_dir)
         meta = read_candidate(cdir)
         parent = meta.get("parent_version")
@@ -602,6 +860,8 @@ class Registry:
         else:                                                  # an older candidate: the parent's vocabulary
             ptags = self._model_version(parent).tags or {}
             vocab_tags = {k: ptags[k] for k in (TAG + "vocab_size", TAG + "vocab_sha256") if k in ptags}
+        target_sha = (meta.get("target_sha256") or target_sha256
+                      or (self._model_version(parent).tags or {}).get(TARGET_HASH_TAG))
         tags = {
             TAG + "parent_version": parent,
             TAG + "base_draft_path": str(meta.get("base_draft_path") or "")[:5000],
@@ -609,13 +869,16 @@ class Registry:
             TAG + "loss": str(meta.get("loss") or ""),
             TAG + "data_window": _canonical_json(window)[:5000],
             **vocab_tags,
+            **({TARGET_HASH_TAG: str(target_sha)} if target_sha else {}),
+            **{_key(k): str(v)[:5000] for k, v in (tags or {}).items()},
         }
         version = self._create_version(
             kind="adapter", files=files,
             run_name=f"{self.name}-candidate", params=params, metrics=metrics, tags=tags,
             description=f"LoRA adapter on version {parent} ({meta.get('loss') or 'unknown'} loss)")
-        self.client.set_registered_model_alias(self.name, CANDIDATE, version)
-        self._record_history({"action": "register", "version": version, "parent_version": parent})
+        with self.alias_lock:
+            self.client.set_registered_model_alias(self.name, CANDIDATE, version)
+            self._record_history({"action": "register", "version": version, "parent_version": parent})
         return version
 
     def register(self, path: str | os.PathLike) -> str:
@@ -788,27 +1051,39 @@ class Registry:
     def set_alias(self, alias: str, version: Any) -> None:
         if alias not in ALIASES:
             raise UsageError(f"unknown alias {alias!r}; Draftsmith uses {', '.join(ALIASES)}")
-        self.client.set_registered_model_alias(self.name, alias, str(self._model_version(version).version))
+        with self.alias_lock:
+            self.client.set_registered_model_alias(self.name, alias, str(self._model_version(version).version))
 
     def _delete_alias(self, alias: str) -> None:
         from mlflow.exceptions import MlflowException
 
         try:
             self.client.delete_registered_model_alias(self.name, alias)
-        except MlflowException:
-            pass
+        except MlflowException as e:
+            if not _not_found(e):
+                raise _unavailable(e, f"delete the {alias} alias of {self.name}") from None
 
-    def promote(self, version: Any, *, reason: str = "", gate: dict | None = None) -> AliasMove:
+    def promote(self, version: Any, *, reason: str = "", gate: dict | None = None,
+                ignore_pause: bool = False) -> AliasMove:
         """Make `version` the champion; the old champion becomes `previous`. Idempotent.
 
-        The version (and its parent chain) is verified and materialised first; if that fails an
-        ArtifactError is raised and no alias moves. Policy (the gate) is the caller's: see deploy/gate.py.
+        Under the alias lock (module docstring): refuses with PromotionsPaused while promotions are paused
+        (unless `ignore_pause`, an operator's explicit override), and with RegistryUnavailable when the
+        pause or the aliases cannot be read (fail closed). The version (and its parent chain) is verified
+        and materialised first; if that fails an ArtifactError is raised and no alias moves. Policy (the
+        gate) is the caller's: see deploy/gate.py.
         """
-        with self._lock:
+        with self.alias_lock:
             v = str(self._model_version(version).version)
             old = self.champion()
             if old == v:
                 return AliasMove("promote", v, old, self.alias(PREVIOUS), False, f"version {v} is already the champion")
+            paused = self.promotions_paused()
+            if paused and not ignore_pause:
+                raise PromotionsPaused(
+                    f"promotions of {self.name} are paused since "
+                    f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(paused.get('time', 0)))} "
+                    f"({paused.get('reason')}); version {v} was not promoted. `draftsmith resume` lifts the pause")
             self.materialize(v, verify=True)
             if old is not None:
                 self.client.set_registered_model_alias(self.name, PREVIOUS, old)
@@ -816,7 +1091,8 @@ class Registry:
             if self.alias(CANDIDATE) == v:
                 self._delete_alias(CANDIDATE)
             now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-            self.set_version_tags(v, {TAG + "promoted_at": now, TAG + "promote_reason": reason or "-"})
+            self.set_version_tags(v, {TAG + "promoted_at": now, TAG + "promote_reason": reason or "-",
+                                      SINCE_TAG: str(_now_ms())})
             if old is not None:
                 self.set_version_tags(old, {TAG + "demoted_at": now})
             self._record_history({"action": "promote", "version": v, "from": old, "reason": reason,
@@ -831,25 +1107,24 @@ class Registry:
         Stored as a registered-model tag, so every scheduler sharing this registry sees it."""
         self._ensure_model()
         entry = {"time": time.time(), "reason": reason}
-        self.client.set_registered_model_tag(self.name, PAUSE_TAG, json.dumps(entry))
-        self._record_history({"action": "pause", "reason": reason})
+        with self.alias_lock:
+            self.client.set_registered_model_tag(self.name, PAUSE_TAG, json.dumps(entry))
+            self._record_history({"action": "pause", "reason": reason})
 
     def resume_promotions(self) -> bool:
         """Clear the pause; False when there was none."""
-        if self.promotions_paused() is None:
-            return False
-        self.client.delete_registered_model_tag(self.name, PAUSE_TAG)
-        self._record_history({"action": "resume"})
-        return True
+        with self.alias_lock:
+            if self.promotions_paused() is None:
+                return False
+            self.client.delete_registered_model_tag(self.name, PAUSE_TAG)
+            self._record_history({"action": "resume"})
+            return True
 
     def promotions_paused(self) -> dict | None:
-        """{"time", "reason"} while scheduled promotion is paused, else None."""
-        from mlflow.exceptions import MlflowException
-
-        try:
-            raw = (self.client.get_registered_model(self.name).tags or {}).get(PAUSE_TAG)
-        except MlflowException:
-            return None
+        """{"time", "reason"} while promotion is paused, else None (also before anything is registered).
+        RegistryUnavailable when MLflow cannot be read: an outage never reads as "not paused"."""
+        rm = self._registered_model()
+        raw = None if rm is None else (rm.tags or {}).get(PAUSE_TAG)
         if raw is None:
             return None
         try:
@@ -857,8 +1132,13 @@ class Registry:
         except json.JSONDecodeError:
             return {"time": 0, "reason": raw}
 
-    def rollback(self, to: Any | None = None, *, reason: str = "", pause: bool = True) -> AliasMove:
+    def rollback(self, to: Any | None = None, *, reason: str = "", pause: bool = True,
+                 details: dict | None = None) -> AliasMove:
         """Move `champion` back to `previous` (or to version `to`). Idempotent.
+
+        `reason` is recorded on the rolled-back version (`draftsmith.rollback_reason`), in the history
+        and in the pause; `details` (e.g. the watchdog's figures) go to the history entry and, as JSON, to
+        the version tag `draftsmith.rollback_details`.
 
         After a rollback `previous` is cleared and the rolled-back version is tagged
         `draftsmith.rolled_back_at`, so repeating the command is a no-op. The target version is
@@ -867,7 +1147,7 @@ class Registry:
         distillation (`pause_promotions`), so the scheduler does not promote the next candidate
         behind the operator's back; `draftsmith resume` lifts it.
         """
-        with self._lock:
+        with self.alias_lock:
             champ = self.champion()
             prev = self.alias(PREVIOUS)
             if to is None:
@@ -890,9 +1170,13 @@ class Registry:
             self._delete_alias(PREVIOUS)
             now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
             if champ is not None:
-                self.set_version_tags(champ, {TAG + "rolled_back_at": now, TAG + "rolled_back_to": target})
-            self.set_version_tags(target, {TAG + "restored_at": now})
-            self._record_history({"action": "rollback", "from": champ, "to": target, "reason": reason})
+                self.set_version_tags(champ, {TAG + "rolled_back_at": now, TAG + "rolled_back_to": target,
+                                              TAG + "rollback_reason": reason or "-",
+                                              **({TAG + "rollback_details": json.dumps(details, default=str)}
+                                                 if details else {})})
+            self.set_version_tags(target, {TAG + "restored_at": now, SINCE_TAG: str(_now_ms())})
+            self._record_history({"action": "rollback", "from": champ, "to": target, "reason": reason,
+                                  **({"details": details} if details else {})})
             if pause:
                 self.pause_promotions(f"rollback from version {champ} to {target}: {reason or 'no reason given'}")
             return AliasMove("rollback", target, champ, None, True,
@@ -972,6 +1256,8 @@ class LiveAggregate:
     acceptance_rate = accepted draft tokens / proposed draft tokens; mean_accepted_length = accepted
     draft tokens per verification step; tokens_per_s = emitted tokens / request wall time;
     joules_per_token = energy / emitted tokens, or None where energy is not measurable.
+    draft_tokens / accepted_tokens / steps: the counts behind the rates (None when only rates were given);
+    the watchdog (deploy/scheduler.py) weighs intervals by them.
     """
 
     acceptance_rate: float
@@ -980,6 +1266,9 @@ class LiveAggregate:
     joules_per_token: float | None = None
     requests: int = 0
     tokens: int = 0
+    draft_tokens: int | None = None
+    accepted_tokens: int | None = None
+    steps: int | None = None
 
 
 class LiveStatsLogger:
@@ -1042,7 +1331,8 @@ class LiveStatsLogger:
                     tokens_per_s=s["tokens"] / s["wall_time_s"] if s["wall_time_s"] > 0 else 0.0,
                     joules_per_token=(s["energy_j"] / s["tokens"]
                                       if s["energy_missing"] == 0 and s["tokens"] > 0 else None),
-                    requests=int(s["requests"]), tokens=int(s["tokens"]))
+                    requests=int(s["requests"]), tokens=int(s["tokens"]), draft_tokens=int(s["draft_tokens"]),
+                    accepted_tokens=int(s["accepted_tokens"]), steps=int(s["steps"]))
             self._pending.clear()
             self._sums.clear()
             return out
@@ -1081,6 +1371,9 @@ class LiveStatsLogger:
                           "tokens_per_s": agg.tokens_per_s, "requests": agg.requests, "tokens": agg.tokens}
                 if agg.joules_per_token is not None:
                     values["joules_per_token"] = agg.joules_per_token
+                for k in ("draft_tokens", "accepted_tokens", "steps"):
+                    if getattr(agg, k) is not None:
+                        values[k] = getattr(agg, k)
                 ms = int(now * 1000)
                 metrics = [Metric(k, float(v), ms, step) for k, v in values.items()]
                 self.registry.client.log_batch(run_id, metrics=metrics)

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from deploy.registry import (CANDIDATE, CHAMPION, PREVIOUS, ArtifactError, LiveAggregate, LiveStatsLogger, Registry,
-                             UsageError, model_name_for, vocabulary_digest)
+from deploy.registry import (CANDIDATE, CHAMPION, PREVIOUS, AliasLock, ArtifactError, LiveAggregate, LiveStatsLogger,
+                             PromotionsPaused, Registry, RegistryUnavailable, UsageError, model_name_for,
+                             target_fingerprint, vocabulary_digest)
 from deploy_helpers import artifact_dir, fresh_store, lora_model, make_base_draft, make_candidate, template_db
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -196,6 +197,8 @@ def test_promote_and_rollback_move_aliases_idempotently(registry, base, tmp_path
     assert back.changed and back.champion == "1" and back.old_champion == "2"
     assert registry.aliases() == {CHAMPION: "1"}
     assert registry.get("2").tags["draftsmith.rolled_back_to"] == "1"
+    assert registry.get("2").tags["draftsmith.rollback_reason"] == "bad live acceptance"
+    assert registry.champion_since_ms(registry.get("1")) >= registry.champion_since_ms(registry.get("2"))
     again = registry.rollback()
     assert not again.changed and "already rolled back" in again.message
     assert registry.aliases() == {CHAMPION: "1"}
@@ -303,12 +306,12 @@ def test_live_stats_one_run_per_version_over_time(registry):
                       "tokens": accepted + 1, "wall_time_s": 0.5, "energy_j": None})
     live.update("2", LiveAggregate(acceptance_rate=0.8, mean_accepted_length=3.2, tokens_per_s=40.0,
                                    joules_per_token=0.25, requests=3, tokens=90))
-    assert live.flush() == 5 + 6
+    assert live.flush() == 8 + 6                                 # observed sums also log their 3 counts
     assert live.flush() == 0                                     # nothing new since
     clock[0] += 30
     live.observe({"draft_version": "1", "accepted_tokens": 4, "draft_tokens": 4, "steps": 1, "tokens": 5,
                   "wall_time_s": 0.25, "energy_j": 1.0})
-    assert live.flush() == 6
+    assert live.flush() == 9
 
     client = registry.client
     exp = client.get_experiment_by_name("draftsmith-live")
@@ -322,6 +325,14 @@ def test_live_stats_one_run_per_version_over_time(registry):
     jpt = client.get_metric_history(runs["live-v1"].info.run_id, "joules_per_token")
     assert [m.value for m in jpt] == pytest.approx([1.0 / 5])      # first interval had no energy figure
     assert client.get_run(runs["live-v2"].info.run_id).data.metrics["mean_accepted_length"] == pytest.approx(3.2)
+    # the counts behind the rates, read back per interval (what the watchdog weighs them by)
+    got = registry.live_intervals("1")
+    assert [(i["draft_tokens"], i["accepted_tokens"]) for i in got] == [(8, 4), (4, 4)]
+    assert [i["time_ms"] for i in got] == [1_000_000, 1_030_000]
+    assert registry.live_intervals("1", since_ms=1_010_000) == got[1:]
+    assert registry.live_intervals("1", until_ms=1_010_000) == got[:1]
+    assert "draft_tokens" not in registry.live_intervals("2")[0]     # a ready aggregate: rates only
+    assert registry.live_intervals("9") == []
     # a new logger (e.g. after a restart) keeps using the same run per version
     live2 = LiveStatsLogger(registry=registry, interval_s=5, clock=lambda: clock[0])
     live2.update("2", LiveAggregate(0.7, 3.0, 41.0))
@@ -413,8 +424,10 @@ def test_against_mlflow_server_backed_by_postgresql(tmp_path, monkeypatch):
         # the server's artifact store is what promotion checks
         stored = next((tmp_path / "server-artifacts").rglob("adapter/adapter_model.safetensors"))
         _flip_byte(stored)
-        with pytest.raises(ArtifactError, match="corrupt"):
+        with pytest.raises(PromotionsPaused):                              # the rollback paused promotion
             reg.promote("2")
+        with pytest.raises(ArtifactError, match="corrupt"):
+            reg.promote("2", ignore_pause=True)
         assert reg.aliases() == {CHAMPION: "1"}
         live = LiveStatsLogger(registry=reg, interval_s=1)
         live.update("1", LiveAggregate(0.6, 2.4, 30.0))
@@ -428,3 +441,114 @@ def test_against_mlflow_server_backed_by_postgresql(tmp_path, monkeypatch):
             proc.wait(10)
         conn.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
         conn.close()
+
+
+# ----------------------------------------------------------------------------- issue 17: faults, locks, pins
+def _dead_uri() -> str:
+    return f"http://127.0.0.1:{_free_port()}"          # nothing listens there
+
+
+def test_an_outage_is_not_an_answer(registry, base, tmp_path, monkeypatch):
+    """A missing model reads as "nothing registered"; an unreachable MLflow raises RegistryUnavailable from
+    every read a replica or the scheduler decides on, instead of "no champion" / "not paused"."""
+    assert registry.aliases() == {} and registry.champion() is None and registry.promotions_paused() is None
+    assert registry.history() == [] and registry.versions() == []
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    dead = Registry("tiny-target", tracking_uri=_dead_uri(), cache_root=tmp_path / "cache",
+                    lock_path=tmp_path / "dead.lock")
+    for read in (dead.aliases, dead.champion, dead.promotions_paused, dead.history, dead.versions, dead.exists,
+                 lambda: dead.get("1"), lambda: dead.live_intervals("1")):
+        with pytest.raises(RegistryUnavailable, match="MLflow unavailable"):
+            read()
+    with pytest.raises(RegistryUnavailable):
+        dead.promote("1")                                   # fails closed, no alias written anywhere
+    # a SQLite store whose file turned into garbage is an outage too (not "no versions")
+    registry.register_base(base)
+    registry.promote("1")
+    db = Path(registry.tracking_uri[len("sqlite:///"):])
+    broken = Registry("tiny-target", tracking_uri=f"sqlite:///{tmp_path / 'garbage.db'}", cache_root=tmp_path / "c2")
+    (tmp_path / "garbage.db").write_bytes(b"this is not a database" * 100)
+    with pytest.raises(RegistryUnavailable):
+        broken.champion()
+    assert db.exists() and registry.champion() == "1"
+
+
+def test_promote_refuses_while_paused_and_when_the_pause_cannot_be_read(registry, base, tmp_path):
+    registry.register_base(base)
+    registry.promote("1")
+    registry.register_candidate(make_candidate(tmp_path / "c", base, parent_version="1"))
+    registry.pause_promotions("operator says stop")
+    with pytest.raises(PromotionsPaused, match="operator says stop"):
+        registry.promote("2")
+    assert registry.champion() == "1"
+    assert registry.promote("2", ignore_pause=True).changed and registry.champion() == "2"
+
+
+def test_alias_moves_are_serialised_across_processes(registry, base, tmp_path):
+    """While this process holds the alias lock, a promotion in another process waits (and moves nothing);
+    released, it goes through. Then two processes promoting at once never lose an update: each recorded
+    move starts from the champion the previous one left."""
+    registry.register_base(base)
+    registry.promote("1")
+    for i in (2, 3, 4):
+        registry.register_candidate(make_candidate(tmp_path / f"c{i}", base, parent_version="1", seed=i))
+    for v in ("2", "3", "4"):
+        registry.materialize(v)                              # warm the cache: the children only move aliases
+    script = (f"import sys; from deploy.registry import Registry; "
+              f"r = Registry('tiny-target', tracking_uri={registry.tracking_uri!r}, "
+              f"cache_root={str(registry.cache_root)!r}); "
+              f"[print(r.promote(v, reason='proc').message, flush=True) for v in sys.argv[1:]]")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    held = AliasLock(registry.alias_lock.path)
+    with held:
+        proc = subprocess.Popen([sys.executable, "-c", script, "2"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        time.sleep(8)                                        # it started, imported MLflow, and waits on the lock
+        assert proc.poll() is None and registry.champion() == "1"
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "version 2 is now the champion" in out and registry.champion() == "2"
+
+    a = subprocess.Popen([sys.executable, "-c", script, "3", "4", "3"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    b = subprocess.Popen([sys.executable, "-c", script, "4", "3", "4"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    for p in (a, b):
+        _, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err
+    moves = [h for h in registry.history() if h["action"] == "promote"]
+    for before, after in zip(moves, moves[1:]):
+        assert after["from"] == before["version"], moves          # no move started from a stale champion
+    assert registry.alias(PREVIOUS) == moves[-1]["from"] and registry.champion() == moves[-1]["version"]
+
+
+def test_target_fingerprint_is_computed_once_and_pins_versions(tmp_path, monkeypatch, registry, base):
+    import deploy.registry as R
+    from tiny_models import save_pair
+
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache-home"))
+    target, _ = save_pair(tmp_path / "pair")
+    hashed = []
+    real = R._sha256
+    monkeypatch.setattr(R, "_sha256", lambda p: (hashed.append(Path(p).name), real(p))[1])
+    sha = target_fingerprint(target)
+    assert len(sha) == 64 and "model.safetensors" in hashed and "tokenizer.json" in hashed
+    hashed.clear()
+    assert target_fingerprint(str(target)) == sha and hashed == []          # memory cache: stat() only
+    R._FINGERPRINTS.clear()
+    assert target_fingerprint(target) == sha and hashed == []               # the on-disk cache
+    assert json.loads((tmp_path / "cache-home" / "target-fingerprints.json").read_text())
+    cfg = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**cfg, "transformers_version": "9.9.9"}))
+    assert target_fingerprint(target) == sha                                # re-saved by another version
+    _flip_byte(target / "model.safetensors")
+    assert target_fingerprint(target) not in (sha, None)                    # other weights: another target
+    assert target_fingerprint(tmp_path / "nowhere") is None
+
+    pinned = Registry(str(target), tracking_uri=registry.tracking_uri, cache_root=registry.cache_root)
+    v1 = pinned.register_base(base)
+    assert pinned.get(v1).target_sha256 == target_fingerprint(target)      # the registry's target, by default
+    v2 = pinned.register_candidate(make_candidate(tmp_path / "c", base, parent_version=v1, target=str(target),
+                                                  target_sha256="a" * 64))
+    assert pinned.get(v2).target_sha256 == "a" * 64                         # what the job wrote
