@@ -1,42 +1,67 @@
 """Promotion gate: plain policy code over the registry (no MLflow import here).
 
-A candidate version becomes the champion only if both hold:
+The gate does not trust what a distillation job says about its own candidate. It draws its own sample,
+scores both drafts on it, and decides on a paired confidence interval:
 
-1. **Offline acceptance beats the champion by the margin.** Both figures are measured by the
-   distillation job on the same held-out recent records (candidate.json metrics):
-   `champion_acceptance = offline_acceptance_before` (the parent draft, which must be the current
-   champion) and `candidate_acceptance = offline_acceptance_after`. With
-   `delta = candidate_acceptance - champion_acceptance` the check passes iff
-   `delta >= margin - 1e-9 and delta > 0` (so margin 0 still asks for a strict improvement; the 1e-9
-   absorbs float rounding such as 0.41 - 0.40 = 0.00999...). A candidate
-   trained from a parent that is no longer the champion is rejected: its "before" figure is not the
-   champion's. With no champion yet, the acceptance check passes.
-2. **Lossless smoke decode.** `smoke_check(draft_path) -> (ok, detail)` on the materialised
-   candidate; the real one (`engine_smoke_check`) decodes a few prompts at temperature 0 with
-   lossless speculative sampling and with the target alone (fp32) and demands identical tokens.
+1. **Pinned to the target.** The candidate's `draftsmith.target_sha256` tag (deploy/registry.py,
+   `target_fingerprint`) must equal the fingerprint of the target being served (`target_sha256`, by
+   default the registry target's folder). A candidate for another target, or one that records none, is
+   rejected before anything is loaded.
+2. **Independent, paired evidence.** `EvidenceSource` draws the newest held-out step records from the
+   replay buffer (read-only; held out = `training.data.is_heldout` of the request id, the split every
+   job uses, so no job ever trained on them; use the jobs' `heldout_fraction` or a smaller one), rebuilds
+   them into units (`training.data.build_units`), and scores the champion and the candidate, each as
+   materialised and on its own output vocabulary, with `training.distill.offline_acceptance` (sum over
+   the vocabulary of min(p, q) under each record's warp), per request. With per-request acceptances
+   c_r (candidate) and h_r (champion), weights w_r = the request's scored draft positions, the gain is
+   `delta = sum w_r (c_r - h_r) / sum w_r`. A paired bootstrap over requests (`bootstrap` resamples,
+   seeded) gives its one-sided lower bound at `confidence`. The check passes iff there are at least
+   `min_requests` held-out requests (and `min_heldout_records` steps), `delta >= margin` and the lower
+   bound is > 0 (the gain is significant). The job's own before/after figures are recorded next to the
+   gate's (`gate_reported_delta`) but decide nothing.
+3. **No significant regression on any traffic category.** For every `source` of the sampled requests
+   (a SequenceRecord's traffic label) with at least `category_min_requests` requests, the same paired
+   bootstrap within the category gives an upper bound at a Bonferroni-corrected level
+   (1 - (1 - confidence) / number of categories tested); an upper bound below `-category_tolerance`
+   blocks promotion, whatever the overall gain.
+4. **Lossless smoke decode.** `smoke_check(draft_path) -> (ok, detail)` on the materialised candidate;
+   the real one (`engine_smoke_check`) decodes a few prompts at temperature 0 with lossless speculative
+   sampling and with the target alone (fp32) and demands identical tokens. This only proves the draft
+   loads next to the target and runs: speculative sampling is lossless whatever the draft.
 
-**Vocabulary.** The candidate is judged on its own output vocabulary: the job measured
-`offline_acceptance_after` on the rows it chose (training/job.py) and `offline_acceptance_before` on the
-parent's rows as served; the smoke decode loads the materialised folder, whose `draftsmith.json` holds
-the version's vocabulary (deploy/registry.py), through `serving.models.read_output_token_ids`, the
-reader the engine and the trainer use. Before the smoke decode the gate reads the materialised
-folder's vocabulary through that same function and checks it against the version's registered
-`draftsmith.vocab_sha256` tag (when the version has one): a mismatch is a rejection. The size it found
-is recorded (`draftsmith.gate.vocabulary`).
+With no champion yet, checks 2 and 3 are skipped ("no champion yet").
 
-The verdict and its figures are recorded on the version either way: tags `draftsmith.gate.*` and
-metrics `gate_candidate_acceptance`, `gate_champion_acceptance`, `gate_delta`, `gate_accepted`, plus
-a history entry on the registered model.
+**Vocabulary.** Each draft is scored on the rows its materialised folder's `draftsmith.json` lists (read
+by `serving.models.read_output_token_ids`, the engine's and the trainer's reader). Before scoring, the
+gate checks the candidate folder's vocabulary against the version's registered `draftsmith.vocab_sha256`
+tag: a mismatch is a rejection. The size it found is recorded (`draftsmith.gate.vocabulary`).
+
+**Live figure.** The gate also records what live acceptance it expects of the candidate, for the
+watchdog (deploy/scheduler.py): `gate_expected_rate`, the expected accepted draft tokens per drafted
+token under the records' own draft lengths (from the per-position rates, E[L] at gamma <= 4 over
+positions), and, when the champion has live figures since it became champion (MLflow `draftsmith-live`),
+`gate_predicted_live_acceptance` = champion's live acceptance x candidate's / champion's expected rate
+on the gate sample (which carries the live mix of decoding modes over).
+
+The verdict and its figures are recorded on the version either way: tags `draftsmith.gate.*` (the
+evidence as JSON in `draftsmith.gate.evidence`) and metrics `gate_candidate_acceptance`,
+`gate_champion_acceptance`, `gate_delta`, `gate_delta_lower`, `gate_requests`, `gate_records`,
+`gate_delta.<category>`, `gate_accepted`, plus a history entry on the registered model. Promotion itself
+goes through `Registry.promote`, which refuses while promotions are paused (the verdict then says so) and
+fails closed when MLflow cannot be read.
 """
 from __future__ import annotations
 
+import json
 import logging
+import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
-from deploy.registry import TAG, ArtifactError, Registry, VersionInfo, vocabulary_digest
+from deploy.registry import (TAG, ArtifactError, PromotionsPaused, Registry, VersionInfo, short_hash,
+                             target_fingerprint, vocabulary_digest)
 
 log = logging.getLogger(__name__)
 
@@ -50,25 +75,228 @@ DEFAULT_SMOKE_PROMPTS = (
 )
 
 
+def _int_at_least(name: str, v, lo: int) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+
+
 @dataclass
 class GatePolicy:
-    """margin: absolute offline-acceptance improvement the candidate needs over the champion.
-    min_heldout_records: refuse candidates whose held-out set was smaller than this.
+    """margin: gain in held-out acceptance (gate-measured, position-weighted) the candidate needs.
+    confidence: one-sided level of the paired bootstrap bounds (overall gain > 0; category regression).
+    min_requests / min_heldout_records: held-out requests / steps the gate's own sample needs.
+    category_min_requests: a traffic category is tested only with at least this many requests.
+    category_tolerance: a category blocks only when significantly below -tolerance.
+    bootstrap, seed: resamples of the paired bootstrap and its RNG seed (verdicts are reproducible).
     require_smoke: run the lossless smoke decode (only an operator's --force skips the gate)."""
 
     margin: float = 0.01
     min_heldout_records: int = 1
+    min_requests: int = 20
+    confidence: float = 0.95
+    category_min_requests: int = 10
+    category_tolerance: float = 0.0
+    bootstrap: int = 2000
+    seed: int = 0
     require_smoke: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.margin, bool) or not isinstance(self.margin, (int, float)) or not (0.0 <= self.margin < 1.0):
             raise ValueError(f"gate margin must be a number in [0, 1), got {self.margin!r}")
-        if isinstance(self.min_heldout_records, bool) or not isinstance(self.min_heldout_records, int) \
-                or self.min_heldout_records < 0:
-            raise ValueError(f"min_heldout_records must be an integer >= 0, got {self.min_heldout_records!r}")
+        _int_at_least("min_heldout_records", self.min_heldout_records, 0)
+        _int_at_least("min_requests", self.min_requests, 2)
+        _int_at_least("category_min_requests", self.category_min_requests, 2)
+        _int_at_least("bootstrap", self.bootstrap, 100)
+        if isinstance(self.confidence, bool) or not isinstance(self.confidence, (int, float)) \
+                or not (0.5 <= self.confidence < 1.0):
+            raise ValueError(f"confidence must be a number in [0.5, 1), got {self.confidence!r}")
+        if isinstance(self.category_tolerance, bool) or not isinstance(self.category_tolerance, (int, float)) \
+                or not (0.0 <= self.category_tolerance < 1.0):
+            raise ValueError(f"category_tolerance must be a number in [0, 1), got {self.category_tolerance!r}")
         self.margin = float(self.margin)
+        self.confidence = float(self.confidence)
 
 
+# ---------------------------------------------------------------------------------- evidence
+@dataclass
+class PairedEvidence:
+    """Both drafts scored on the same held-out requests (one entry per request, same order).
+
+    acceptance: mean per-position acceptance of the request's draft positions; weight: those positions;
+    rate: expected accepted draft tokens per drafted token (E[L] x steps / positions)."""
+
+    request_ids: list[str]
+    categories: list[str]
+    weight: list[float]
+    champion: list[float]
+    candidate: list[float]
+    champion_rate: list[float] = field(default_factory=list)
+    candidate_rate: list[float] = field(default_factory=list)
+    records: int = 0                 # held-out step records in the sample
+    window: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.request_ids)
+        for name in ("categories", "weight", "champion", "candidate"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"PairedEvidence.{name} has {len(getattr(self, name))} entries for {n} requests")
+
+    @property
+    def requests(self) -> int:
+        return len(self.request_ids)
+
+    def subset(self, category: str) -> "PairedEvidence":
+        idx = [i for i, c in enumerate(self.categories) if c == category]
+        pick = (lambda xs: [xs[i] for i in idx] if xs else [])
+        return PairedEvidence(pick(self.request_ids), pick(self.categories), pick(self.weight), pick(self.champion),
+                              pick(self.candidate), pick(self.champion_rate), pick(self.candidate_rate),
+                              records=0, window=self.window)
+
+
+def _weighted(values, weight) -> float:
+    tw = float(sum(weight))
+    return float(sum(v * w for v, w in zip(values, weight)) / tw) if tw > 0 else float("nan")
+
+
+def paired_bootstrap(ev: PairedEvidence, *, resamples: int, seed: int, lower_q: float | None = None,
+                     upper_q: float | None = None) -> tuple[float, float | None, float | None]:
+    """(delta, lower, upper): the weighted mean difference candidate - champion over requests and its
+    bootstrap quantiles `lower_q` / `upper_q` (requests resampled with replacement, pairs kept together)."""
+    import numpy as np
+
+    w = np.asarray(ev.weight, dtype=np.float64)
+    d = np.asarray(ev.candidate, dtype=np.float64) - np.asarray(ev.champion, dtype=np.float64)
+    delta = float((w * d).sum() / w.sum())
+    n = len(w)
+    rng = np.random.default_rng(seed)
+    counts = rng.multinomial(n, np.full(n, 1.0 / n), size=resamples).astype(np.float64)   # [B, n]
+    tw = counts @ w
+    boot = (counts @ (w * d)) / np.where(tw > 0, tw, 1.0)
+    lo = float(np.quantile(boot, lower_q)) if lower_q is not None else None
+    hi = float(np.quantile(boot, upper_q)) if upper_q is not None else None
+    return delta, lo, hi
+
+
+@dataclass
+class EvidenceJudgement:
+    ok: bool
+    reason: str
+    candidate_acceptance: float | None = None
+    champion_acceptance: float | None = None
+    delta: float | None = None
+    delta_lower: float | None = None
+    categories: dict = field(default_factory=dict)   # source -> {"requests", "delta", "upper", "tested", "blocks"}
+
+
+def judge_evidence(ev: PairedEvidence, policy: GatePolicy) -> EvidenceJudgement:
+    """Checks 2 and 3 of the module docstring (pure)."""
+    if ev.requests < policy.min_requests or ev.records < policy.min_heldout_records:
+        return EvidenceJudgement(False, (f"not enough held-out evidence: {ev.requests} requests / {ev.records} steps "
+                                         f"in the gate's sample, the gate needs at least {policy.min_requests} "
+                                         f"requests and {policy.min_heldout_records} steps"))
+    alpha = 1.0 - policy.confidence
+    cand, champ = _weighted(ev.candidate, ev.weight), _weighted(ev.champion, ev.weight)
+    delta, lower, _ = paired_bootstrap(ev, resamples=policy.bootstrap, seed=policy.seed, lower_q=alpha)
+    out = EvidenceJudgement(False, "", cand, champ, delta, lower)
+    counts: dict[str, int] = {}
+    for c in ev.categories:
+        counts[c] = counts.get(c, 0) + 1
+    tested = sorted(c for c, n in counts.items() if n >= policy.category_min_requests)
+    level = 1.0 - alpha / max(1, len(tested))
+    blocking = []
+    for c in sorted(counts):
+        entry = {"requests": counts[c], "tested": c in tested}
+        sub = ev.subset(c)
+        if c in tested:
+            d_c, _, hi = paired_bootstrap(sub, resamples=policy.bootstrap, seed=policy.seed + 1, upper_q=level)
+            entry.update(delta=d_c, upper=hi, level=level, blocks=hi < -policy.category_tolerance)
+            if entry["blocks"]:
+                blocking.append(f"{c} ({d_c:+.4f}, upper bound {hi:+.4f} at {level:.3f}, {counts[c]} requests)")
+        else:
+            entry.update(delta=_weighted(sub.candidate, sub.weight) - _weighted(sub.champion, sub.weight))
+        out.categories[c] = entry
+    head = (f"gate sample of {ev.requests} held-out requests ({ev.records} steps): acceptance {cand:.4f} vs "
+            f"champion {champ:.4f}, delta {delta:+.4f} (one-sided {policy.confidence:g} lower bound {lower:+.4f})")
+    if blocking:
+        out.reason = f"{head}; significant regression on traffic categor{'y' if len(blocking) == 1 else 'ies'} " \
+                     + ", ".join(blocking)
+    elif delta < policy.margin - FLOAT_SLACK:
+        out.reason = f"{head} does not reach the margin {policy.margin:g}"
+    elif not lower > 0:
+        out.reason = f"{head}: the gain is not significant (lower bound <= 0)"
+    else:
+        out.ok, out.reason = True, f"{head} >= margin {policy.margin:g}, significant"
+    return out
+
+
+@dataclass
+class EvidenceSource:
+    """Where the gate draws its own held-out sample: the replay buffer at `redis_url` (default REDIS_URL,
+    else the embedded server) under `buffer_prefix`; the newest `records` held-out steps (split
+    `heldout_fraction`, the jobs' or smaller), optionally of one `source`; units of at most `max_len`
+    tokens, scored in batches of about `batch_tokens`."""
+
+    redis_url: str | None = None
+    buffer_prefix: str = "draftsmith:buf"
+    heldout_fraction: float = 0.1
+    records: int = 4000
+    max_len: int = 1024
+    batch_tokens: int = 4096
+    source: str | None = None
+
+    def __post_init__(self) -> None:
+        if not (0.0 < self.heldout_fraction < 1.0):
+            raise ValueError(f"heldout_fraction must be in (0, 1), got {self.heldout_fraction!r}")
+        _int_at_least("records", self.records, 1)
+
+    def collect(self, champion_path: Path, candidate_path: Path) -> PairedEvidence:
+        """Draw the sample and score both drafts on it (module docstring, check 2)."""
+        from buffer.redis_store import BufferConfig, ReplayBufferReader
+        from training import data
+        from training.job import _redis_url
+
+        reader = ReplayBufferReader(_redis_url(self.redis_url), BufferConfig(prefix=self.buffer_prefix))
+        try:
+            units, entries = data.heldout_units(reader, self.records, heldout_fraction=self.heldout_fraction,
+                                                max_len=self.max_len, source=self.source)
+        finally:
+            reader.client.close()
+        scores = {name: score_requests(path, units, batch_tokens=self.batch_tokens)
+                  for name, path in (("champion", champion_path), ("candidate", candidate_path))}
+        ids = sorted(set(scores["champion"]) & set(scores["candidate"]))
+        cats = {u.request_id: (u.source or "unlabelled") for u in units}
+        ch, ca = scores["champion"], scores["candidate"]
+        sids = sorted((e.stream_id for e in entries), key=data.stream_id_key)
+        return PairedEvidence(
+            ids, [cats[r] for r in ids], [ch[r]["positions"] for r in ids], [ch[r]["acceptance"] for r in ids],
+            [ca[r]["acceptance"] for r in ids], [ch[r]["rate"] for r in ids], [ca[r]["rate"] for r in ids],
+            records=sum(len(u.stream_ids) for u in units if u.request_id in ch),
+            window={"stream": reader.config.steps_key, "first_id": sids[0] if sids else None,
+                    "last_id": sids[-1] if sids else None, "heldout_fraction": self.heldout_fraction})
+
+
+def score_requests(draft_path: Path, units, *, batch_tokens: int = 4096) -> dict[str, dict]:
+    """{request id: {"acceptance", "positions", "rate", "steps"}} of the draft folder on `units`, through
+    training.distill.offline_acceptance (each unit relabelled with its request id, so its per-"source"
+    report is per request). Requests without a scored draft position are left out."""
+    from training import distill
+
+    draft = distill.Draft(draft_path, lora_r=None)
+    keyed = [replace(u, source=u.request_id) for u in units]
+    report = distill.offline_acceptance(draft, keyed, batch_tokens=batch_tokens)
+    out = {}
+    for rid, r in report.by_source.items():
+        if r["positions"] and r["acceptance"] is not None:
+            eal = r["expected_accepted_length"] or 0.0
+            out[rid] = {"acceptance": r["acceptance"], "positions": r["positions"], "steps": r["steps"],
+                        "rate": eal * r["steps"] / r["positions"]}
+    return out
+
+
+Evidence = Callable[[Path, Path], PairedEvidence]
+
+
+# ---------------------------------------------------------------------------------- the verdict
 @dataclass
 class GateVerdict:
     accepted: bool
@@ -78,10 +306,21 @@ class GateVerdict:
     candidate_acceptance: float | None
     champion_acceptance: float | None
     margin: float
-    smoke_ok: bool | None = None        # None: not run (acceptance already failed, or no smoke required)
+    smoke_ok: bool | None = None        # None: not run (an earlier check failed, or no smoke required)
     smoke_detail: str = ""
     promoted: bool = False
     vocabulary: str = ""                # output vocabulary of the materialised candidate ("N rows" / "full")
+    delta_lower: float | None = None
+    requests: int = 0
+    records: int = 0
+    categories: dict = field(default_factory=dict)
+    reported_delta: float | None = None  # what the job claimed (offline_acceptance_after - _before)
+    target_sha256: str | None = None
+    candidate_expected_rate: float | None = None
+    champion_expected_rate: float | None = None
+    predicted_live_acceptance: float | None = None
+    window: dict = field(default_factory=dict)
+    promotion: str = ""                 # "", "paused: ..." when accepted but promotions are paused
 
     @property
     def delta(self) -> float | None:
@@ -90,6 +329,8 @@ class GateVerdict:
         return self.candidate_acceptance - self.champion_acceptance
 
     def tags(self) -> dict[str, str]:
+        evidence = {"requests": self.requests, "records": self.records, "delta_lower": self.delta_lower,
+                    "categories": self.categories, "window": self.window, "reported_delta": self.reported_delta}
         return {
             "draftsmith.gate.verdict": "accepted" if self.accepted else "rejected",
             "draftsmith.gate.reason": self.reason,
@@ -98,17 +339,27 @@ class GateVerdict:
             "draftsmith.gate.smoke": {None: "not run", True: "passed", False: "failed"}[self.smoke_ok],
             "draftsmith.gate.smoke_detail": self.smoke_detail or "-",
             "draftsmith.gate.vocabulary": self.vocabulary or "not read",
+            "draftsmith.gate.target_sha256": self.target_sha256 or "unknown",
+            "draftsmith.gate.evidence": json.dumps(evidence, default=_json_float)[:5000],
+            "draftsmith.gate.promotion": self.promotion or "-",
             "draftsmith.gate.time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
 
     def metrics(self) -> dict[str, float]:
         out = {"gate_accepted": 1.0 if self.accepted else 0.0, "gate_margin": self.margin}
-        if self.candidate_acceptance is not None:
-            out["gate_candidate_acceptance"] = self.candidate_acceptance
-        if self.champion_acceptance is not None:
-            out["gate_champion_acceptance"] = self.champion_acceptance
-        if self.delta is not None:
-            out["gate_delta"] = self.delta
+        for key, value in (("gate_candidate_acceptance", self.candidate_acceptance),
+                           ("gate_champion_acceptance", self.champion_acceptance), ("gate_delta", self.delta),
+                           ("gate_delta_lower", self.delta_lower), ("gate_reported_delta", self.reported_delta),
+                           ("gate_expected_rate", self.candidate_expected_rate),
+                           ("gate_champion_expected_rate", self.champion_expected_rate),
+                           ("gate_predicted_live_acceptance", self.predicted_live_acceptance)):
+            if value is not None and math.isfinite(value):
+                out[key] = float(value)
+        if self.requests:
+            out["gate_requests"], out["gate_records"] = float(self.requests), float(self.records)
+        for cat, entry in self.categories.items():
+            if entry.get("delta") is not None and math.isfinite(entry["delta"]):
+                out[f"gate_delta.{cat}"] = float(entry["delta"])
         if self.smoke_ok is not None:
             out["gate_smoke_ok"] = 1.0 if self.smoke_ok else 0.0
         return out
@@ -117,14 +368,20 @@ class GateVerdict:
         return {**asdict(self), "delta": self.delta}
 
 
+def _json_float(x):
+    return None if isinstance(x, float) and not math.isfinite(x) else str(x)
+
+
 def judge_acceptance(candidate: VersionInfo, champion_version: str | None,
                      policy: GatePolicy) -> tuple[bool, str, float | None, float | None]:
-    """The offline-acceptance half of the gate (pure): (ok, reason, candidate_acc, champion_acc)."""
+    """What the distillation job CLAIMS about its candidate, judged by the margin (pure): (ok, reason,
+    candidate_acc, champion_acc) from candidate.json's `offline_acceptance_after` / `_before`. This no
+    longer decides anything: `run_gate` records the claim (`gate_reported_delta`) next to its own
+    measurement. It remains the one place that names the job's metrics for the gate."""
     m = candidate.metrics
     cand = m.get("offline_acceptance_after")
     if candidate.kind != "adapter":
-        return False, (f"version {candidate.version} is a {candidate.kind} draft, not a distillation candidate; "
-                       "the gate compares candidates with their parent (promote a base draft with --force)"), None, None
+        return False, f"version {candidate.version} is a {candidate.kind} draft: no job figures", None, None
     if cand is None:
         return False, "the candidate has no offline_acceptance_after metric (candidate.json metrics)", None, None
     heldout = m.get("heldout_records")
@@ -135,56 +392,118 @@ def judge_acceptance(candidate: VersionInfo, champion_version: str | None,
         return True, "no champion yet", cand, None
     if candidate.parent_version != champion_version:
         return False, (f"stale candidate: trained from version {candidate.parent_version}, but the champion is "
-                       f"version {champion_version}, so its held-out comparison is not against the champion; "
-                       "distill again from the champion"), cand, None
+                       f"version {champion_version}"), cand, None
     champ = m.get("offline_acceptance_before")
     if champ is None:
         return False, "the candidate has no offline_acceptance_before metric (the champion's figure)", cand, None
     delta = cand - champ
     if delta > 0 and delta >= policy.margin - FLOAT_SLACK:
-        return True, f"offline acceptance {cand:.4f} vs champion {champ:.4f} (+{delta:.4f} >= margin {policy.margin:g})", \
-            cand, champ
-    return False, (f"offline acceptance {cand:.4f} vs champion {champ:.4f}: delta {delta:+.4f} does not beat "
-                   f"the margin {policy.margin:g}"), cand, champ
+        return True, f"claimed {cand:.4f} vs {champ:.4f} (+{delta:.4f} >= margin {policy.margin:g})", cand, champ
+    return False, f"claimed {cand:.4f} vs {champ:.4f}: delta {delta:+.4f} below the margin {policy.margin:g}", \
+        cand, champ
+
+
+def check_target(info: VersionInfo, expected: str | None, target: str) -> str | None:
+    """None when the version is pinned to the expected target fingerprint, else the rejection reason."""
+    if expected is None:
+        return (f"cannot fingerprint the target {target!r} (no local model folder), so the gate cannot check "
+                f"which target version {info.version} was built for; pass the target folder (--target)")
+    got = info.target_sha256
+    if got is None:
+        return (f"version {info.version} records no target fingerprint (draftsmith.target_sha256), so it is not "
+                f"known to be built for this target ({short_hash(expected)}); distill it again")
+    if got != expected:
+        return (f"version {info.version} was built for another target (fingerprint {short_hash(got)}); this "
+                f"target {target!r} is {short_hash(expected)}")
+    return None
+
+
+def live_acceptance(registry: Registry, version: str, *, since_ms: int | None = None,
+                    until_ms: int | None = None) -> tuple[float | None, float]:
+    """(accepted / drafted tokens, drafted tokens) over a version's live intervals in the window."""
+    acc = drafted = 0.0
+    for it in registry.live_intervals(version, since_ms=since_ms, until_ms=until_ms):
+        d = it.get("draft_tokens")
+        if d is None:
+            continue
+        drafted += d
+        acc += it.get("accepted_tokens", it["acceptance_rate"] * d)
+    return (acc / drafted if drafted > 0 else None), drafted
 
 
 def run_gate(registry: Registry, version: str, smoke_check: SmokeCheck | None, *,
-             policy: GatePolicy | None = None, promote: bool = True) -> GateVerdict:
-    """Judge `version`, record the verdict on it, and (when accepted and `promote`) make it champion.
+             policy: GatePolicy | None = None, promote: bool = True, evidence: "EvidenceSource | Evidence | None" = None,
+             target_sha256: str | None = None, min_live_tokens: int = 500) -> GateVerdict:
+    """Judge `version` against the champion (module docstring), record the verdict on it, and (when
+    accepted and `promote`) make it champion.
 
-    The smoke check runs only when the acceptance check passed. Artifacts are verified and the
-    version materialised before the smoke check; an ArtifactError becomes a rejection (recorded).
+    `evidence`: an EvidenceSource (or any callable (champion folder, candidate folder) -> PairedEvidence);
+    without one a candidate can only pass when there is no champion yet. `target_sha256`: the served
+    target's fingerprint (default: `target_fingerprint(registry.target)`). MLflow errors propagate
+    (RegistryUnavailable): no verdict, no promotion. Artifacts are verified and both drafts materialised
+    before scoring; an ArtifactError becomes a rejection (recorded).
     """
     policy = policy or GatePolicy()
     info = registry.get(version)
     champion = registry.champion()
     if info.version == champion:
         return GateVerdict(True, f"version {info.version} is already the champion", info.version, champion,
-                           info.metrics.get("offline_acceptance_after"), None, policy.margin)
-    ok, reason, cand, champ = judge_acceptance(info, champion, policy)
-    verdict = GateVerdict(ok, reason, info.version, champion, cand, champ, policy.margin)
-    if ok and policy.require_smoke:
+                           info.metrics.get("gate_candidate_acceptance"), None, policy.margin)
+    expected = target_sha256 or target_fingerprint(registry.target)
+    _, _, claimed_after, claimed_before = judge_acceptance(info, info.parent_version, policy)
+    reported = None if claimed_after is None or claimed_before is None else claimed_after - claimed_before
+    verdict = GateVerdict(False, "", info.version, champion, None, None, policy.margin, reported_delta=reported,
+                          target_sha256=info.target_sha256)
+    verdict.reason = check_target(info, expected, registry.target) or ""
+    if not verdict.reason:
+        try:
+            cand_path = registry.materialize(info.version, verify=True)
+            verdict.vocabulary = check_vocabulary(info, cand_path)
+            if champion is None:
+                verdict.accepted, verdict.reason = True, "no champion yet"
+            elif evidence is None:
+                verdict.reason = "no evidence source configured: the gate scores both drafts on its own sample"
+            else:
+                collect = evidence.collect if isinstance(evidence, EvidenceSource) else evidence
+                ev = collect(registry.materialize(champion), cand_path)
+                j = judge_evidence(ev, policy)
+                verdict.accepted, verdict.reason = j.ok, j.reason
+                verdict.candidate_acceptance, verdict.champion_acceptance = j.candidate_acceptance, j.champion_acceptance
+                verdict.delta_lower, verdict.categories = j.delta_lower, j.categories
+                verdict.requests, verdict.records, verdict.window = ev.requests, ev.records, ev.window
+                if ev.candidate_rate and ev.requests:
+                    verdict.candidate_expected_rate = _weighted(ev.candidate_rate, ev.weight)
+                    verdict.champion_expected_rate = _weighted(ev.champion_rate, ev.weight)
+                    since = registry.champion_since_ms(registry.get(champion))
+                    live, drafted = live_acceptance(registry, champion, since_ms=since)
+                    if live is not None and drafted >= min_live_tokens and verdict.champion_expected_rate > 0:
+                        verdict.predicted_live_acceptance = min(
+                            1.0, live * verdict.candidate_expected_rate / verdict.champion_expected_rate)
+        except ArtifactError as e:
+            verdict.accepted, verdict.reason = False, f"artifacts unusable: {e}"
+    if verdict.accepted and policy.require_smoke:
         if smoke_check is None:
             verdict.accepted, verdict.reason = False, "no smoke check configured (the gate requires one)"
         else:
             try:
-                path = registry.materialize(info.version, verify=True)
-                verdict.vocabulary = check_vocabulary(info, path)
-                try:
-                    s_ok, detail = smoke_check(path)
-                except Exception as e:  # noqa: BLE001 - a crashing check is a failed check
-                    s_ok, detail = False, f"smoke check raised {type(e).__name__}: {e}"
-                verdict.smoke_ok, verdict.smoke_detail = bool(s_ok), str(detail)
-                if not s_ok:
-                    verdict.accepted = False
-                    verdict.reason = f"smoke decode failed: {detail}"
-            except ArtifactError as e:
-                verdict.accepted, verdict.reason = False, f"artifacts unusable: {e}"
+                s_ok, detail = smoke_check(registry.materialize(info.version))
+            except Exception as e:  # noqa: BLE001 - a crashing check is a failed check
+                s_ok, detail = False, f"smoke check raised {type(e).__name__}: {e}"
+            verdict.smoke_ok, verdict.smoke_detail = bool(s_ok), str(detail)
+            if not s_ok:
+                verdict.accepted = False
+                verdict.reason = f"smoke decode failed: {detail}"
     record_verdict(registry, verdict)
     if verdict.accepted and promote:
-        registry.promote(info.version, reason=f"gate: {verdict.reason}",
-                         gate={k: v for k, v in verdict.to_dict().items() if k != "promoted"})
-        verdict.promoted = True
+        try:
+            registry.promote(info.version, reason=f"gate: {verdict.reason}",
+                             gate={k: v for k, v in verdict.to_dict().items()
+                                   if k in ("reason", "candidate_acceptance", "champion_acceptance", "delta",
+                                            "delta_lower", "requests", "records", "champion_version")})
+            verdict.promoted = True
+        except PromotionsPaused as e:
+            verdict.promotion = f"paused: {e}"
+            registry.set_version_tags(info.version, {"draftsmith.gate.promotion": verdict.promotion})
     log.info("gate %s version %s: %s", "accepted" if verdict.accepted else "rejected", info.version, verdict.reason)
     return verdict
 
@@ -215,9 +534,10 @@ def record_verdict(registry: Registry, verdict: GateVerdict) -> None:
                            "verdict": "accepted" if verdict.accepted else "rejected", "reason": verdict.reason})
 
 
-def force_promote(registry: Registry, version: str, *, reason: str = "operator --force"):
-    """Promote without the gate (artifacts are still verified first); recorded as such on the version."""
-    move = registry.promote(version, reason=reason)
+def force_promote(registry: Registry, version: str, *, reason: str = "operator --force", ignore_pause: bool = False):
+    """Promote without the gate (artifacts are still verified first; the pause still applies unless
+    `ignore_pause`); recorded as such on the version."""
+    move = registry.promote(version, reason=reason, ignore_pause=ignore_pause)
     if move.changed:
         registry.set_version_tags(move.champion, {"draftsmith.gate.verdict": "skipped (--force)",
                                                   "draftsmith.gate.reason": reason})

@@ -308,6 +308,17 @@ def heldout_window(reader: ReplayBufferReader, n: int, *, heldout_fraction: floa
                         max_scan=max_scan or int(50 * n / max(heldout_fraction, 0.01)))
 
 
+def heldout_units(reader: ReplayBufferReader, n: int, *, heldout_fraction: float, max_len: int = 1024,
+                  source: str | None = None) -> tuple[list[Unit], list[BufferEntry]]:
+    """The promotion gate's sample (deploy/gate.py): the newest `n` held-out steps (read-only, as
+    `heldout_window`) packed into units with every row scored (`rows="all"`); returns (units, entries).
+    Held out = `is_heldout(request_id, heldout_fraction)`: with the jobs' fraction (or a smaller one)
+    no job ever trained on them."""
+    entries, sequences = heldout_window(reader, n, heldout_fraction=heldout_fraction, source=source)
+    units, _ = build_units(entries, sequences, max_len=max_len, rows="all")
+    return units, entries
+
+
 def replay_window(reader: ReplayBufferReader, n: int, *, before_id: str, heldout_fraction: float,
                   max_scan: int | None = None) -> tuple[list[BufferEntry], dict[str, SequenceRecord]]:
     """The newest `n` training (not held-out) steps strictly older than `before_id`, read-only: older
