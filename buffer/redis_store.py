@@ -701,5 +701,26 @@ class ReplayBufferReader:
         return out
 
 
+def ack_entries(client: "redis.Redis | str | None", key: str, group: str, ids: Iterable[str], *,
+                batch: int = 1000) -> int:
+    """XACK `ids` in `group` of stream `key`, whoever they were delivered to (the scheduler acks a job's
+    records once its candidate is registered, after the job's reader is gone). Returns how many Redis
+    acknowledged (ids already acked or trimmed count 0). BufferUnavailable when Redis cannot be reached:
+    the entries then stay pending and a later job re-claims them."""
+    ids = [_s(i) for i in ids]
+    own = not isinstance(client, redis.Redis)
+    conn = _client(client)
+    try:
+        n = 0
+        for i in range(0, len(ids), batch):
+            n += int(conn.xack(key, group, *ids[i:i + batch]))
+        return n
+    except _CONNECTION_ERRORS as exc:
+        raise BufferUnavailable(f"ack failed, entries stay pending: {exc}") from exc
+    finally:
+        if own:
+            conn.close()
+
+
 def _s(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)

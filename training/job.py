@@ -16,12 +16,19 @@ One job:
 3. pack both into units (training/data.py), measure offline acceptance of the parent draft on the
    parent's output vocabulary (as it is served: "before");
 4. re-choose the output vocabulary from the training units (below), train LoRA on it
-   (training/distill.py), acking each record right after the optimizer step that used it (a crash
-   before that leaves it pending: a later job re-claims it after `claim_idle_ms`), measure again on
-   the new vocabulary ("after");
+   (training/distill.py), measure again on the new vocabulary ("after");
 5. write `<out_dir>/adapter/` (peft, safetensors) + `vocabulary.json` + `candidate.json`
    (docs/architecture.md, "Candidate folder"); `data_window.last_id` is the newest stream id trained
    on (the cursor).
+
+**Acks** (`ack`). "registered" (what the scheduler, `draftsmith distill`, asks for): the job acks no
+record it trained on; it writes their stream ids to `<out_dir>/records.json` and they stay pending in the
+consumer group until the candidate is registered, when the scheduler (or `draftsmith register`) acks them
+with `ack_candidate_records`. A job that fails, or a candidate that never gets registered, leaves every
+trained record pending: a later job re-claims it after `claim_idle_ms`. "step" (the default for direct
+calls): each record is acked right after the optimizer step that used it (a crash before that leaves it
+pending). In both modes records deliberately dropped are acked at once: steps of held-out requests
+(never trained on) and steps that cannot be rebuilt into training units.
 
 **Vocabulary.** The draft computes only the rows `output_token_ids` of its frozen, tied output layer
 (training/vocab.py). A job re-chooses them from the step records it trains on: the target's stored
@@ -69,6 +76,8 @@ return {#r, r[#r][1]}
 
 
 VOCABULARY_FILE = "vocabulary.json"      # deploy/registry.py reads it under the same name
+RECORDS_FILE = "records.json"            # "registered" acks: the trained stream ids, acked after registration
+ACK_MODES = ("step", "registered")
 
 
 class NotEnoughRecords(RuntimeError):
@@ -102,6 +111,8 @@ class JobConfig:
     tracking_uri: str | None = None
     vocab_size: int | None = None          # None: the parent's size; 0: keep the parent's vocabulary
     vocab_prior_weight: float = 0.5        # choose_vocabulary's lean towards the parent's vocabulary
+    ack: str = "step"                      # "step" | "registered" (module docstring, "Acks")
+    target_sha256: str | None = None       # fingerprint of the served target (deploy.registry.target_fingerprint)
 
     def __post_init__(self) -> None:
         if not self.base_draft_path:
@@ -129,6 +140,8 @@ class JobConfig:
                                             or self.vocab_size < 0):
             raise ValueError(f"vocab_size must be an integer >= 0 (0: keep the parent's vocabulary) or None "
                              f"(the parent's size), got {self.vocab_size!r}")
+        if self.ack not in ACK_MODES:
+            raise ValueError(f"ack must be one of {', '.join(ACK_MODES)}, got {self.ack!r}")
         if isinstance(self.vocab_prior_weight, bool) or not isinstance(self.vocab_prior_weight, (int, float)) \
                 or not (0.0 <= self.vocab_prior_weight < float("inf")):
             raise ValueError(f"vocab_prior_weight must be a number >= 0, got {self.vocab_prior_weight!r}")
@@ -374,16 +387,17 @@ def run_distillation(cfg: dict, progress: Callable[[str], None] = print) -> Path
         vocab = choose_job_vocabulary(draft, units, vocab_size=job.vocab_size, prior_weight=job.vocab_prior_weight)
         draft.set_output_token_ids(vocab.ids)                       # train and measure "after" on the new rows
         progress(f"[distill] output vocabulary: {vocab.describe()}")
-        acked: set[str] = set()
+        acked: set[str] = set()          # "step": acked after their optimizer step; "registered": trained on
 
         def ack_used(used_units) -> None:
             ids = [sid for u in used_units for sid in u.stream_ids if sid in in_units and sid not in acked]
-            reader.ack(ids)
+            if job.ack == "step":
+                reader.ack(ids)
             acked.update(ids)
 
         report = distill.train(draft, units, tcfg, on_step=ack_used,
                                log_metrics=tracking.log if tracking else None, progress=progress)
-        reader.release([sid for sid in in_units if sid not in acked])
+        reader.release([sid for sid in in_units if sid not in acked or job.ack == "registered"])
         after = distill.offline_acceptance(draft, eval_units, batch_tokens=tcfg.batch_tokens)
         progress(f"[distill] offline acceptance {before.acceptance:.4f} -> {after.acceptance:.4f}, "
                  f"E[L] {before.expected_accepted_length:.3f} -> {after.expected_accepted_length:.3f}")
@@ -410,6 +424,7 @@ def run_distillation(cfg: dict, progress: Callable[[str], None] = print) -> Path
             "parent_version": job.parent_version,
             "base_draft_path": str(Path(job.base_draft_path).resolve()),
             "target": job.target,
+            "target_sha256": job.target_sha256,
             "loss": tcfg.loss,
             "train_config": {**asdict(tcfg), "lora_alpha": tcfg.lora_alpha or 2 * tcfg.lora_r,
                              "lora_targets": list(distill.LORA_TARGETS), "rows": job.rows, "max_len": job.max_len,
@@ -426,8 +441,13 @@ def run_distillation(cfg: dict, progress: Callable[[str], None] = print) -> Path
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         out = Path(job.out_dir) if job.out_dir else _default_out_dir(job.parent_version)
-        _write_candidate(out, draft, meta, vocab.to_file(job.parent_version))
-        progress(f"[distill] candidate written to {out}")
+        records = None
+        if job.ack == "registered":
+            records = {"stream": bcfg.steps_key, "group": job.group,
+                       "ids": sorted(acked, key=data.stream_id_key)}
+        _write_candidate(out, draft, meta, vocab.to_file(job.parent_version), records)
+        progress(f"[distill] candidate written to {out}"
+                 + (f"; its {len(acked)} records stay pending until it is registered" if records else ""))
         if tracking:
             tracking.log(report.steps, {k: v for k, v in metrics.items() if v is not None})
             tracking.finish("FINISHED", {"draftsmith.candidate_dir": out})
@@ -440,8 +460,9 @@ def run_distillation(cfg: dict, progress: Callable[[str], None] = print) -> Path
         raise
 
 
-def _write_candidate(out: Path, draft, meta: dict, vocabulary: dict) -> None:
-    """adapter/ + vocabulary.json + candidate.json, staged in a sibling folder and renamed into place."""
+def _write_candidate(out: Path, draft, meta: dict, vocabulary: dict, records: dict | None = None) -> None:
+    """adapter/ + vocabulary.json + candidate.json (+ records.json), staged in a sibling folder and
+    renamed into place."""
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"candidate folder {out} already exists and is not empty")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -450,12 +471,33 @@ def _write_candidate(out: Path, draft, meta: dict, vocabulary: dict) -> None:
         draft.save_adapter(staging / "adapter")
         (staging / VOCABULARY_FILE).write_text(json.dumps(vocabulary))
         (staging / "candidate.json").write_text(json.dumps(meta, indent=1, default=str))
+        if records is not None:
+            (staging / RECORDS_FILE).write_text(json.dumps(records))
         if out.exists():
             out.rmdir()
         os.replace(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def ack_candidate_records(candidate_dir: str | os.PathLike, *, redis_url: str | None = None) -> int:
+    """Ack the records a "registered"-mode job trained on (its `records.json`), once its candidate is
+    registered; returns how many Redis acknowledged, 0 when the folder has no records.json. The file is
+    renamed to `records.acked.json` afterwards, so acking twice is a no-op. BufferUnavailable when Redis
+    cannot be reached (the records then stay pending and a later job re-claims them)."""
+    from buffer.redis_store import ack_entries
+
+    path = Path(candidate_dir) / RECORDS_FILE
+    if not path.is_file():
+        return 0
+    doc = json.loads(path.read_text())
+    n = ack_entries(_redis_url(redis_url), doc["stream"], doc["group"], doc.get("ids") or [])
+    try:
+        os.replace(path, path.with_name("records.acked.json"))
+    except OSError as e:
+        log.warning("could not mark %s as acked: %s", path, e)
+    return n
 
 
 # ----------------------------------------------------------------------------- Ray
