@@ -3,12 +3,34 @@ never two at once, and promote the result through the gate.
 
 One job = (1) take the job lock (non-blocking: if another job holds it, this one is skipped);
 (2) materialise the champion (the parent the adapter will be trained on); (3) call the injected
-`distill(JobRequest) -> candidate dir` (the real one wraps training.job.run_distillation);
-(4) register the candidate; (5) run the gate, which promotes it if it passes; (6) release the lock.
-A job that raises, or a process killed mid-job, registers nothing and moves no alias: the champion
-is untouched and the buffer cursor (the data window's `last_id` of the newest registered candidate)
-does not advance, so its records stay pending for the next job. The lock is an `fcntl.flock` on a
+`distill(JobRequest) -> candidate dir` (the real one wraps training.job.run_distillation with
+`ack="registered"`: the job acks nothing it trained on); (4) register the candidate; (5) ack its
+records (`ack_records(candidate dir)`, training.job.ack_candidate_records); (6) run the gate
+(deploy/gate.py, on its own held-out sample), which promotes it if it passes; (7) release the lock.
+A job that raises, a candidate that cannot be registered, or a process killed before step 5 acks
+nothing and moves no alias: the champion is untouched, the buffer cursor (the data window's `last_id`
+of the newest registered candidate) does not advance, and every record stays pending in the consumer
+group for the next job (which re-claims them after `claim_idle_ms`). The lock is an `fcntl.flock` on a
 file under the data dir, so the kernel releases it when the holding process dies.
+
+Faults (issue 17). MLflow unreadable: the trigger check fails (`due` raises, nothing starts), a job
+fails before registration (records pending), and promotion fails closed (`Registry.promote` raises).
+A candidate registered by a job whose gate could not finish (MLflow or Redis failing mid-gate), or
+whose accepted verdict met a pause, carries `draftsmith.gate_pending`; every tick gates it again
+(`gate_pending`) once MLflow answers and promotions are not paused, so promotion resumes by itself.
+
+**Watchdog** (`LiveWatchdog`, every tick before anything else): the champion's live acceptance over the
+newest `window_s` of its logged intervals since it became champion (MLflow `draftsmith-live`: accepted /
+drafted tokens per interval, a ratio estimate with its standard error over intervals, at least the
+binomial one; a recent window, so a draft that breaks late is not averaged away) is compared with (a) its
+gate figure (`gate_predicted_live_acceptance`, else `gate_expected_rate`, deploy/gate.py) and (b) the
+previous version's live acceptance over the last `previous_window_s` of its own tenure. When the
+one-sided upper bound at `confidence` is below (1 - tolerance) x the gate figure, or the difference to
+the previous version is significantly below -tolerance x its figure, the champion is rolled back to
+`previous` exactly as `draftsmith rollback` does (promotions paused), with the reason and figures
+recorded on the version (`draftsmith.rollback_reason`, `draftsmith.rollback_details`), in the history
+and in `draftsmith status`. Before `min_draft_tokens` drafted tokens over `min_intervals` intervals it
+waits. With no `previous` it records the finding on the version and does nothing else.
 
 Triggers (`ScheduleConfig`):
 - `every_s` only: a job each `every_s` seconds (the first one `every_s` after start);
@@ -21,17 +43,21 @@ import errno
 import fcntl
 import json
 import logging
+import math
 import os
 import socket
 import threading
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from statistics import NormalDist
 from typing import Callable
 
 from deploy.gate import GatePolicy, GateVerdict, SmokeCheck, run_gate
-from deploy.registry import Registry, RegistryError, data_dir
+from deploy.registry import CANDIDATE, PREVIOUS, TAG, Registry, RegistryError, data_dir
+
+GATE_PENDING_TAG = TAG + "gate_pending"
 
 log = logging.getLogger(__name__)
 
@@ -116,15 +142,17 @@ class JobRequest:
     parent_path: Path
     target: str
     since_id: str | None = None
+    target_sha256: str | None = None      # the served target's fingerprint, written into candidate.json
 
 
 DistillFn = Callable[[JobRequest], "str | os.PathLike"]
 PendingFn = Callable[["str | None"], int]
+AckFn = Callable[[Path], int]
 
 
 @dataclass
 class JobOutcome:
-    status: str                      # "promoted" | "rejected" | "failed" | "skipped"
+    status: str                      # "promoted" | "rejected" | "held" (accepted, paused) | "failed" | "skipped"
     message: str
     version: str | None = None       # registered candidate version (None if none was registered)
     parent_version: str | None = None
@@ -171,13 +199,18 @@ def parse_duration(text: str) -> float:
 
 
 class DistillScheduler:
-    """Runs distillation jobs (see the module docstring). All collaborators are injected."""
+    """Runs distillation jobs (see the module docstring). All collaborators are injected.
+
+    evidence: the gate's EvidenceSource (deploy/gate.py); target_sha256: the served target's fingerprint
+    (candidates are pinned to it; default: the registry target's); ack_records: acks a registered
+    candidate's records (None: the job acked them itself); watchdog: a LiveWatchdog run every tick."""
 
     def __init__(self, registry: Registry, distill: DistillFn, *, smoke_check: SmokeCheck | None,
                  policy: GatePolicy | None = None, lock: JobLock | None = None,
                  schedule: ScheduleConfig | None = None, pending_records: PendingFn | None = None,
                  status_path: str | os.PathLike | None = None, clock: Callable[[], float] = time.monotonic,
-                 progress: Callable[[str], None] = print) -> None:
+                 progress: Callable[[str], None] = print, evidence=None, target_sha256: str | None = None,
+                 ack_records: AckFn | None = None, watchdog: "LiveWatchdog | None" = None) -> None:
         if schedule is not None and schedule.min_records is not None and pending_records is None:
             raise ValueError("--min-records needs a way to count pending records (pending_records)")
         self.registry = registry
@@ -190,6 +223,10 @@ class DistillScheduler:
         self.status_path = Path(status_path) if status_path else self.lock.path.with_name("distill-status.json")
         self.clock = clock
         self.progress = progress
+        self.evidence = evidence
+        self.target_sha256 = target_sha256
+        self.ack_records = ack_records
+        self.watchdog = watchdog
         self._started = clock()
         self._last_job: float | None = None
 
@@ -216,14 +253,31 @@ class DistillScheduler:
         self.progress(f"[distill] {out.status}: {out.message}")
         return out
 
+    def _gate(self, version: str) -> GateVerdict:
+        return run_gate(self.registry, version, self.smoke_check, policy=self.policy, evidence=self.evidence,
+                        target_sha256=self.target_sha256)
+
+    @staticmethod
+    def _verdict_outcome(verdict: GateVerdict, version: str, parent: str | None, t0: float,
+                         note: str = "") -> JobOutcome:
+        status = "promoted" if verdict.promoted else ("held" if verdict.accepted else "rejected")
+        msg = (f"version {version} " + {"promoted": "promoted to champion", "held": "passed the gate but was not "
+               "promoted", "rejected": "not promoted"}[status] + f": {verdict.reason}"
+               + (f" ({verdict.promotion})" if verdict.promotion else "") + note)
+        return JobOutcome(status, msg, version=version, parent_version=parent, verdict=verdict.to_dict(), started=t0)
+
     def _job(self, t0: float) -> JobOutcome:
-        champion = self.registry.champion()
+        try:
+            champion = self.registry.champion()
+        except Exception as e:  # noqa: BLE001 - MLflow unreadable: fail closed, start nothing
+            return JobOutcome("failed", f"cannot read the champion ({e}); no job started, records left pending",
+                              started=t0)
         if champion is None:
             return JobOutcome("failed", "no champion draft to distill from: run `draftsmith bootstrap` first",
                               started=t0)
         try:
             parent_path = self.registry.materialize(champion)
-            request = JobRequest(champion, parent_path, self.registry.target, self.cursor())
+            request = JobRequest(champion, parent_path, self.registry.target, self.cursor(), self.target_sha256)
             self.progress(f"[distill] job started from champion version {champion} "
                           f"(records after {request.since_id or 'the start'})")
             cand_dir = Path(self.distill(request))
@@ -232,20 +286,58 @@ class DistillScheduler:
             return JobOutcome("failed", f"distillation failed ({type(e).__name__}: {e}); champion {champion} "
                                         "untouched, records left pending", parent_version=champion, started=t0)
         try:
-            version = self.registry.register_candidate(cand_dir)
+            version = self.registry.register_candidate(cand_dir, target_sha256=self.target_sha256,
+                                                       tags={GATE_PENDING_TAG: "scheduler"})
         except Exception as e:  # noqa: BLE001
             return JobOutcome("failed", f"could not register candidate {cand_dir} ({e}); champion {champion} "
                                         "untouched, records left pending", parent_version=champion, started=t0)
+        note = self._ack(cand_dir, version)
         try:
-            verdict: GateVerdict = run_gate(self.registry, version, self.smoke_check, policy=self.policy)
-        except Exception as e:  # noqa: BLE001 - e.g. promotion found corrupt artifacts
-            return JobOutcome("failed", f"gate/promotion of version {version} failed ({e}); champion "
-                                        f"{self.registry.champion()}", version=version, parent_version=champion,
-                              started=t0)
-        status = "promoted" if verdict.promoted else "rejected"
-        msg = (f"version {version} " + ("promoted to champion" if verdict.promoted else "not promoted")
-               + f": {verdict.reason}")
-        return JobOutcome(status, msg, version=version, parent_version=champion, verdict=verdict.to_dict(), started=t0)
+            verdict = self._gate(version)
+        except Exception as e:  # noqa: BLE001 - e.g. MLflow or Redis down mid-gate: gated again later
+            log.error("gate of version %s failed:\n%s", version, traceback.format_exc())
+            return JobOutcome("failed", f"gate/promotion of version {version} could not run ({type(e).__name__}: "
+                                        f"{e}); champion unchanged, the gate runs again on a later tick" + note,
+                              version=version, parent_version=champion, started=t0)
+        return self._verdict_outcome(verdict, version, champion, t0, note)
+
+    def _ack(self, cand_dir: Path, version: str) -> str:
+        """Ack a registered candidate's records; a note for the outcome message."""
+        if self.ack_records is None:
+            return ""
+        try:
+            n = self.ack_records(cand_dir)
+        except Exception as e:  # noqa: BLE001 - Redis down: they stay pending, a later job re-claims them
+            log.warning("records of candidate %s not acked (%s); a later job re-claims them", version, e)
+            return f"; its records could not be acked ({e}) and stay pending"
+        return f"; {n} records acked"
+
+    def gate_pending(self) -> JobOutcome | None:
+        """Gate again the `candidate` version a scheduled job registered whose gate never finished, or which
+        passed while promotions were paused (module docstring, "Faults"); None when there is none, while
+        paused, or while a job holds the lock."""
+        cand = self.registry.alias(CANDIDATE)
+        if cand is None:
+            return None
+        info = self.registry.get(cand)
+        verdict = info.tags.get("draftsmith.gate.verdict")
+        held = verdict == "accepted" and info.tags.get("draftsmith.gate.promotion", "-").startswith("paused")
+        if info.tags.get(GATE_PENDING_TAG) != "scheduler" or not (verdict is None or held):
+            return None
+        if self.registry.promotions_paused():
+            return None
+        if not self.lock.acquire():
+            return None
+        t0 = time.time()
+        try:
+            self.progress(f"[distill] gating version {cand} again (its gate did not finish before)")
+            out = self._verdict_outcome(self._gate(cand), cand, info.parent_version, t0)
+        finally:
+            self.lock.release()
+        out.seconds = round(time.time() - t0, 3)
+        self._write_status(out)
+        self.progress(f"[distill] {out.status}: {out.message}")
+        return out
 
     def _write_status(self, out: JobOutcome) -> None:
         try:
@@ -258,7 +350,8 @@ class DistillScheduler:
 
     # ------------------------------------------------------------------ the schedule
     def due(self) -> tuple[bool, str]:
-        """Whether a job should start now, and why (or why not)."""
+        """Whether a job should start now, and why (or why not). Raises when MLflow cannot be read
+        (RegistryUnavailable): an unreadable pause is not "not paused"."""
         if self.schedule is None:
             return True, "no schedule: run now"
         paused = self.registry.promotions_paused()
@@ -278,22 +371,39 @@ class DistillScheduler:
             return True, f"{n} new records >= {sch.min_records}"
         return True, "interval elapsed"
 
+    def tick(self) -> JobOutcome | None:
+        """One pass of the schedule: the watchdog, a pending gate, then a job when due; returns the job's
+        outcome (None when no job ran). Never raises."""
+        if self.watchdog is not None:
+            try:
+                self.watchdog.check()
+            except Exception as e:  # noqa: BLE001 - e.g. MLflow down: no action
+                log.warning("[watchdog] %s", e)
+        try:
+            self.gate_pending()
+        except Exception as e:  # noqa: BLE001
+            log.warning("[distill] pending gate not run: %s", e)
+        try:
+            ok, why = self.due()
+        except Exception as e:  # noqa: BLE001 - e.g. Redis or MLflow briefly unreachable
+            ok, why = False, f"cannot check the trigger ({e})"
+            log.warning("[distill] %s", why)
+        if not ok:
+            return None
+        self.progress(f"[distill] due: {why}")
+        return self.run_job()
+
     def run_forever(self, stop: threading.Event | None = None, *, max_jobs: int | None = None) -> list[JobOutcome]:
-        """Check `due()` every `poll_s` (or sooner when an interval ends) until `stop` is set or
-        `max_jobs` jobs have run; returns the outcomes."""
+        """`tick()` every `poll_s` (or sooner when an interval ends) until `stop` is set or `max_jobs`
+        jobs have run; returns the job outcomes."""
         if self.schedule is None:
             raise ValueError("run_forever needs a ScheduleConfig")
         stop = stop or threading.Event()
         outcomes: list[JobOutcome] = []
         while not stop.is_set():
-            try:
-                ok, why = self.due()
-            except Exception as e:  # noqa: BLE001 - e.g. Redis briefly unreachable
-                ok, why = False, f"cannot check the trigger ({e})"
-                log.warning("[distill] %s", why)
-            if ok:
-                self.progress(f"[distill] due: {why}")
-                outcomes.append(self.run_job())
+            out = self.tick()
+            if out is not None:
+                outcomes.append(out)
                 if max_jobs is not None and len(outcomes) >= max_jobs:
                     break
             wait = self.schedule.poll_s
@@ -302,6 +412,181 @@ class DistillScheduler:
                 wait = max(0.01, min(wait, ref + self.schedule.every_s - self.clock()))
             stop.wait(wait)
         return outcomes
+
+
+# ---------------------------------------------------------------------------------- the watchdog
+@dataclass
+class WatchdogPolicy:
+    """confidence: one-sided level of the tests; tolerance: relative drop below a baseline that is
+    tolerated (traffic drifts); min_draft_tokens / min_intervals: live evidence needed before judging;
+    window_s: the champion is judged on its newest intervals within this many seconds of the last one;
+    previous_window_s: how much of the previous version's tenure (its last seconds) is its baseline."""
+
+    confidence: float = 0.99
+    tolerance: float = 0.10
+    min_draft_tokens: int = 2000
+    min_intervals: int = 3
+    window_s: float = 900.0
+    previous_window_s: float = 3600.0
+    compare_gate: bool = True
+    compare_previous: bool = True
+
+    def __post_init__(self) -> None:
+        if not (0.5 <= self.confidence < 1.0):
+            raise ValueError(f"watchdog confidence must be in [0.5, 1), got {self.confidence!r}")
+        if not (0.0 <= self.tolerance < 1.0):
+            raise ValueError(f"watchdog tolerance must be in [0, 1), got {self.tolerance!r}")
+        if self.min_draft_tokens < 1 or self.min_intervals < 1 or not (self.previous_window_s > 0) \
+                or not (self.window_s > 0):
+            raise ValueError("min_draft_tokens and min_intervals must be >= 1, window_s and previous_window_s > 0")
+
+
+@dataclass
+class LiveFigure:
+    rate: float | None
+    se: float
+    drafted: float
+    intervals: int
+
+    def enough(self, policy: WatchdogPolicy) -> bool:
+        return self.rate is not None and self.drafted >= policy.min_draft_tokens \
+            and self.intervals >= policy.min_intervals
+
+
+def live_figure(intervals: list[dict], window_s: float | None = None) -> LiveFigure:
+    """Ratio estimate accepted / drafted over logged intervals (only those within `window_s` of the newest,
+    when given), with its standard error: the larger of the between-interval (cluster) estimate and the
+    binomial one. Intervals without draft_tokens are skipped."""
+    intervals = [it for it in intervals if it.get("draft_tokens")]
+    if window_s is not None and intervals:
+        newest = max(it["time_ms"] for it in intervals)
+        intervals = [it for it in intervals if it["time_ms"] >= newest - window_s * 1000]
+    pts = [(it.get("accepted_tokens", it["acceptance_rate"] * it["draft_tokens"]), it["draft_tokens"])
+           for it in intervals]
+    D = sum(d for _, d in pts)
+    if not pts or D <= 0:
+        return LiveFigure(None, math.inf, 0.0, 0)
+    A = sum(a for a, _ in pts)
+    r = A / D
+    n = len(pts)
+    se_cluster = math.sqrt(n / (n - 1) * sum((a - r * d) ** 2 for a, d in pts)) / D if n > 1 else math.inf
+    se_binom = math.sqrt(max(r * (1 - r), 1e-12) / D)
+    return LiveFigure(r, max(se_cluster, se_binom) if n > 1 else se_binom, D, n)
+
+
+@dataclass
+class WatchdogVerdict:
+    action: str                        # "none" | "waiting" | "ok" | "rolled back" | "degraded"
+    message: str
+    version: str | None = None
+    live: float | None = None
+    live_se: float | None = None
+    drafted: float = 0.0
+    gate_figure: float | None = None
+    previous_version: str | None = None
+    previous_live: float | None = None
+    rolled_back_to: str | None = None
+    time: float = field(default_factory=time.time)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class LiveWatchdog:
+    """Rolls back a champion whose live acceptance falls significantly below its gate figure or below the
+    previous version's (module docstring, "Watchdog")."""
+
+    def __init__(self, registry: Registry, policy: WatchdogPolicy | None = None, *,
+                 status_path: str | os.PathLike | None = None, progress: Callable[[str], None] = print) -> None:
+        self.registry = registry
+        self.policy = policy or WatchdogPolicy()
+        self.status_path = Path(status_path) if status_path else data_dir() / "watchdog-status.json"
+        self.progress = progress
+        self._flagged: set[str] = set()
+
+    def check(self) -> WatchdogVerdict:
+        """One look at the champion; MLflow errors propagate (no action is taken on an unreadable state)."""
+        v = self._check()
+        try:
+            self.status_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.status_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(v.to_dict(), default=str, indent=1))
+            os.replace(tmp, self.status_path)
+        except OSError as e:
+            log.warning("could not write %s: %s", self.status_path, e)
+        if v.action in ("rolled back", "degraded"):
+            self.progress(f"[watchdog] {v.action}: {v.message}")
+        return v
+
+    def _check(self) -> WatchdogVerdict:
+        reg, pol = self.registry, self.policy
+        champ = reg.champion()
+        if champ is None:
+            return WatchdogVerdict("none", "no champion")
+        info = reg.get(champ)
+        since = reg.champion_since_ms(info)
+        live = live_figure(reg.live_intervals(champ, since_ms=since), pol.window_s)
+        out = WatchdogVerdict("waiting", "", champ, live.rate, live.se if math.isfinite(live.se) else None,
+                              live.drafted)
+        if not live.enough(pol):
+            out.message = (f"version {champ}: {live.drafted:.0f} drafted tokens over {live.intervals} live intervals "
+                           f"since it became champion; judging from {pol.min_draft_tokens} over {pol.min_intervals}")
+            return out
+        z = NormalDist().inv_cdf(pol.confidence)
+        upper = live.rate + z * live.se
+        reasons = []
+        details = {"live_acceptance": live.rate, "live_se": live.se, "drafted_tokens": live.drafted,
+                   "intervals": live.intervals, "confidence": pol.confidence, "tolerance": pol.tolerance}
+        if pol.compare_gate:
+            fig = info.metrics.get("gate_predicted_live_acceptance", info.metrics.get("gate_expected_rate"))
+            out.gate_figure = fig
+            if fig is not None:
+                details["gate_figure"] = fig
+                bar = fig * (1 - pol.tolerance)
+                if upper < bar:
+                    reasons.append(f"live acceptance {live.rate:.3f} (upper bound {upper:.3f} at {pol.confidence:g}) "
+                                   f"is significantly below its gate figure {fig:.3f} less {pol.tolerance:.0%}")
+        prev = reg.alias(PREVIOUS)
+        out.previous_version = prev
+        if pol.compare_previous and prev is not None and since is not None:
+            pf = live_figure(reg.live_intervals(prev, since_ms=since - int(pol.previous_window_s * 1000),
+                                                until_ms=since))
+            out.previous_live = pf.rate
+            if pf.enough(pol):
+                details.update(previous_version=prev, previous_live_acceptance=pf.rate, previous_se=pf.se)
+                diff = live.rate - pf.rate * (1 - pol.tolerance)
+                if diff + z * math.hypot(live.se, pf.se) < 0:
+                    reasons.append(f"live acceptance {live.rate:.3f} is significantly below version {prev}'s "
+                                   f"{pf.rate:.3f} (less {pol.tolerance:.0%}) before it was replaced")
+        if not reasons:
+            out.action = "ok"
+            out.message = f"version {champ}: live acceptance {live.rate:.3f} +- {live.se:.3f} is not significantly low"
+            return out
+        reason = "; ".join(reasons)
+        if prev is None:
+            out.action = "degraded"
+            out.message = f"version {champ}: {reason}; no previous version to roll back to"
+            if champ not in self._flagged:
+                reg.set_version_tags(champ, {TAG + "watchdog": out.message})
+                reg.record_event({"action": "watchdog", "version": champ, "reason": out.message, "details": details})
+                self._flagged.add(champ)
+            log.error("[watchdog] %s", out.message)
+            return out
+        move = reg.rollback(reason=f"automatic rollback by the watchdog: {reason}", pause=True, details=details)
+        reg.set_version_tags(champ, {TAG + "auto_rollback": "1"})
+        out.action, out.rolled_back_to = "rolled back", move.champion
+        out.message = f"version {champ} rolled back to {move.champion}: {reason}"
+        log.error("[watchdog] %s", out.message)
+        return out
+
+
+def read_watchdog_status(path: str | os.PathLike | None = None) -> dict | None:
+    """The watchdog's last verdict (None if it never ran)."""
+    p = Path(path) if path else data_dir() / "watchdog-status.json"
+    try:
+        return json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
 
 
 def read_status(path: str | os.PathLike | None = None) -> dict | None:

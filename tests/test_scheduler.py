@@ -1,5 +1,7 @@
 """deploy/scheduler.py: one job at a time (threads and processes), failed/killed jobs leave the
-champion and the record cursor alone, and the interval / min-records triggers."""
+champion and the record cursor alone, the interval / min-records triggers, records acked only once the
+candidate is registered (real Redis, real distillation on tiny models), a gate that could not finish is
+run again, and the watchdog that rolls back a champion whose live acceptance drops (real MLflow)."""
 from __future__ import annotations
 
 import json
@@ -15,9 +17,11 @@ from pathlib import Path
 import pytest
 
 from deploy.gate import GatePolicy
-from deploy.registry import CHAMPION, PREVIOUS, Registry
-from deploy.scheduler import DistillScheduler, JobLock, JobRequest, ScheduleConfig, parse_duration, read_status
-from deploy_helpers import fresh_store, make_base_draft, make_candidate, template_db
+from deploy.registry import CANDIDATE, CHAMPION, PREVIOUS, Registry
+from deploy.scheduler import (DistillScheduler, JobLock, JobRequest, ScheduleConfig, parse_duration, read_status)
+from deploy_helpers import fresh_store, make_base_draft, make_candidate, synthetic_evidence, template_db
+
+SHA = "5" * 64            # the served target's fingerprint in these tests
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,9 +35,18 @@ def template(tmp_path_factory):
 def registry(template, tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     reg = Registry("tiny-target", tracking_uri=fresh_store(template, tmp_path / "data"), cache_root=tmp_path / "cache")
-    reg.register_base(make_base_draft(tmp_path / "base"))
+    reg.register_base(make_base_draft(tmp_path / "base"), target_sha256=SHA)
     reg.promote("1")
     return reg
+
+
+def scheduler(registry, distill, tmp_path, *, gain=0.1, **kw):
+    """A scheduler whose gate sees every request gain `gain` (synthetic_evidence: the scoring is
+    tested in test_gate.py), pinned to SHA."""
+    kw.setdefault("lock", JobLock(tmp_path / "l.lock"))
+    kw.setdefault("progress", lambda m: None)
+    kw.setdefault("evidence", synthetic_evidence(gain))
+    return DistillScheduler(registry, distill, smoke_check=kw.pop("smoke_check", ok_smoke), target_sha256=SHA, **kw)
 
 
 def ok_smoke(path):
@@ -48,18 +61,19 @@ def candidate_maker(tmp_path, after=0.6):
         calls.append(req)
         n = len(calls)
         return make_candidate(tmp_path / f"cand{n}", req.parent_path, parent_version=req.parent_version, seed=n,
-                              before=0.4, after=after, last_id=f"1700000000000-{10 * n}")
+                              before=0.4, after=after, last_id=f"1700000000000-{10 * n}",
+                              target_sha256=req.target_sha256)
 
     return distill, calls
 
 
 def test_successful_jobs_promote_and_advance_the_cursor(registry, tmp_path):
     distill, calls = candidate_maker(tmp_path)
-    sched = DistillScheduler(registry, distill, smoke_check=ok_smoke, lock=JobLock(tmp_path / "l.lock"),
-                             progress=lambda m: None)
+    sched = scheduler(registry, distill, tmp_path)
     out = sched.run_job()
     assert out.status == "promoted" and out.version == "2" and out.parent_version == "1", out.message
-    assert calls[0].parent_version == "1" and calls[0].since_id is None
+    assert calls[0].parent_version == "1" and calls[0].since_id is None and calls[0].target_sha256 == SHA
+    assert registry.get("2").target_sha256 == SHA
     assert (calls[0].parent_path / "config.json").is_file()
     out2 = sched.run_job()
     assert out2.status == "promoted" and out2.version == "3"
@@ -69,12 +83,11 @@ def test_successful_jobs_promote_and_advance_the_cursor(registry, tmp_path):
 
 
 def test_rejected_candidate_keeps_champion(registry, tmp_path):
-    distill, _ = candidate_maker(tmp_path, after=0.3)
-    sched = DistillScheduler(registry, distill, smoke_check=ok_smoke, lock=JobLock(tmp_path / "l.lock"),
-                             policy=GatePolicy(margin=0.01), progress=lambda m: None)
+    distill, _ = candidate_maker(tmp_path, after=0.9)             # claims +0.5; the gate's sample says -0.05
+    sched = scheduler(registry, distill, tmp_path, gain=-0.05, policy=GatePolicy(margin=0.01))
     out = sched.run_job()
     assert out.status == "rejected" and out.version == "2" and registry.champion() == "1"
-    assert out.verdict["accepted"] is False
+    assert out.verdict["accepted"] is False and out.verdict["delta"] < 0
 
 
 def test_failed_job_leaves_champion_records_and_lock(registry, tmp_path):
@@ -82,7 +95,7 @@ def test_failed_job_leaves_champion_records_and_lock(registry, tmp_path):
         raise RuntimeError("out of memory")
 
     lock = JobLock(tmp_path / "l.lock")
-    sched = DistillScheduler(registry, broken, smoke_check=ok_smoke, lock=lock, progress=lambda m: None)
+    sched = scheduler(registry, broken, tmp_path, lock=lock)
     out = sched.run_job()
     assert out.status == "failed" and "out of memory" in out.message and "records left pending" in out.message
     assert registry.aliases() == {CHAMPION: "1"} and [v.version for v in registry.versions()] == ["1"]
@@ -90,7 +103,7 @@ def test_failed_job_leaves_champion_records_and_lock(registry, tmp_path):
     # a job whose output is not a valid candidate fails the same way
     bad = tmp_path / "not-a-candidate"
     bad.mkdir()
-    out = DistillScheduler(registry, lambda r: bad, smoke_check=ok_smoke, lock=lock, progress=lambda m: None).run_job()
+    out = scheduler(registry, lambda r: bad, tmp_path, lock=lock).run_job()
     assert out.status == "failed" and "no candidate.json" in out.message
     assert registry.champion() == "1" and read_status(sched.status_path)["status"] == "failed"
 
@@ -105,8 +118,8 @@ def test_never_two_jobs_at_once(registry, tmp_path):
         return distill(req)
 
     path = tmp_path / "l.lock"
-    a = DistillScheduler(registry, slow, smoke_check=ok_smoke, lock=JobLock(path), progress=lambda m: None)
-    b = DistillScheduler(registry, distill, smoke_check=ok_smoke, lock=JobLock(path), progress=lambda m: None)
+    a = scheduler(registry, slow, tmp_path, lock=JobLock(path))
+    b = scheduler(registry, distill, tmp_path, lock=JobLock(path))
     results = {}
     t = threading.Thread(target=lambda: results.setdefault("a", a.run_job()))
     t.start()
@@ -155,8 +168,7 @@ def test_killed_job_releases_the_lock_and_changes_nothing(registry, tmp_path):
     assert JobLock(lock_path).holder() is None
     assert registry.aliases() == {CHAMPION: "1"} and [v.version for v in registry.versions()] == ["1"]
     distill, _ = candidate_maker(tmp_path)
-    out = DistillScheduler(registry, distill, smoke_check=ok_smoke, lock=JobLock(lock_path),
-                           progress=lambda m: None).run_job()
+    out = scheduler(registry, distill, tmp_path, lock=JobLock(lock_path)).run_job()
     assert out.status == "promoted"
 
 
@@ -217,9 +229,8 @@ def test_triggers():
 def test_run_forever_runs_when_due(registry, tmp_path):
     distill, calls = candidate_maker(tmp_path)
     counts = iter([0, 3, 7, 7, 7])
-    sched = DistillScheduler(registry, distill, smoke_check=ok_smoke, lock=JobLock(tmp_path / "l.lock"),
-                             schedule=ScheduleConfig(min_records=5, poll_s=0.01),
-                             pending_records=lambda since: next(counts), progress=lambda m: None)
+    sched = scheduler(registry, distill, tmp_path, schedule=ScheduleConfig(min_records=5, poll_s=0.01),
+                      pending_records=lambda since: next(counts))
     outs = sched.run_forever(max_jobs=2)
     assert [o.status for o in outs] == ["promoted", "promoted"] and len(calls) == 2
     assert list(counts) == [7]                     # four checks: 0, 3 (wait), 7 (job), 7 (job), then stop
@@ -227,9 +238,8 @@ def test_run_forever_runs_when_due(registry, tmp_path):
 
 def test_rollback_pauses_scheduled_promotion_until_resumed(registry, tmp_path):
     distill, calls = candidate_maker(tmp_path)
-    sched = DistillScheduler(registry, distill, smoke_check=ok_smoke, lock=JobLock(tmp_path / "l.lock"),
-                             schedule=ScheduleConfig(min_records=5, poll_s=0.01),
-                             pending_records=lambda since: 50, progress=lambda m: None)
+    sched = scheduler(registry, distill, tmp_path, schedule=ScheduleConfig(min_records=5, poll_s=0.01),
+                      pending_records=lambda since: 50)
     assert sched.run_forever(max_jobs=1)[0].status == "promoted" and registry.champion() == "2"
     move = registry.rollback(reason="bad live acceptance")
     assert move.changed and registry.champion() == "1" and "paused" in move.message
@@ -271,3 +281,210 @@ def test_lock_file_content(tmp_path):
     assert JobLock(tmp_path / "x.lock").acquire() is False
     lock.release()
     assert JobLock(tmp_path / "x.lock").holder() is None
+
+
+# ----------------------------------------------------------------------------- issue 17: acks after registration
+@pytest.fixture(scope="module")
+def buffer(tmp_path_factory, redis_url):
+    """12 training requests and 4 held-out ones really served into real Redis (unique prefix)."""
+    import uuid
+
+    from deploy_helpers import drop_prefix, serve_records
+    from tiny_models import save_pair
+
+    root = tmp_path_factory.mktemp("sched-buffer")
+    target, draft = save_pair(root)
+    prefix = f"test:sched:{uuid.uuid4().hex[:10]}"
+    serve_records(target, draft, redis_url, prefix, requests=12, heldout=False, tag="train")
+    serve_records(target, draft, redis_url, prefix, requests=4, heldout=True, tag="held")
+    yield {"url": redis_url, "prefix": prefix}
+    drop_prefix(redis_url, prefix)
+
+
+def _pending(url, key, group):
+    from buffer.redis_store import connect
+
+    c = connect(url)
+    try:
+        rows = c.xpending_range(key, group, min="-", max="+", count=100_000)
+    finally:
+        c.close()
+    return {r["message_id"].decode() if isinstance(r["message_id"], bytes) else r["message_id"] for r in rows}
+
+
+def _training_ids(url, prefix):
+    from buffer.redis_store import BufferConfig, ReplayBufferReader
+    from training.data import is_heldout
+
+    reader = ReplayBufferReader(url, BufferConfig(prefix=prefix))
+    return {e.stream_id for e in reader.newest(100_000) if not is_heldout(e.record.request_id, 0.25)}
+
+
+def test_records_are_acked_only_once_the_candidate_is_registered(registry, tmp_path, buffer, monkeypatch):
+    """The real job (training.job.run_distillation, `ack: registered` as `draftsmith distill` configures it)
+    trains on real records; registration fails: every record it trained on is still pending in the
+    consumer group and the cursor did not move. The next job re-claims them, its candidate is registered,
+    and only then are they acked: none lost, none left pending."""
+    import uuid
+
+    from deploy import cli
+    from training.job import run_distillation
+
+    key = f"{buffer['prefix']}:steps"
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    overrides = {"redis_url": buffer["url"], "buffer_prefix": buffer["prefix"], "group": group,
+                 "heldout_fraction": 0.25, "claim_idle_ms": 0, "steps": 4, "batch_tokens": 1024, "min_records": 8,
+                 "mlflow": False, "lr": 1e-2}
+    jobs = []
+
+    def distill(req):
+        cfg = cli.job_config(req, "tiny-target", {**overrides, "out_dir": str(tmp_path / f"cand{len(jobs)}")})
+        jobs.append(cfg)
+        return run_distillation(cfg, progress=lambda m: None)
+
+    sched = scheduler(registry, distill, tmp_path, ack_records=cli._ack_records(overrides))
+    real_register = registry.register_candidate
+    with monkeypatch.context() as mp:
+        def broken(*a, **k):
+            raise RuntimeError("MLflow went away during registration")
+        mp.setattr(registry, "register_candidate", broken)
+        out = sched.run_job()
+    assert out.status == "failed" and "records left pending" in out.message and jobs[0]["ack"] == "registered"
+    trained = _training_ids(buffer["url"], buffer["prefix"])
+    assert len(trained) > 50 and _pending(buffer["url"], key, group) == trained     # every one still pending
+    assert sched.cursor() is None and registry.aliases() == {CHAMPION: "1"}
+    assert json.loads((tmp_path / "cand0" / "records.json").read_text())["ids"]     # never acked
+
+    assert registry.register_candidate == real_register
+    out = sched.run_job()
+    assert out.status == "promoted" and f"{len(trained)} records acked" in out.message, out.message
+    assert _pending(buffer["url"], key, group) == set()
+    window = registry.last_data_window()
+    assert window["steps"] == len(trained) and sched.cursor() == max(trained, key=lambda s: tuple(map(int, s.split("-"))))
+    assert (tmp_path / "cand1" / "records.acked.json").is_file() and not (tmp_path / "cand1" / "records.json").exists()
+
+
+def test_a_gate_that_could_not_finish_runs_again_on_a_later_tick(registry, tmp_path):
+    """Redis (or MLflow) fails mid-gate: the job fails with the candidate registered (its records acked)
+    and no verdict; the next tick gates it again and promotes it. Candidates an operator registered by
+    hand are left alone."""
+    from buffer.redis_store import BufferUnavailable
+
+    good = synthetic_evidence(0.1)
+    state = {"fail": True}
+
+    def flaky(champ, cand):
+        if state.pop("fail", False):
+            raise BufferUnavailable("Redis unreachable: connection refused")
+        return good(champ, cand)
+
+    distill, _ = candidate_maker(tmp_path)
+    sched = scheduler(registry, distill, tmp_path, evidence=flaky, schedule=ScheduleConfig(min_records=5, poll_s=0.01),
+                      pending_records=lambda since: 0)
+    out = sched.run_job()
+    assert out.status == "failed" and "the gate runs again on a later tick" in out.message and out.version == "2"
+    info = registry.get("2")
+    assert "draftsmith.gate.verdict" not in info.tags and info.tags["draftsmith.gate_pending"] == "scheduler"
+    assert registry.aliases() == {CHAMPION: "1", CANDIDATE: "2"}
+    assert sched.tick() is None                                   # no job due: the pending gate ran
+    assert registry.champion() == "2" and read_status(sched.status_path)["status"] == "promoted"
+    assert sched.gate_pending() is None                           # nothing pending any more
+
+    manual = registry.register_candidate(make_candidate(tmp_path / "by-hand", tmp_path / "base", seed=9))
+    assert sched.gate_pending() is None and registry.get(manual).tags.get("draftsmith.gate.verdict") is None
+
+
+def test_an_accepted_candidate_held_by_a_pause_is_promoted_after_resume(registry, tmp_path):
+    distill, _ = candidate_maker(tmp_path)
+    sched = scheduler(registry, distill, tmp_path)
+    registry.pause_promotions("operator: hold everything")
+    out = sched.run_job()                                          # `distill` once: runs, but cannot promote
+    assert out.status == "held" and "paused" in out.message and registry.champion() == "1"
+    assert sched.gate_pending() is None                            # still paused: nothing happens
+    registry.resume_promotions()
+    assert sched.gate_pending().status == "promoted" and registry.champion() == "2"
+
+
+# ----------------------------------------------------------------------------- issue 17: the watchdog
+def log_live(registry, version, rates, start, *, drafted=1000, every_s=15.0):
+    """Log one live interval per rate for `version` through the real LiveStatsLogger (as the MetricsHub
+    does), with timestamps start, start + every_s, ..."""
+    from deploy.registry import LiveStatsLogger
+
+    clock = [start]
+    live = LiveStatsLogger(registry=registry, interval_s=60, clock=lambda: clock[0])
+    for rate in rates:
+        live.observe({"draft_version": version, "draft_tokens": drafted, "accepted_tokens": round(rate * drafted),
+                      "steps": drafted // 4, "tokens": drafted, "wall_time_s": 10.0, "energy_j": None})
+        live.flush()
+        clock[0] += every_s
+
+
+def test_watchdog_rolls_back_a_champion_that_falls_below_its_gate_figure(registry, tmp_path):
+    from deploy.scheduler import LiveWatchdog, WatchdogPolicy, read_watchdog_status
+
+    distill, _ = candidate_maker(tmp_path)
+    sched = scheduler(registry, distill, tmp_path, schedule=ScheduleConfig(min_records=5, poll_s=0.01),
+                      pending_records=lambda since: 0,
+                      watchdog=LiveWatchdog(registry, WatchdogPolicy(min_draft_tokens=2000, min_intervals=3,
+                                                                     window_s=60),
+                                            status_path=tmp_path / "dog.json", progress=lambda m: None))
+    assert sched.run_job().status == "promoted" and registry.champion() == "2"
+    gate_figure = registry.get("2").metrics["gate_expected_rate"]
+    assert 0.4 < gate_figure < 0.7                                     # what the gate expects live
+    now = time.time()
+    log_live(registry, "2", [0.55, 0.57], now + 1)                     # healthy, but too little evidence yet
+    assert sched.watchdog.check().action == "waiting"
+    log_live(registry, "2", [0.56, 0.54], now + 40)
+    v = sched.watchdog.check()
+    assert v.action == "ok" and v.live == pytest.approx(0.555, abs=0.01) and v.gate_figure == gate_figure
+
+    # the draft breaks after loading: live acceptance collapses; one scheduler tick rolls it back
+    log_live(registry, "2", [0.12, 0.10, 0.11, 0.09], now + 100)
+    assert sched.tick() is None
+    assert registry.aliases() == {CHAMPION: "1"} and registry.promotions_paused() is not None
+    info = registry.get("2")
+    assert info.tags["draftsmith.auto_rollback"] == "1"
+    assert "significantly below its gate figure" in info.tags["draftsmith.rollback_reason"]
+    details = json.loads(info.tags["draftsmith.rollback_details"])
+    assert details["gate_figure"] == pytest.approx(gate_figure) and details["drafted_tokens"] == 4000   # the newest 60 s only
+    last = [h for h in registry.history() if h["action"] == "rollback"][-1]
+    assert last["from"] == "2" and last["to"] == "1" and "watchdog" in last["reason"]
+    dog = read_watchdog_status(tmp_path / "dog.json")
+    assert dog["action"] == "rolled back" and dog["rolled_back_to"] == "1"
+    # the restored champion is judged on its own live figures from now on: none yet
+    assert sched.watchdog.check().action == "waiting" and registry.champion() == "1"
+
+
+def test_watchdog_compares_with_the_previous_versions_live_acceptance(registry, tmp_path):
+    from deploy.gate import force_promote
+    from deploy.scheduler import LiveWatchdog, WatchdogPolicy
+
+    dog = LiveWatchdog(registry, WatchdogPolicy(min_draft_tokens=2000, min_intervals=3, window_s=60),
+                       status_path=tmp_path / "dog.json", progress=lambda m: None)
+    now = time.time()
+    log_live(registry, "1", [0.70, 0.72, 0.69, 0.71], now - 100)      # version 1 while it was champion
+    registry.register_candidate(make_candidate(tmp_path / "c", tmp_path / "base"))
+    force_promote(registry, "2")                                       # no gate figure: only "previous" applies
+    log_live(registry, "2", [0.66, 0.70, 0.68], now + 1)               # within the 10% tolerance: fine
+    assert dog.check().action == "ok"
+    log_live(registry, "2", [0.35, 0.33, 0.36, 0.34], now + 50)
+    v = dog.check()
+    assert v.action == "rolled back" and v.previous_version == "1" and v.previous_live == pytest.approx(0.705, abs=0.01)
+    assert registry.champion() == "1"
+    assert "below version 1's 0.705" in registry.get("2").tags["draftsmith.rollback_reason"]
+
+
+def test_watchdog_with_nothing_to_roll_back_to_records_the_finding(registry, tmp_path):
+    from deploy.scheduler import LiveWatchdog, WatchdogPolicy
+
+    registry.log_version_metrics("1", {"gate_expected_rate": 0.6})
+    dog = LiveWatchdog(registry, WatchdogPolicy(min_draft_tokens=100, min_intervals=2),
+                       status_path=tmp_path / "dog.json", progress=lambda m: None)
+    assert dog.check().action == "waiting"
+    log_live(registry, "1", [0.1, 0.12, 0.11], time.time() + 1)
+    v = dog.check()
+    assert v.action == "degraded" and "no previous version to roll back to" in v.message
+    assert registry.champion() == "1" and "gate figure 0.600" in registry.get("1").tags["draftsmith.watchdog"]
+    assert dog.check().action == "degraded"                            # recorded once, not per tick
+    assert sum(h["action"] == "watchdog" for h in registry.history()) == 1
