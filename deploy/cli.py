@@ -2,18 +2,22 @@
 
     draftsmith serve [--host H] [--port P] [--target T] [--draft D] [--replicas N] [--api-key K] [--admin-key K]
     draftsmith bootstrap [--out DIR] [--budget 14m] [--force]
-    draftsmith distill [--every 10m] [--min-records N] [--margin 0.01]
+    draftsmith distill [--every 10m] [--min-records N] [--margin 0.01] [--no-watchdog]
     draftsmith register CANDIDATE_DIR            (or a full model folder: a new base draft)
-    draftsmith promote VERSION [--force]
+    draftsmith promote VERSION [--force] [--ignore-pause]
     draftsmith rollback [--to VERSION] [--no-pause]   (pauses scheduled distillation by default)
     draftsmith resume                              (lets scheduled distillation promote again)
-    draftsmith versions
-    draftsmith status
+    draftsmith versions                            (job-reported and gate-measured acceptance side by side)
+    draftsmith status                              (aliases, pause, last job, watchdog, rollback reasons)
 
 Common options: --target (default $DRAFTSMITH_TARGET or the default SmolLM2 target) picks the
 registered model `draftsmith-<target>-draft`; --tracking-uri (default $MLFLOW_TRACKING_URI or
 sqlite under $DRAFTSMITH_DATA). Exit codes: 0 ok, 1 the operation failed (gate rejected, corrupt
-artifacts, job failed), 2 bad input (the message says what to fix). Heavy modules (MLflow, torch,
+artifacts, job failed, MLflow unavailable, promotions paused), 2 bad input (the message says what to fix).
+
+The gate (`distill`, `promote`) scores champion and candidate itself on held-out records of the replay
+buffer: the Redis of `redis_url` in --config (else $REDIS_URL, else the embedded server), under
+`buffer_prefix`, split by `heldout_fraction` (the distillation config's keys). Heavy modules (MLflow, torch,
 Ray) are imported only by the subcommand that needs them. DRAFTSMITH_DEBUG=1 shows tracebacks.
 """
 from __future__ import annotations
@@ -131,10 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run when at least N new records are in the buffer")
     d.add_argument("--poll", type=_duration, default=10.0, help="how often the schedule is checked (default 10s)")
     d.add_argument("--max-jobs", type=_positive_int, default=None, help="stop the scheduler after N jobs")
-    d.add_argument("--margin", type=_fraction, default=0.01,
-                   help="offline acceptance gain the candidate needs over the champion (default 0.01)")
-    d.add_argument("--min-heldout", type=int, default=1, help="minimum held-out records for the gate (default 1)")
-    d.add_argument("--config", type=Path, default=None, help="distillation config YAML (training.job)")
+    _gate_options(d)
+    d.add_argument("--config", type=Path, default=None, help="distillation config YAML (training.job); its "
+                   "redis_url / buffer_prefix / heldout_fraction also tell the gate where to draw its sample")
+    d.add_argument("--no-watchdog", action="store_true",
+                   help="do not watch the champion's live acceptance (no automatic rollback)")
+    d.add_argument("--rollback-tolerance", type=_fraction, default=0.10,
+                   help="relative drop of live acceptance below the gate figure / the previous version's that "
+                        "the watchdog tolerates before a significant drop rolls back (default 0.10)")
 
     r = sub.add_parser("register", parents=[common], help="register a candidate folder (or a full model folder)")
     r.add_argument("path", type=_existing_dir, metavar="CANDIDATE_DIR")
@@ -142,8 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("promote", parents=[common], help="promote a version through the gate")
     pr.add_argument("version", type=_version, metavar="VERSION")
     pr.add_argument("--force", action="store_true", help="skip the gate (artifacts are still verified)")
-    pr.add_argument("--margin", type=_fraction, default=0.01)
-    pr.add_argument("--min-heldout", type=int, default=1)
+    pr.add_argument("--ignore-pause", action="store_true",
+                    help="promote although promotions are paused after a rollback (default: refuse)")
+    _gate_options(pr)
+    pr.add_argument("--config", type=Path, default=None,
+                    help="distillation config YAML: redis_url / buffer_prefix / heldout_fraction of the gate sample")
 
     rb = sub.add_parser("rollback", parents=[common], help="move the champion back to the previous version")
     rb.add_argument("--to", type=_version, default=None, metavar="VERSION")
@@ -158,6 +169,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _gate_options(sub) -> None:
+    sub.add_argument("--margin", type=_fraction, default=0.01,
+                     help="held-out acceptance gain (measured by the gate) the candidate needs over the champion "
+                          "(default 0.01)")
+    sub.add_argument("--confidence", type=float, default=0.95,
+                     help="one-sided level of the gate's paired bootstrap bounds (default 0.95)")
+    sub.add_argument("--min-requests", type=int, default=20,
+                     help="held-out requests the gate's own sample needs (default 20)")
+    sub.add_argument("--min-heldout", type=int, default=1, help="held-out steps the gate's sample needs (default 1)")
+    sub.add_argument("--category-min-requests", type=int, default=10,
+                     help="a traffic category is tested for regression from this many requests (default 10)")
+    sub.add_argument("--gate-records", type=_positive_int, default=4000,
+                     help="newest held-out step records the gate draws (default 4000)")
+
+
 # ---------------------------------------------------------------------------------- commands
 def _registry(args):
     from deploy.registry import Registry
@@ -169,9 +195,40 @@ def _gate_policy(args):
     from deploy.gate import GatePolicy
 
     try:
-        return GatePolicy(margin=args.margin, min_heldout_records=args.min_heldout)
+        return GatePolicy(margin=args.margin, min_heldout_records=args.min_heldout, min_requests=args.min_requests,
+                          confidence=args.confidence, category_min_requests=args.category_min_requests)
     except ValueError as e:
         raise BadInput(str(e)) from None
+
+
+def _evidence(args, overrides: dict):
+    """The gate's EvidenceSource: the buffer the distillation jobs read (their config's keys)."""
+    from deploy.gate import EvidenceSource
+
+    try:
+        return EvidenceSource(redis_url=overrides.get("redis_url"),
+                              buffer_prefix=overrides.get("buffer_prefix", "draftsmith:buf"),
+                              heldout_fraction=overrides.get("heldout_fraction", 0.1), records=args.gate_records,
+                              max_len=overrides.get("max_len", 1024))
+    except ValueError as e:
+        raise BadInput(f"gate sample: {e}") from None
+
+
+def _target_sha(args, *, convert: bool = True) -> str | None:
+    """Fingerprint of the served target (deploy.registry.target_fingerprint). With `convert`, the default
+    target is converted first if it never was (what serving does on first start)."""
+    from deploy.registry import resolve_target_folder, target_fingerprint
+
+    if convert and resolve_target_folder(args.target) is None:
+        try:
+            from serving.models import ModelLoadError, resolve_model_path
+        except ImportError:
+            return None
+        try:
+            return target_fingerprint(resolve_model_path(args.target))
+        except (ModelLoadError, OSError) as e:
+            raise BadInput(f"cannot find the target {args.target or 'default'} to pin drafts to: {e}") from None
+    return target_fingerprint(args.target)
 
 
 def cmd_serve(args) -> int:
@@ -255,7 +312,7 @@ def cmd_bootstrap(args) -> int:
                             progress=lambda m: print(m, flush=True)))
     finally:
         lock.release()
-    version = reg.register_base(folder, description="bootstrap base draft")
+    version = reg.register_base(folder, description="bootstrap base draft", target_sha256=_target_sha(args))
     move = reg.promote(version, reason="bootstrap")
     print(f"registered {folder} as {reg.name} version {version}; {move.message}")
     return EXIT_OK
@@ -265,7 +322,8 @@ def _real_distill(args):
     """The injected distillation function: `training.job.run_distillation(cfg) -> candidate dir`.
 
     cfg is a plain dict: the --config YAML's keys, overridden by the job request
-    (parent_version, base_draft_path = the materialised champion, target, since_id = buffer cursor).
+    (parent_version, base_draft_path = the materialised champion, target, since_id = buffer cursor,
+    target_sha256) and `ack: registered` (the scheduler acks the records once the candidate is registered).
     """
     try:
         from training.job import run_distillation
@@ -282,7 +340,18 @@ def _real_distill(args):
 def job_config(request, target: str | None, overrides: dict | None = None) -> dict:
     """The cfg handed to training.job.run_distillation for one scheduler JobRequest."""
     return {**(overrides or {}), "parent_version": request.parent_version,
-            "base_draft_path": str(request.parent_path), "target": target, "since_id": request.since_id}
+            "base_draft_path": str(request.parent_path), "target": target, "since_id": request.since_id,
+            "target_sha256": request.target_sha256, "ack": "registered"}
+
+
+def _ack_records(overrides: dict):
+    """`training.job.ack_candidate_records` against the job's Redis (the scheduler's ack_records)."""
+    def ack(cand_dir):
+        from training.job import ack_candidate_records
+
+        return ack_candidate_records(cand_dir, redis_url=overrides.get("redis_url"))
+
+    return ack
 
 
 def _read_config(path: Path | None) -> dict:
@@ -313,7 +382,7 @@ def cmd_distill(args) -> int:
     import threading
 
     from deploy.gate import engine_smoke_check
-    from deploy.scheduler import DistillScheduler, ScheduleConfig
+    from deploy.scheduler import DistillScheduler, LiveWatchdog, ScheduleConfig, WatchdogPolicy
 
     policy = _gate_policy(args)
     schedule = None
@@ -325,11 +394,17 @@ def cmd_distill(args) -> int:
     reg = _registry(args)
     if reg.champion() is None:
         raise BadInput(f"{reg.name} has no champion draft to distill from; run `draftsmith bootstrap` first")
-    sched = DistillScheduler(reg, _real_distill(args), smoke_check=engine_smoke_check(args.target), policy=policy,
-                             schedule=schedule, pending_records=_pending_records() if args.min_records else None)
+    overrides = _read_config(args.config)
+    distill = _real_distill(args)
+    watchdog = None if args.no_watchdog or schedule is None else \
+        LiveWatchdog(reg, WatchdogPolicy(tolerance=args.rollback_tolerance))
+    sched = DistillScheduler(reg, distill, smoke_check=engine_smoke_check(args.target), policy=policy,
+                             schedule=schedule, pending_records=_pending_records() if args.min_records else None,
+                             evidence=_evidence(args, overrides), target_sha256=_target_sha(args),
+                             ack_records=_ack_records(overrides), watchdog=watchdog)
     if schedule is None:
         out = sched.run_job()
-        return EXIT_OK if out.status in ("promoted", "rejected") else EXIT_FAILED
+        return EXIT_OK if out.status in ("promoted", "rejected", "held") else EXIT_FAILED
     print(f"[distill] scheduler started: every {args.every or '-'} s, min records {args.min_records or '-'}; "
           "Ctrl-C stops it")
     stop = threading.Event()
@@ -341,26 +416,58 @@ def cmd_distill(args) -> int:
 
 
 def cmd_register(args) -> int:
+    """A base folder is pinned to the --target's fingerprint (when it has a local folder); a candidate to
+    the one its candidate.json records, else its parent's. A candidate written with `ack: registered`
+    has its records acked now that it is registered."""
+    from deploy.registry import short_hash
+
     reg = _registry(args)
-    version = reg.register(args.path)
+    note = ""
+    if (args.path / "candidate.json").exists():
+        version = reg.register_candidate(args.path)
+        if (args.path / "records.json").exists():
+            try:
+                from training.job import ack_candidate_records
+
+                note = f"; {ack_candidate_records(args.path)} of its records acked"
+            except Exception as e:  # noqa: BLE001 - Redis unreachable: they stay pending
+                note = f"; its records could not be acked ({e}) and stay pending for a later job"
+    else:
+        version = reg.register(args.path)
     info = reg.get(version)
     print(f"registered {args.path} as {reg.name} version {version} ({info.kind}"
-          + (f" on version {info.parent_version}" if info.parent_version else "") + ")")
+          + (f" on version {info.parent_version}" if info.parent_version else "")
+          + f"; target {short_hash(info.target_sha256)})" + note)
     return EXIT_OK
 
 
 def cmd_promote(args) -> int:
     from deploy.gate import engine_smoke_check, force_promote, run_gate
 
+    from deploy.registry import PromotionsPaused
+
     reg = _registry(args)
-    if args.force:
-        move = force_promote(reg, args.version)
-        print(move.message + ("" if move.changed else " (nothing changed)"))
-        return EXIT_OK
-    verdict = run_gate(reg, args.version, engine_smoke_check(args.target), policy=_gate_policy(args))
+    try:
+        if args.force:
+            move = force_promote(reg, args.version, ignore_pause=args.ignore_pause)
+            print(move.message + ("" if move.changed else " (nothing changed)"))
+            return EXIT_OK
+        if not args.ignore_pause and reg.promotions_paused():
+            raise PromotionsPaused(f"promotions are paused ({reg.promotions_paused().get('reason')}); "
+                                   "`draftsmith resume` first, or pass --ignore-pause")
+        verdict = run_gate(reg, args.version, engine_smoke_check(args.target), policy=_gate_policy(args),
+                           evidence=_evidence(args, _read_config(args.config)), target_sha256=_target_sha(args),
+                           promote=not args.ignore_pause)
+        if verdict.accepted and args.ignore_pause:
+            reg.promote(args.version, reason=f"gate: {verdict.reason}", ignore_pause=True)
+            verdict.promoted = True
+    except PromotionsPaused as e:
+        raise CommandFailed(f"version {args.version} was not promoted: {e}") from None
     if not verdict.accepted:
         raise CommandFailed(f"version {args.version} was not promoted: {verdict.reason} "
                             "(the verdict is recorded on the version; `promote --force` overrides the gate)")
+    if not verdict.promoted and verdict.champion_version != verdict.candidate_version:
+        raise CommandFailed(f"version {args.version} passed the gate but was not promoted: {verdict.promotion}")
     print(f"version {args.version} is the champion: {verdict.reason}"
           + (f"; smoke: {verdict.smoke_detail}" if verdict.smoke_detail else ""))
     return EXIT_OK
@@ -392,11 +499,14 @@ def cmd_versions(args) -> int:
     if not infos:
         print(f"{reg.name}: no versions yet (run `draftsmith bootstrap`)  [{reg.tracking_uri}]")
         return EXIT_OK
-    rows = [("VERSION", "ALIASES", "KIND", "PARENT", "ACC_BEFORE", "ACC_AFTER", "GATE", "CREATED")]
+    rows = [("VERSION", "ALIASES", "KIND", "PARENT", "ACC_BEFORE", "ACC_AFTER", "GATE", "GATE_ACC", "GATE_DELTA",
+             "CREATED")]
     for i in infos:
+        delta = i.metrics.get("gate_delta")
         rows.append((i.version, ",".join(i.aliases) or "-", i.kind, i.parent_version or "-",
                      _fmt(i.metrics.get("offline_acceptance_before")), _fmt(i.offline_acceptance),
-                     i.tags.get("draftsmith.gate.verdict", "-"),
+                     i.tags.get("draftsmith.gate.verdict", "-"), _fmt(i.metrics.get("gate_candidate_acceptance")),
+                     "-" if delta is None else f"{delta:+.3f}",
                      time.strftime("%Y-%m-%d %H:%M", time.localtime(i.created_ms / 1000))))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     print(f"{reg.name}  [{reg.tracking_uri}]")
@@ -406,19 +516,29 @@ def cmd_versions(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from deploy.scheduler import JobLock, read_status
+    """Aliases, pins, pause, scheduler and watchdog state, and the last alias moves with their reasons.
+    An MLflow outage is reported as such (exit 1), never as "no champion"."""
+    from deploy.registry import RegistryUnavailable, short_hash
+    from deploy.scheduler import JobLock, read_status, read_watchdog_status
 
     reg = _registry(args)
-    aliases = reg.aliases()
     print(f"registry:  {reg.name}  [{reg.tracking_uri}]")
-    print(f"versions:  {len(reg.versions())}")
-    for a in ("champion", "previous", "candidate"):
-        print(f"{a + ':':<10} {aliases.get(a, '-')}")
-    champ = aliases.get("champion")
-    if champ:
-        info = reg.get(champ)
-        print(f"champion offline acceptance: {_fmt(info.offline_acceptance)}")
-    paused = reg.promotions_paused()
+    try:
+        aliases = reg.aliases()
+        print(f"versions:  {len(reg.versions())}")
+        for a in ("champion", "previous", "candidate"):
+            print(f"{a + ':':<10} {aliases.get(a, '-')}")
+        champ = aliases.get("champion")
+        if champ:
+            info = reg.get(champ)
+            print(f"champion offline acceptance: {_fmt(info.offline_acceptance)}; gate-measured "
+                  f"{_fmt(info.metrics.get('gate_candidate_acceptance'))}; built for target "
+                  f"{short_hash(info.target_sha256)}")
+        paused = reg.promotions_paused()
+        history = reg.history()
+    except RegistryUnavailable as e:
+        raise CommandFailed(f"{e}; replicas keep serving their current draft and nothing is promoted until "
+                            "MLflow answers") from None
     if paused:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(paused.get("time", 0)))
         print(f"paused:    scheduled distillation paused since {when} ({paused.get('reason')}); "
@@ -430,11 +550,20 @@ def cmd_status(args) -> int:
     if last:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last.get("time", 0)))
         print(f"last job:  {last.get('status')} at {when}: {last.get('message')}")
-    last_moves = [h for h in reg.history() if h.get("action") in ("promote", "rollback")][-3:]
+    dog = read_watchdog_status()
+    if dog:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(dog.get("time", 0)))
+        print(f"watchdog:  {dog.get('action')} at {when}: {dog.get('message')}")
+    last_moves = [h for h in history if h.get("action") in ("promote", "rollback")][-3:]
     for h in last_moves:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(h.get("time", 0)))
         print(f"history:   {when} {h['action']} -> {h.get('version') or h.get('to')}"
-              + (f" (from {h.get('from')})" if h.get("from") else ""))
+              + (f" (from {h.get('from')})" if h.get("from") else "")
+              + (f": {h.get('reason')}" if h.get("action") == "rollback" and h.get("reason") else ""))
+    rb = next((h for h in reversed(history) if h.get("action") == "rollback"), None)
+    if rb is not None:
+        auto = "automatic " if "watchdog" in str(rb.get("reason")) else ""
+        print(f"last rollback: {auto}version {rb.get('from')} -> {rb.get('to')}: {rb.get('reason') or '-'}")
     return EXIT_OK
 
 

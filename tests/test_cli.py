@@ -1,5 +1,6 @@
-"""deploy/cli.py: every subcommand end to end on a temp MLflow store with tiny models, and bad
-input -> a message saying what to fix, exit code 2, never a traceback."""
+"""deploy/cli.py: every subcommand end to end on a temp MLflow store with tiny models and real held-out
+records in real Redis for the gate, and bad input -> a message saying what to fix, exit code 2, never a
+traceback."""
 from __future__ import annotations
 
 import os
@@ -12,7 +13,8 @@ import pytest
 
 from deploy import cli
 from deploy.registry import Registry
-from deploy_helpers import artifact_dir, fresh_store, make_base_draft, make_candidate, template_db
+from deploy_helpers import (artifact_dir, drop_prefix, fresh_store, make_base_draft, make_candidate,
+                            make_degraded_draft, serve_records, template_db)
 from tiny_models import save_pair
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,6 +23,24 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="session")
 def template(tmp_path_factory):
     return template_db(tmp_path_factory.mktemp("mlflow-template"))
+
+
+@pytest.fixture(scope="module")
+def gate_config(tmp_path_factory, redis_url):
+    """24 held-out requests served into real Redis, and the --config YAML that points the gate at them."""
+    import uuid
+
+    root = tmp_path_factory.mktemp("cli-records")
+    target, draft = save_pair(root)
+    prefix = f"test:cli:{uuid.uuid4().hex[:10]}"
+    serve_records(target, draft, redis_url, prefix, requests=24, heldout_fraction=0.25)
+    cfg = root / "gate.yaml"
+    cfg.write_text(f"redis_url: {redis_url}\nbuffer_prefix: {prefix}\nheldout_fraction: 0.25\n")
+    yield cfg
+    drop_prefix(redis_url, prefix)
+
+
+GATE = ("--min-requests", "10", "--category-min-requests", "8")
 
 
 @pytest.fixture
@@ -68,9 +88,9 @@ def test_bad_arguments_exit_2_with_a_hint(capsys, tmp_path):
         assert code == 2 and text in err, (argv, err)
 
 
-def test_operator_workflow(env, capsys, tmp_path):
+def test_operator_workflow(env, capsys, tmp_path, gate_config):
     target, uri = env
-    base = make_base_draft(tmp_path / "base")
+    base = make_degraded_draft(tmp_path / "base", target)              # a poor draft of this target
     name = Registry(str(target)).name
     assert name == "draftsmith-target-draft"
 
@@ -80,38 +100,44 @@ def test_operator_workflow(env, capsys, tmp_path):
     assert code == 2 and "nothing to roll back to" in err and "--to VERSION" in err
 
     code, out, _ = run(capsys, "register", str(base))
-    assert code == 0 and "version 1 (base)" in out
-    code, out, _ = run(capsys, "promote", "1")                       # a base draft needs --force
-    assert code == 1
-    code, out, _ = run(capsys, "promote", "1", "--force")
-    assert code == 0 and "version 1 is now the champion" in out
+    sha = Registry(str(target)).get("1").target_sha256
+    assert code == 0 and f"version 1 (base; target {sha[:12]})" in out
+    code, out, _ = run(capsys, "promote", "1", *GATE)                # no champion yet: target pin + smoke only
+    assert code == 0 and "version 1 is the champion: no champion yet" in out
 
-    cand = make_candidate(tmp_path / "c2", base, parent_version="1", target=str(target), before=0.40, after=0.55)
+    cand = make_candidate(tmp_path / "c2", base, parent_version="1", target=str(target), before=0.40, after=0.55,
+                          seed=5, scale=0.6, sign=-1)                 # repairs version 1 exactly
     code, out, _ = run(capsys, "register", str(cand))
-    assert code == 0 and "version 2 (adapter on version 1)" in out
-    code, out, _ = run(capsys, "promote", "2")                       # real gate: real smoke decode on tiny models
+    assert code == 0 and "version 2 (adapter on version 1" in out
+    code, out, _ = run(capsys, "promote", "2", "--config", str(gate_config), *GATE)   # real gate, real smoke
     assert code == 0 and "version 2 is the champion" in out and "identical to target greedy" in out
+    assert "gate sample of 24 held-out requests" in out
 
-    weak = make_candidate(tmp_path / "c3", base, parent_version="2", target=str(target), seed=7,
-                          before=0.55, after=0.551)
-    run(capsys, "register", str(weak))
-    code, _, err = run(capsys, "promote", "3")
-    assert code == 1 and "was not promoted" in err and "does not beat the margin" in err
+    worse = make_candidate(tmp_path / "c3", Registry(str(target)).materialize("2"), parent_version="2",
+                           target=str(target), seed=7, scale=0.6, before=0.55, after=0.95)   # claims +0.40
+    run(capsys, "register", str(worse))
+    code, _, err = run(capsys, "promote", "3", "--config", str(gate_config), *GATE)
+    assert code == 1 and "was not promoted" in err and "gate sample of 24 held-out requests" in err
 
     code, out, _ = run(capsys, "versions")
     assert code == 0
     rows = {line.split()[0]: line.split() for line in out.splitlines()[2:]}
     assert rows["1"][1:3] == ["previous", "base"]
     assert rows["2"][1:4] == ["champion", "adapter", "1"] and rows["2"][5] == "0.550" and rows["2"][6] == "accepted"
-    assert rows["3"][1] == "candidate" and rows["3"][6] == "rejected"
+    assert float(rows["2"][7]) > 0.9 and float(rows["2"][8]) > 0.5          # gate-measured, not the job's
+    assert rows["3"][1] == "candidate" and rows["3"][5] == "0.950" and rows["3"][6] == "rejected"
+    assert float(rows["3"][8]) < 0                                         # claimed +0.40, measured worse
 
     code, out, _ = run(capsys, "rollback")
     assert code == 0 and "version 1 is now the champion (was 2)" in out
     code, out, _ = run(capsys, "rollback")
     assert code == 0 and "already rolled back" in out and "(nothing changed)" in out
     code, out, _ = run(capsys, "status")
-    assert code == 0 and "champion:  1" in out and "rollback -> 1 (from 2)" in out and "no job running" in out
+    assert code == 0 and "champion:  1" in out and "rollback -> 1 (from 2): operator rollback" in out
+    assert "no job running" in out and "last rollback: version 2 -> 1: operator rollback" in out
     assert "paused:    scheduled distillation paused" in out and "operator rollback" in out
+    code, _, err = run(capsys, "promote", "2", "--config", str(gate_config), *GATE)     # the pause holds
+    assert code == 1 and "paused" in err and "draftsmith resume" in err
     code, out, _ = run(capsys, "resume")
     assert code == 0 and "resumed" in out
     code, out, _ = run(capsys, "resume")
@@ -126,6 +152,20 @@ def test_operator_workflow(env, capsys, tmp_path):
     code, _, err = run(capsys, "promote", "3", "--force")
     assert code == 1 and "candidate.json" in err and "corrupt" in err
     assert reg.aliases() == before
+
+
+def test_status_reports_an_mlflow_outage_instead_of_no_champion(env, capsys, monkeypatch):
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    for cmd in (("status",), ("promote", "2"), ("rollback",)):
+        code, out, err = run(capsys, *cmd, "--tracking-uri", f"http://127.0.0.1:{port}")
+        assert code == 1 and "MLflow unavailable" in err, (cmd, out, err)
+        assert "champion:  -" not in out
 
 
 def test_register_and_bootstrap_errors(env, capsys, tmp_path, monkeypatch):
@@ -152,23 +192,24 @@ def test_register_and_bootstrap_errors(env, capsys, tmp_path, monkeypatch):
     assert code == 2 and "pass --force" in err and len(built) == 1
 
 
-def test_distill_runs_one_job_through_the_gate(env, capsys, tmp_path, monkeypatch):
+def test_distill_runs_one_job_through_the_gate(env, capsys, tmp_path, monkeypatch, gate_config):
     target, _ = env
-    base = make_base_draft(tmp_path / "base")
     reg = Registry(str(target))
-    reg.register_base(base)
+    reg.register_base(make_degraded_draft(tmp_path / "base", target))
     reg.promote("1")
     requests = []
 
     def distill(req):
         requests.append(req)
         return make_candidate(tmp_path / "cand", req.parent_path, parent_version=req.parent_version,
-                              target=str(target), before=0.3, after=0.5)
+                              target=str(target), before=0.3, after=0.5, seed=5, scale=0.6, sign=-1,
+                              target_sha256=req.target_sha256)
 
     monkeypatch.setattr(cli, "_real_distill", lambda args: distill)
-    code, out, _ = run(capsys, "distill")
-    assert code == 0 and "version 2 promoted to champion" in out
+    code, out, _ = run(capsys, "distill", "--config", str(gate_config), *GATE)
+    assert code == 0 and "version 2 promoted to champion" in out, out
     assert requests[0].parent_version == "1" and reg.champion() == "2"
+    assert requests[0].target_sha256 == reg.get("1").target_sha256 == reg.get("2").target_sha256
 
     def broken(req):
         raise RuntimeError("killed by the OOM killer")
@@ -239,6 +280,7 @@ def test_distill_wiring_errors_are_clear(env, capsys, tmp_path, monkeypatch):
 def test_job_config_maps_the_request():
     from deploy.scheduler import JobRequest
 
-    cfg = cli.job_config(JobRequest("4", Path("/cache/v4"), "tgt", "17-9"), "tgt", {"lr": 1e-4, "since_id": "x"})
+    cfg = cli.job_config(JobRequest("4", Path("/cache/v4"), "tgt", "17-9", "ab" * 32), "tgt",
+                         {"lr": 1e-4, "since_id": "x", "ack": "step"})
     assert cfg == {"lr": 1e-4, "parent_version": "4", "base_draft_path": "/cache/v4", "target": "tgt",
-                   "since_id": "17-9"}
+                   "since_id": "17-9", "target_sha256": "ab" * 32, "ack": "registered"}   # acks after registration
