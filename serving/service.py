@@ -189,32 +189,76 @@ class Service:
         return engine
 
     # ------------------------------------------------------------------ hot-swap
-    def check_champion(self, engine=None) -> str:
-        """Load the registry's champion if it is not the live draft. Returns the live version."""
+    def check_champion(self, engine=None, *, due_only: bool = False) -> str:
+        """Load the registry's champion if it is not the live draft. Returns the live version.
+
+        Faults (issue 17): the champion alias is read with a few quick retries; when MLflow still cannot
+        be read the replica keeps serving what it has, says so in `swap_error` (/health) and the watcher
+        backs off (`_watch_delay`). A swap that fails (MLflow error, corrupt artifacts, a draft that does not
+        load) is retried with exponential backoff for as long as the alias names that version
+        (`due_only`: the watcher's calls wait for the retry time; other callers, e.g. the admin reload
+        route, try at once). A version built for another target (its `draftsmith.target_sha256` differs
+        from this replica's target) is refused, loudly: an error in the log, `swap_error` in /health,
+        `draft_swaps_total{result="refused"}`; the replica serves without it meanwhile (its current draft,
+        or the target alone)."""
         engine = engine or self.engine
         if self.registry is None:
             return engine.draft_version
         with self._swap_lock:
+            st = self._watch_state()
             try:
-                version = self.registry.champion()
+                version = self._read_champion()
             except Exception as e:  # noqa: BLE001 - MLflow down: keep serving what we have
-                self.swap_error = f"cannot read the champion alias: {e}"
+                st["read_failures"] += 1
+                st["error"] = "read"
+                self.swap_error = (f"cannot read the champion alias ({e}); still serving draft version "
+                                   f"{engine.draft_version}; retrying in {self._watch_delay():.0f} s")
+                log.warning("draft watcher: %s", self.swap_error)
+                self.telemetry.inc("draft_watch_errors_total")
                 return engine.draft_version
+            st["read_failures"] = 0
+            if st.get("error") == "read":
+                st["error"], self.swap_error = None, None
             if version is None or version == engine.draft_version:
+                st["retry"] = {}
+                if version is not None and st.get("error") in ("swap", "refused"):
+                    st["error"], self.swap_error = None, None
                 return engine.draft_version
-            if version == self._failed_version:
+            retry = st["retry"] if st["retry"].get("version") == version else {}
+            now = time.monotonic()
+            if due_only and retry and now < retry["next"]:
                 return engine.draft_version
             t0 = time.perf_counter()
+            refusal = None
             try:
-                path = self.registry.materialize(version, verify=True)
-                engine.swap_draft(path, version)
-            except Exception as e:  # noqa: BLE001 - a failed load keeps the old draft
+                refusal = self._target_refusal(engine, version)
+                if refusal is None:
+                    path = self.registry.materialize(version, verify=True)
+                    engine.swap_draft(path, version)
+            except Exception as e:  # noqa: BLE001 - a failed load keeps the old draft; retried with backoff
+                failure = f"{type(e).__name__}: {e}"
+            else:
+                failure = None
+            if refusal is not None or failure is not None:
+                attempts = retry.get("attempts", 0) + 1
+                delay = min(300.0, max(1.0, self.s.watch_interval_s) * 2 ** (attempts - 1))
+                st["retry"] = {"version": version, "attempts": attempts, "next": now + delay}
                 self._failed_version = version
-                self.swap_error = f"draft version {version} failed to load ({e}); still serving " \
-                                  f"version {engine.draft_version}"
-                log.error(self.swap_error)
-                self.telemetry.inc("draft_swaps_total", result="failed")
+                serving = (f"version {engine.draft_version}" if engine.draft_version not in (None, "none")
+                           else "the target alone (no draft)")
+                if refusal is not None:
+                    st["error"] = "refused"
+                    self.swap_error = f"REFUSED draft version {version}: {refusal}; serving {serving} meanwhile"
+                    log.error("replica %s: %s", self.s.replica_id, self.swap_error)
+                    self.telemetry.inc("draft_swaps_total", result="refused")
+                else:
+                    st["error"] = "swap"
+                    self.swap_error = (f"draft version {version} failed to load ({failure}); still serving {serving}; "
+                                       f"retry {attempts} in {delay:.0f} s")
+                    log.error(self.swap_error)
+                    self.telemetry.inc("draft_swaps_total", result="failed")
                 return engine.draft_version
+            st["retry"], st["error"] = {}, None
             self._failed_version = None
             self.swap_error = None
             self.telemetry.inc("draft_swaps_total", result="ok")
@@ -222,10 +266,60 @@ class Service:
                      time.perf_counter() - t0)
             return version
 
-    def _watch_loop(self) -> None:
-        while not self._stop.wait(self.s.watch_interval_s):
+    def _watch_state(self) -> dict:
+        """The draft watcher's own state (created on first use): consecutive failed alias reads, the retry
+        schedule of the version that failed to swap, the kind of the error in swap_error, and this
+        replica's target fingerprint (computed once)."""
+        st = self.__dict__.get("_draft_watch")
+        if st is None:
+            st = self.__dict__.setdefault("_draft_watch", {"read_failures": 0, "retry": {}, "error": None,
+                                                           "target_sha256": None, "target_known": False})
+        return st
+
+    def _read_champion(self, attempts: int = 3, backoff_s: float = 0.2) -> str | None:
+        """registry.champion() with `attempts` tries, backing off between them; the last error is raised
+        (an outage raises: deploy.registry.RegistryUnavailable, never "no champion")."""
+        for i in range(attempts):
             try:
-                self.check_champion()
+                return self.registry.champion()
+            except Exception:  # noqa: BLE001
+                if i == attempts - 1 or self._stop.is_set():
+                    raise
+                time.sleep(backoff_s * 2 ** i)
+        return None
+
+    def _watch_delay(self) -> float:
+        """Seconds until the watcher's next look: watch_interval_s, doubled per consecutive failed alias
+        read, at most 60 s."""
+        n = self._watch_state()["read_failures"]
+        return self.s.watch_interval_s if n == 0 else min(60.0, self.s.watch_interval_s * 2 ** min(n, 10))
+
+    def _target_refusal(self, engine, version: str) -> str | None:
+        """Why `version` must not be loaded next to this replica's target (None: it may). Versions that
+        record no target fingerprint (registered before drafts were pinned) are loaded with a warning."""
+        from deploy.registry import short_hash, target_fingerprint
+
+        st = self._watch_state()
+        if not st["target_known"]:
+            path = getattr(getattr(engine, "target", None), "path", None)
+            st["target_sha256"] = target_fingerprint(path) if path is not None else None
+            st["target_known"] = True
+        mine = st["target_sha256"]
+        theirs = self.registry.get(version).target_sha256
+        if theirs is None or mine is None:
+            log.warning("draft version %s: %s; loading it without the target check", version,
+                        "it records no target fingerprint" if theirs is None else "this replica's target has no "
+                        "local folder to fingerprint")
+            return None
+        if theirs != mine:
+            return (f"it was built for another target (fingerprint {short_hash(theirs)}), this replica serves "
+                    f"{self.s.target or 'the default target'} ({short_hash(mine)})")
+        return None
+
+    def _watch_loop(self) -> None:
+        while not self._stop.wait(self._watch_delay()):
+            try:
+                self.check_champion(due_only=True)
             except Exception as e:  # noqa: BLE001 - the watcher must not die
                 log.warning("draft watcher: %s", e)
 
