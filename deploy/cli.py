@@ -260,11 +260,15 @@ def _bootstrap_in_background(args) -> None:
     it in. The service gets faster without a restart, which is the product's point."""
     import subprocess
 
-    from deploy.registry import data_dir
+    from deploy.registry import RegistryUnavailable, data_dir
     from deploy.scheduler import JobLock
 
     reg = _registry(args)
-    if reg.champion() is not None:
+    try:
+        if reg.champion() is not None:
+            return
+    except RegistryUnavailable as e:   # MLflow down: serve (target-only or what replicas can load), build nothing
+        print(f"[serve] the registry is unreachable ({e}); not starting a bootstrap, serving anyway")
         return
     lock = JobLock(data_dir() / "bootstrap.lock")
     if lock.holder() is not None:

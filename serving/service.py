@@ -13,12 +13,16 @@ Hot-swap: a watcher thread polls the registry's `champion` alias every `watch_in
 names another version, the replica materialises it (verified against its manifest), loads it, and swaps
 it in between two decoding steps (`Engine.swap_draft` takes the engine lock). Requests in flight finish
 with the draft they started with for the steps already run; every response names the draft version that
-produced its tokens. A failed load keeps the old draft; the reason is in /health and in
-`draft_swaps_total{result="failed"}`, and the same version is not retried until the alias moves again.
+produced its tokens (each step is credited to the version that proposed it). A failed load keeps the old
+draft; the reason is in /health and in `draft_swaps_total{result="failed"}`, and the same version is
+retried with exponential backoff while the alias names it; a draft pinned to another target is refused
+(`result="refused"`) and never loaded. Champion reads retry with backoff; during an MLflow outage the
+current draft keeps serving.
 With an explicit `draft` folder the replica serves that folder as version "local" and does not watch.
 
 Faults: Redis down -> the writer drops and counts records (buffer_records_dropped_total), requests are
 unaffected; MLflow down -> no hot-swap and no live charts until it is back, requests are unaffected.
+Decoding faults: see serving/scheduler.py (a failed batched forward fails that step's requests only).
 """
 from __future__ import annotations
 

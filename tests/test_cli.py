@@ -284,3 +284,24 @@ def test_job_config_maps_the_request():
                          {"lr": 1e-4, "since_id": "x", "ack": "step"})
     assert cfg == {"lr": 1e-4, "parent_version": "4", "base_draft_path": "/cache/v4", "target": "tgt",
                    "since_id": "17-9", "target_sha256": "ab" * 32, "ack": "registered"}   # acks after registration
+
+
+def test_serve_does_not_start_a_bootstrap_while_the_registry_is_unreachable(monkeypatch, capsys):
+    """`draftsmith serve` on a fresh machine starts a bootstrap only when the registry says there is no
+    champion; an unreachable registry is not "no champion": serving goes on and nothing is built."""
+    import subprocess
+    import types
+
+    from deploy import cli
+    from deploy.registry import RegistryUnavailable
+
+    class Down:
+        def champion(self):
+            raise RegistryUnavailable("MLflow tracking server unreachable (simulated)")
+
+    monkeypatch.setattr(cli, "_registry", lambda args: Down())
+    started = []
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(a))
+    cli._bootstrap_in_background(types.SimpleNamespace(target=None, model_name=None, tracking_uri=None))
+    assert started == []
+    assert "registry is unreachable" in capsys.readouterr().out

@@ -404,7 +404,18 @@ def test_job_vocabulary_round_trips_through_registry_engine_trainer_and_gate(ser
         seen_rows.append(read_output_token_ids(path))
         return real_check(path)
 
-    verdict = run_gate(registry, version, smoke, policy=GatePolicy(margin=1e-3))
+    # the gate scores both drafts itself on held-out records of this buffer; both are pinned to the target
+    from deploy.gate import EvidenceSource
+    from deploy.registry import target_fingerprint
+
+    pin = target_fingerprint(served.target)
+    for v in ("1", version):
+        registry.set_version_tags(v, {"draftsmith.target_sha256": pin})
+    verdict = run_gate(registry, version, smoke,
+                       policy=GatePolicy(margin=1e-3, min_requests=2, category_min_requests=2),
+                       evidence=EvidenceSource(redis_url=served.url, buffer_prefix=served.prefix,
+                                               heldout_fraction=FRACTION),
+                       target_sha256=pin)
     assert verdict.accepted and verdict.promoted, verdict.reason
     assert seen_rows == [chosen] and verdict.vocabulary == f"{len(chosen)} rows"
     assert f"draft output vocabulary {len(chosen)} rows" in verdict.smoke_detail
