@@ -44,6 +44,7 @@ The engine lock is held for one *step* at a time, so concurrent requests interle
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
@@ -203,6 +204,14 @@ class Engine:
         self.eos_token_ids = self._eos_ids()
         self._rng_device = next(target.model.parameters()).device
         self.target_device = self._rng_device
+        if self.target_device.type == "cpu":
+            # transformers' SDPA path repeats the key/value heads of a GQA model (SmolLM2: 3 -> 9) whenever
+            # a mask is given and more than one query is fed, i.e. on every batched verification; torch's CPU
+            # SDPA takes the grouped heads directly (enable_gqa): +8-9% tokens/s at 8 in-process clients in
+            # two 30 s runs each way; within noise in bench_load (docs/benchmarks.md). Not on CUDA, where a
+            # mask with enable_gqa falls back to the math kernel. Process-wide; set
+            # TRANSFORMERS_SDPA_FORCE_GQA=0 to opt out.
+            os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
         if not isinstance(max_batch_tokens, int) or max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be a positive integer, got {max_batch_tokens!r}")
         self.max_batch_tokens = max_batch_tokens
