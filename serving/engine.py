@@ -43,6 +43,7 @@ The engine lock is held for one *step* at a time, so concurrent requests interle
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -63,7 +64,7 @@ from serving.decoding.spectr import spectr_verify
 from serving.decoding.types import VerifyResult
 from serving.decoding.warp import sample, warp_logprobs
 from serving.energy import EnergyMeter
-from serving.modes import VERIFY_RULES
+from serving.modes import MODE_TABLE, VERIFY_RULES
 from serving.models import (
     LoadedModel,
     ModelLoadError,
@@ -83,6 +84,20 @@ log = logging.getLogger(__name__)
 # requests wait until enough running ones finish.
 DEFAULT_MAX_BATCH_TOKENS = 65536
 BROKEN_AFTER = 3   # consecutive failed decoding steps before the engine reports itself unhealthy
+CANARY_SALT = "draftsmith-canary:"
+
+
+def canary_bucket(request_id: str) -> float:
+    """A request's place in [0, 1) for canary routing: sha256 of the SALTED request id. The salt matters:
+    the held-out split of training/data.py hashes the bare id, so without it the canary's traffic would be
+    exactly the held-out requests (or exactly not)."""
+    h = hashlib.sha256((CANARY_SALT + str(request_id)).encode()).digest()
+    return int.from_bytes(h[:8], "big") / 2.0 ** 64
+
+
+def routes_to_canary(request_id: str, share: float) -> bool:
+    """Whether a request goes to the canary draft: deterministic per request id, `share` of ids."""
+    return share > 0 and canary_bucket(request_id) < share
 
 
 @dataclass
@@ -195,6 +210,10 @@ class Engine:
         self.vocab_size = len(self.tokenizer)
         self.draft = draft
         self.draft_version = draft_version if draft is not None else "none"
+        # the canary (issue 17): a second draft that `canary_share` of new requests use (set_canary)
+        self.canary: LoadedModel | None = None
+        self.canary_version = "none"
+        self.canary_share = 0.0
         self.sink = sink
         self.device = device
         self.record_top_k = record_top_k
@@ -262,12 +281,46 @@ class Engine:
         return LoadedModel(model, tok, path, ids_t)
 
     def swap_draft(self, draft_path: str | Path, version: str) -> None:
-        """Load a new draft and make it live between steps. On failure the old draft stays."""
-        dtype = next(self.target.model.parameters()).dtype
-        new = self._load_draft(draft_path, self.target, self.device, dtype)  # may raise ModelLoadError
+        """Load a new draft and make it live between steps. On failure the old draft stays. The canary's
+        version becoming champion takes the loaded canary model over (no second load; its draft cache
+        carries on)."""
         with self._lock:
-            self.draft, self.draft_version = new, version
+            reuse = self.canary if self.canary is not None and self.canary_version == version else None
+        if reuse is None:
+            dtype = next(self.target.model.parameters()).dtype
+            reuse = self._load_draft(draft_path, self.target, self.device, dtype)  # may raise ModelLoadError
+        with self._lock:
+            self.draft, self.draft_version = reuse, version
         log.info("draft swapped to version %s (%s)", version, draft_path)
+
+    def set_canary(self, draft_path: str | Path | None, version: str = "none", share: float = 0.0) -> None:
+        """Serve draft `draft_path` (registry version `version`) to `share` of new requests, chosen by
+        `routes_to_canary(request id)`; `draft_path=None` ends the canary. Requests on the canary whose
+        canary goes away continue on the champion draft at their next step (lossless: the champion's
+        draft cache re-reads their sequence). On a load failure the previous state stays."""
+        if draft_path is None:
+            with self._lock:
+                self.canary, self.canary_version, self.canary_share = None, "none", 0.0
+            return
+        if not (0.0 < float(share) < 1.0):
+            raise ValueError(f"canary share must be in (0, 1), got {share!r}")
+        with self._lock:
+            same = self.canary if self.canary is not None and self.canary_version == version else None
+            if same is None and self.draft is not None and self.draft_version == version:
+                same = self.draft
+        if same is None:
+            dtype = next(self.target.model.parameters()).dtype
+            same = self._load_draft(draft_path, self.target, self.device, dtype)
+        with self._lock:
+            self.canary, self.canary_version, self.canary_share = same, str(version), float(share)
+        log.info("canary draft version %s (%s) takes %.0f%% of new requests", version, draft_path, 100 * share)
+
+    def draft_for(self, req) -> tuple[LoadedModel | None, str]:
+        """(draft model, version) that proposes for a request's next step: the canary for requests routed
+        to it while it is loaded, else the champion draft."""
+        if getattr(req, "arm", "champion") == "canary" and self.canary is not None:
+            return self.canary, self.canary_version
+        return self.draft, self.draft_version
 
     def healthy(self) -> tuple[bool, str]:
         if self._broken:
@@ -356,12 +409,16 @@ class Engine:
         gen.manual_seed(sampling.seed if sampling.seed is not None else int.from_bytes(uuid.uuid4().bytes[:6], "little"))
         gamma = spec.gamma if mode != "target" else 0
         adaptive = spec.adaptive and mode in ADAPTIVE_MODES
-        stats = GenerationStats(mode=mode, draft_version=self.draft_version if spec.needs_draft else "none",
+        # canary routing: only batched draft modes (the modes that run alone keep the champion draft)
+        arm = "canary" if (self.canary is not None and spec.needs_draft and MODE_TABLE[mode].batched
+                           and routes_to_canary(request_id, self.canary_share)) else "champion"
+        version = self.canary_version if arm == "canary" else self.draft_version
+        stats = GenerationStats(mode=mode, draft_version=version if spec.needs_draft else "none",
                                 gamma=gamma, accepted_per_position=[0] * gamma, adaptive=adaptive)
         req = Request(id=request_id, prompt=prompt, sampling=sampling, spec=spec, gen=gen, stats=stats,
                       stop_ids=self.eos_token_ids | set(sampling.stop_token_ids), footprint=footprint,
                       sink=self.sink if log_mode != "none" else None, log_mode=log_mode, source=source,
-                      cancel=cancel)
+                      cancel=cancel, arm=arm)
         if adaptive:
             # A seeded request must reproduce its output, so its controller decides from its own history
             # only (prior costs, the default prior), never from the replica's timings or other traffic.
@@ -369,7 +426,7 @@ class Engine:
             beams = mode == "mjsd" and sampling.temperature > 0 and spec.beams > 1
             req.controller = RequestController(
                 gamma=spec.gamma, costs=CostModel() if seeded else self.costs,
-                priors=ReplicaPriors() if seeded else self.priors, version=self.draft_version,
+                priors=ReplicaPriors() if seeded else self.priors, version=version,
                 greedy=sampling.greedy, draft_key="beams" if beams else "chain",
                 use_ngram=mode in NGRAM_SWITCH_MODES)
         self.scheduler.submit(req)

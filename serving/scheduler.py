@@ -19,7 +19,19 @@ One thread owns the models. Every round it
 
 Requests join and leave between rounds. A hot-swapped draft takes effect at the next round: the draft
 cache is rebuilt for the new model (every row re-fed once), and each step is attributed to the draft
-version that proposed it. A failed batched forward fails the requests of that round (their clients get
+version that proposed it.
+
+Canary (issue 17): while the engine holds a canary draft (`Engine.set_canary`), the requests routed to it
+(`Request.arm`, by a hash of the request id) draft with it and the others with the champion, in the SAME
+batch: there is one draft cache per live draft model, each with a row for every batch row (rows of the
+other draft stay empty, as target-only rows always did), and step 3's proposal runs once per draft group
+(its own catch-up forward and fork), while the target forward still verifies every row at once. Rows of
+two drafts never share a draft forward, so each proposal is exactly its draft's. The cost: with both
+drafts in a batch a step takes two sets of draft forwards (each group's catch-up also pads over the other
+group's rows), and since both arms share the rounds, a request's tokens/s reflects both drafts' cost; the
+canary comparison of tokens/s therefore mainly measures acceptance, not a difference in draft cost
+(per-replica time slicing would isolate cost but compare different traffic and time). A request whose
+canary goes away (promoted or dropped) drafts with the champion from its next step on. A failed batched forward fails the requests of that round (their clients get
 the error) and leaves the scheduler running for the rest.
 """
 from __future__ import annotations
@@ -68,6 +80,7 @@ class Request:
     source: str = ""
     cancel: threading.Event | None = None
     controller: RequestController | None = None
+    arm: str = "champion"                # "canary": drafts with the engine's canary while it has one
     out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     closed: threading.Event = field(default_factory=threading.Event)   # the consumer went away
     seq: list[int] = field(default_factory=list)
@@ -111,12 +124,13 @@ class BatchScheduler:
         self.batch: list[Request] = []       # rows of tkv / dkv, in order
         self.solo: list[Request] = []        # modes that run alone
         self.tkv: BatchKV | None = None
-        self.dkv: BatchKV | None = None
-        self.dkv_model = None                # the draft model dkv belongs to
+        self.dkvs: list[BatchKV] = []        # one draft cache per live draft model (champion, canary)
         self.rounds = 0
         self._steady_draft = True
         self._fork_rows = 0          # rows of the last batched draft proposal (0: nothing drafted)
         self._forwards = 0           # draft forwards it took
+        self._groups: list[tuple[int, int, float]] = []   # per draft group: (fork rows, forwards, seconds)
+        self._row_draft_s: list[float] = []               # draft seconds of each row's group this step
         self.batch_sizes: dict[int, int] = {}    # rows per batched step -> count (telemetry)
         self.on_round = None                     # test hook: called with self after every round
         self.prefix_cache = PrefixCache()        # target KV of recent prompts (shared prefixes prefill once)
@@ -159,7 +173,7 @@ class BatchScheduler:
                     with self._start_lock:
                         if self._inbox.empty():
                             self._thread = None
-                            self.tkv = self.dkv = self.dkv_model = None
+                            self.tkv, self.dkvs = None, []
                             return
                 continue
             try:
@@ -170,7 +184,7 @@ class BatchScheduler:
                 log.exception("scheduler round failed; failing the running requests")
                 for req in self.prefilling + self.batch + self.solo:
                     self._fail(req, exc)
-                self.tkv = self.dkv = self.dkv_model = None
+                self.tkv, self.dkvs = None, []
             idle_since = time.monotonic()
 
     def _round(self) -> None:
@@ -242,31 +256,44 @@ class BatchScheduler:
         if n:
             self.prefix_cache.put(req.seq[:n], req.prefill.cache)
         self.tkv.add_row(req.prefill.cache if n else None, n)
-        if self.dkv is not None and not req.spec.needs_draft:
-            self.dkv.add_row(None, 0)      # target / ngram rows: the draft never reads them
-        elif self.dkv is not None:
+        own = eng.draft_for(req)[0] if req.spec.needs_draft else None
+        for dkv in self.dkvs:
+            if own is None or dkv.model is not own.model:
+                dkv.add_row(None, 0)      # target / ngram rows, rows of the other draft: this draft never reads them
+                continue
             t0 = time.perf_counter()
-            d = SequenceRunner(eng.draft, eng.vocab_size)
+            d = SequenceRunner(own, eng.vocab_size)
             if n:
                 d.feed(req.seq[:n], keep=1)
-            self.dkv.add_row(d.cache if n else None, n)
+            dkv.add_row(d.cache if n else None, n)
             req.stats.draft_time_s += time.perf_counter() - t0
         req.prefill = None
         self.prefilling.remove(req)
         self.batch.append(req)
 
     def _sync_draft_cache(self) -> None:
-        """The draft cache belongs to one draft model: after a hot-swap it restarts empty, with every row
-        re-fed at the next draft forward."""
+        """One draft cache per live draft model (the champion's, and the canary's during a canary), each
+        with a row per batch row. A cache belongs to one model: after a hot-swap the new model's cache
+        starts empty, with every row re-fed at its next draft forward; a model no longer live loses its cache."""
         eng = self.engine
-        if eng.draft is None:
-            self.dkv, self.dkv_model = None, None
-            return
-        if self.dkv_model is not eng.draft.model:
-            self.dkv = BatchKV(eng.draft.model, eng.target_device)
-            self.dkv_model = eng.draft.model
-            for _ in self.batch:
-                self.dkv.add_row(None, 0)
+        live = [m.model for m in (eng.draft, eng.canary) if m is not None]
+        self.dkvs = [kv for kv in self.dkvs if any(kv.model is m for m in live)]
+        for m in live:
+            if not any(kv.model is m for kv in self.dkvs):
+                kv = BatchKV(m, eng.target_device)
+                for _ in self.batch:
+                    kv.add_row(None, 0)
+                self.dkvs.append(kv)
+
+    def _dkv_for(self, loaded) -> BatchKV | None:
+        if loaded is None:
+            return None
+        return next((kv for kv in self.dkvs if kv.model is loaded.model), None)
+
+    @property
+    def dkv(self) -> BatchKV | None:
+        """The champion draft's cache (tools and tests read it); `dkvs` holds every live draft's."""
+        return self._dkv_for(self.engine.draft)
 
     # ------------------------------------------------------------------ leaving
     def _retire_gone(self) -> None:
@@ -280,18 +307,17 @@ class BatchScheduler:
         if req in self.batch:
             keep = [i for i, r in enumerate(self.batch) if r is not req]
             self.batch = [self.batch[i] for i in keep]
-            for kv in (self.tkv, self.dkv):
+            for kv in (self.tkv, *self.dkvs):
                 if kv is not None:
                     kv.select(keep)
 
     def _compact(self) -> None:
-        for kv in (self.tkv, self.dkv):
+        for kv in (self.tkv, *self.dkvs):
             if kv is not None and kv.rows:
                 kv.compact(self.compact_slack)
         if self.tkv is not None and not self.batch:
             self.tkv = BatchKV(self.engine.target.model, self.engine.target_device)
-            if self.dkv is not None:
-                self.dkv = BatchKV(self.dkv_model, self.engine.target_device)
+            self.dkvs = [BatchKV(kv.model, self.engine.target_device) for kv in self.dkvs]
 
     # ------------------------------------------------------------------ output
     def _emit(self, req: Request, new: list[int]) -> None:
@@ -380,7 +406,7 @@ class BatchScheduler:
         prop = proposer(spec, sampling)
         ctrl = req.controller
         if ctrl is not None:
-            ctrl.version = eng.draft_version
+            ctrl.version = eng.draft_for(req)[1]
             ngram = eng.ngram_tokens(req.seq, spec.gamma) if ctrl.use_ngram else []
             plan = ctrl.plan(len(ngram))
             if plan.proposer == "ngram":
@@ -409,10 +435,10 @@ class BatchScheduler:
             if ctrl is None or ctrl.costs is not eng.costs or room <= spec.gamma + 1:
                 plans[i] = self._plan(req)
                 continue
-            ctrl.version = eng.draft_version
+            ctrl.version = eng.draft_for(req)[1]
             ngram = eng.ngram_tokens(req.seq, spec.gamma) if ctrl.use_ngram else []
             ngrams[i] = ngram
-            has_draft = spec.needs_draft and eng.draft is not None
+            has_draft = spec.needs_draft and eng.draft_for(req)[0] is not None
             prop = proposer(spec, req.sampling)
             options.append(RowOption(
                 alpha_draft=ctrl.alpha("draft") if has_draft else None,
@@ -445,7 +471,8 @@ class BatchScheduler:
         costs.observe_target(len(blocks) * keep, t_target)
         drafted = self._fork_rows > 0
         if drafted and self._steady_draft:
-            costs.observe_draft_forward(self._fork_rows, self._forwards, t_draft)
+            for rows, forwards, seconds in self._groups:     # each draft group's own forwards
+                costs.observe_draft_forward(rows, forwards, seconds)
         if not drafted or self._steady_draft:
             costs.observe_overhead(drafted, max(0.0, t_wall - t_draft - t_target), rows=len(blocks))
 
@@ -474,14 +501,13 @@ class BatchScheduler:
                     k = len(proposals[i][0])
                     rec = None if record is None else (record[0][i, keep - k - 1:], record[1][i, keep - k - 1:])
                     results.append(self._accept(i, req, plans[i], proposals[i], probs[i][keep - k - 1:], rec,
-                                                t_draft if plans[i].proposer in ("chain", "beams") else 0.0,
-                                                t_target, len(reqs)))
+                                                self._row_draft_s[i], t_target, len(reqs)))
                 self._observe_batch_costs(blocks, proposals, keep, t_draft, t_target, time.perf_counter() - wall0)
                 eng._failures = 0
             except Exception as exc:  # noqa: BLE001
                 eng._step_failed(exc)
                 log.error("batched step over %d requests failed; failing them", len(reqs))
-                self.tkv = self.dkv = self.dkv_model = None
+                self.tkv, self.dkvs = None, []
                 for req in reqs:
                     self._fail(req, exc)
                 return
@@ -490,7 +516,41 @@ class BatchScheduler:
             self._emit(req, new)
 
     def _propose(self, reqs: list[Request], plans: list[_RowPlan]) -> list[tuple[list[int], torch.Tensor | None]]:
-        """Every request's proposal: (tokens [k], draft rows [k, vocab] or None when k = 0).
+        """Every request's proposal: (tokens [k], draft rows [k, vocab] or None when k = 0); the drafting
+        rows are grouped by the draft model that proposes for them (`Engine.draft_for`: champion or
+        canary) and each group proposes on its own draft cache (`_propose_group`)."""
+        eng = self.engine
+        out: list[tuple[list[int], torch.Tensor | None]] = [([], None)] * len(reqs)
+        for i, p in enumerate(plans):
+            if p.proposer == "ngram" and p.ngram:
+                out[i] = eng.ngram_rows(p.ngram)
+        self._fork_rows = self._forwards = 0
+        self._groups, self._row_draft_s = [], [0.0] * len(reqs)
+        self._steady_draft = True
+        groups: list[tuple[object, list[int]]] = []
+        for i, p in enumerate(plans):
+            if p.proposer in ("chain", "beams") and p.k > 0:
+                loaded = eng.draft_for(reqs[i])[0]
+                group = next((g for g in groups if g[0] is loaded), None)
+                if group is None:
+                    groups.append((loaded, [i]))
+                else:
+                    group[1].append(i)
+        for loaded, drafting in groups:
+            t0 = time.perf_counter()
+            rows, forwards = self._propose_group(reqs, plans, drafting, loaded, out)
+            seconds = time.perf_counter() - t0
+            self._groups.append((rows, forwards, seconds))
+            self._fork_rows += rows
+            self._forwards += forwards
+            for i in drafting:
+                self._row_draft_s[i] = seconds
+        return out
+
+    def _propose_group(self, reqs: list[Request], plans: list[_RowPlan], drafting: list[int], loaded,
+                       out: list) -> tuple[int, int]:
+        """The proposals of the rows `drafting`, which all draft with the model `loaded`, into `out`;
+        returns (fork rows, draft forwards after the catch-up).
 
         The draft's rows are warped and sampled in its own output space (its kept vocabulary rows:
         warping is exact there, every other token has probability 0), and only the proposal's k rows are
@@ -498,23 +558,16 @@ class BatchScheduler:
         share one fork of the draft cache: a chain is one row, a beam group `beams` rows. Beams of a group
         share their prefix, so re-ordering beams after a beam step moves only the slots drafted so far."""
         eng = self.engine
-        out: list[tuple[list[int], torch.Tensor | None]] = [([], None)] * len(reqs)
-        for i, p in enumerate(plans):
-            if p.proposer == "ngram" and p.ngram:
-                out[i] = eng.ngram_rows(p.ngram)
-        drafting = [i for i, p in enumerate(plans) if p.proposer in ("chain", "beams") and p.k > 0]
-        self._fork_rows = self._forwards = 0
-        if not drafting:
-            return out
-        dkv = self.dkv
-        out_ids = eng.draft.output_token_ids          # kept rows -> token ids (None: the full vocabulary)
+        dkv = self._dkv_for(loaded)
+        out_ids = loaded.output_token_ids             # kept rows -> token ids (None: the full vocabulary)
         to_token = (lambda j: int(out_ids[j])) if out_ids is not None else int
         space = (lambda lg: lg.float()) if out_ids is not None else \
-            (lambda lg: full_vocab_logits(lg, eng.draft, eng.vocab_size))
-        # one forward catches every drafting row up (rows of other modes get nothing)
-        catch_up = [r.seq[dkv.lengths[i]:] if r.spec.needs_draft else [] for i, r in enumerate(reqs)]
+            (lambda lg: full_vocab_logits(lg, loaded, eng.vocab_size))
+        # one forward catches every row of this draft up (rows of other modes and of the other draft get nothing)
+        catch_up = [r.seq[dkv.lengths[i]:] if r.spec.needs_draft and eng.draft_for(r)[0] is loaded else []
+                    for i, r in enumerate(reqs)]
         # draft costs are learnt from ordinary steps only, not from a forward that re-fed a whole sequence
-        self._steady_draft = max(len(b) for b in catch_up) <= max(r.spec.gamma for r in reqs) + 2
+        self._steady_draft &= max(len(b) for b in catch_up) <= max(r.spec.gamma for r in reqs) + 2
         first = space(dkv.feed(catch_up, keep=1)[:, -1])
         warps = {i: _warper(reqs[i].sampling) for i in drafting}
         state = {}
@@ -535,7 +588,6 @@ class BatchScheduler:
             state[i]["offset"] = len(fork_rows)
             fork_rows += [i] * width
         K = max(plans[i].k for i in drafting)
-        self._fork_rows, self._forwards = len(fork_rows), K
         fork = dkv.fork(fork_rows) if K > 1 else None
         for step in range(1, K):
             blocks: list[list[int]] = [[] for _ in fork_rows]
@@ -580,7 +632,7 @@ class BatchScheduler:
                 full[:, out_ids] = rows
                 rows = full
             out[i] = (tokens, rows)
-        return out
+        return len(fork_rows), K
 
     def _warp_rows(self, reqs: list[Request], logits: torch.Tensor):
         """Every row's warped target distribution, one call per distinct (temperature, top-k, top-p) in the
@@ -630,7 +682,7 @@ class BatchScheduler:
             for j in range(n):
                 stats.accepted_per_position[j] += 1
         drafted_by_model = plan.proposer in ("chain", "beams") and k > 0
-        version = eng.draft_version if drafted_by_model else "none"
+        version = eng.draft_for(req)[1] if drafted_by_model else "none"
         algorithm = spec.mode if drafted_by_model or spec.mode == "ngram" else ("ngram" if plan.proposer == "ngram"
                                                                             else "target")
         if spec.mode != "target":
