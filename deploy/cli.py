@@ -2,7 +2,8 @@
 
     draftsmith serve [--host H] [--port P] [--target T] [--draft D] [--replicas N] [--api-key K] [--admin-key K]
     draftsmith bootstrap [--out DIR] [--budget 14m] [--force]
-    draftsmith distill [--every 10m] [--min-records N] [--margin 0.01] [--no-watchdog]
+    draftsmith distill [--every 10m] [--min-records N] [--margin 0.01] [--no-watchdog] [--canary-share 0.25]
+    draftsmith watch [--poll 10s] [--once]         (the watchdog and the canary judge alone, no distillation)
     draftsmith register CANDIDATE_DIR            (or a full model folder: a new base draft)
     draftsmith promote VERSION [--force] [--ignore-pause]
     draftsmith rollback [--to VERSION] [--no-pause]   (pauses scheduled distillation by default)
@@ -143,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--rollback-tolerance", type=_fraction, default=0.10,
                    help="relative drop of live acceptance below the gate figure / the previous version's that "
                         "the watchdog tolerates before a significant drop rolls back (default 0.10)")
+    _watch_options(d)
 
     r = sub.add_parser("register", parents=[common], help="register a candidate folder (or a full model folder)")
     r.add_argument("path", type=_existing_dir, metavar="CANDIDATE_DIR")
@@ -166,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("versions", parents=[common], help="list draft versions with aliases and metrics")
     sub.add_parser("status", parents=[common], help="champion, aliases, scheduler state")
+    _watch_parser(sub, common)
     return p
 
 
@@ -400,15 +403,15 @@ def cmd_distill(args) -> int:
         raise BadInput(f"{reg.name} has no champion draft to distill from; run `draftsmith bootstrap` first")
     overrides = _read_config(args.config)
     distill = _real_distill(args)
-    watchdog = None if args.no_watchdog or schedule is None else \
-        LiveWatchdog(reg, WatchdogPolicy(tolerance=args.rollback_tolerance))
+    watchdog = None if args.no_watchdog or schedule is None else _watchdog(args, reg)
     sched = DistillScheduler(reg, distill, smoke_check=engine_smoke_check(args.target), policy=policy,
                              schedule=schedule, pending_records=_pending_records() if args.min_records else None,
                              evidence=_evidence(args, overrides), target_sha256=_target_sha(args),
-                             ack_records=_ack_records(overrides), watchdog=watchdog)
+                             ack_records=_ack_records(overrides), watchdog=watchdog,
+                             canary_share=args.canary_share, canary=_canary_judge(args, reg))
     if schedule is None:
         out = sched.run_job()
-        return EXIT_OK if out.status in ("promoted", "rejected", "held") else EXIT_FAILED
+        return EXIT_OK if out.status in ("promoted", "rejected", "held", "canary") else EXIT_FAILED
     print(f"[distill] scheduler started: every {args.every or '-'} s, min records {args.min_records or '-'}; "
           "Ctrl-C stops it")
     stop = threading.Event()
@@ -530,7 +533,7 @@ def cmd_status(args) -> int:
     try:
         aliases = reg.aliases()
         print(f"versions:  {len(reg.versions())}")
-        for a in ("champion", "previous", "candidate"):
+        for a in ("champion", "previous", "candidate", "canary"):
             print(f"{a + ':':<10} {aliases.get(a, '-')}")
         champ = aliases.get("champion")
         if champ:
@@ -540,6 +543,7 @@ def cmd_status(args) -> int:
                   f"{short_hash(info.target_sha256)}")
         paused = reg.promotions_paused()
         history = reg.history()
+        _print_canary(reg, history)
     except RegistryUnavailable as e:
         raise CommandFailed(f"{e}; replicas keep serving their current draft and nothing is promoted until "
                             "MLflow answers") from None
@@ -574,6 +578,141 @@ def cmd_status(args) -> int:
 COMMANDS = {"serve": cmd_serve, "bootstrap": cmd_bootstrap, "distill": cmd_distill, "register": cmd_register,
             "promote": cmd_promote, "rollback": cmd_rollback, "resume": cmd_resume, "versions": cmd_versions,
             "status": cmd_status}
+
+
+# ---------------------------------------------------------------------------------- watchdog + canary (issue 17)
+def _watch_options(sub, *, tolerance: bool = False) -> None:
+    """The live watchdog's and the canary judge's settings (distill and watch)."""
+    if tolerance:
+        sub.add_argument("--rollback-tolerance", type=_fraction, default=0.10,
+                         help="relative drop of the champion's live acceptance below its gate figure / the "
+                              "previous version's tolerated before a significant drop rolls back (default 0.10)")
+    sub.add_argument("--watch-window", type=_duration, default=900.0,
+                     help="the champion is judged on its newest live intervals within this window (default 15m)")
+    sub.add_argument("--watch-min-tokens", type=_positive_int, default=2000,
+                     help="drafted tokens of live evidence the watchdog needs before judging (default 2000)")
+    sub.add_argument("--watch-min-intervals", type=_positive_int, default=3,
+                     help="live intervals (MLflow draftsmith-live points) the watchdog needs (default 3)")
+    sub.add_argument("--canary-share", type=_fraction, default=0.25,
+                     help="share of requests a gate-passed candidate serves as the canary before it may become "
+                          "champion (default 0.25; 0 = promote directly after the gate)")
+    sub.add_argument("--canary-min-tokens", type=_positive_int, default=2000,
+                     help="drafted tokens each arm (canary, champion) needs before the canary is judged (default 2000)")
+    sub.add_argument("--canary-min-requests", type=_positive_int, default=20,
+                     help="requests each arm needs before the canary is judged (default 20)")
+    sub.add_argument("--canary-min-time", type=_age_or_zero, default=600.0,
+                     help="least time a canary serves before it may be promoted (default 10m; a significantly "
+                          "worse one is dropped as soon as the evidence minimum is met)")
+    sub.add_argument("--canary-timeout", type=_duration, default=7200.0,
+                     help="a canary without enough live evidence by then is dropped (default 2h)")
+    sub.add_argument("--canary-tolerance", type=_fraction, default=0.05,
+                     help="relative drop of live acceptance below the champion's not held against the canary "
+                          "(default 0.05; tokens/s: twice this)")
+
+
+def _age_or_zero(text: str) -> float:
+    return 0.0 if text.strip() in ("0", "0s", "0m") else _duration(text)
+
+
+def _watchdog(args, reg):
+    from deploy.scheduler import LiveWatchdog, WatchdogPolicy
+
+    try:
+        return LiveWatchdog(reg, WatchdogPolicy(tolerance=args.rollback_tolerance, window_s=args.watch_window,
+                                                min_draft_tokens=args.watch_min_tokens,
+                                                min_intervals=args.watch_min_intervals))
+    except ValueError as e:
+        raise BadInput(str(e)) from None
+
+
+def _canary_judge(args, reg):
+    from deploy.scheduler import CanaryJudge, CanaryPolicy
+
+    try:
+        return CanaryJudge(reg, CanaryPolicy(min_draft_tokens=args.canary_min_tokens,
+                                             min_requests=args.canary_min_requests,
+                                             min_duration_s=args.canary_min_time, timeout_s=args.canary_timeout,
+                                             tolerance=args.canary_tolerance,
+                                             tps_tolerance=min(0.99, 2 * args.canary_tolerance)))
+    except ValueError as e:
+        raise BadInput(str(e)) from None
+
+
+def _watch_parser(sub, common) -> None:
+    w = sub.add_parser("watch", parents=[common], help="run the live watchdog (automatic rollback) and the canary "
+                       "judge on a poll interval, without scheduled distillation")
+    w.add_argument("--poll", type=_duration, default=10.0, help="seconds between looks (default 10s)")
+    w.add_argument("--once", action="store_true", help="look once, print the verdicts and exit")
+    w.add_argument("--no-canary", action="store_true", help="do not judge a running canary")
+    _watch_options(w, tolerance=True)
+
+
+def cmd_watch(args) -> int:
+    """The watchdog and the canary judge that `distill --every/--min-records` runs every tick, alone: for a
+    deployment that distills elsewhere, or promotes by hand. Ctrl-C (SIGINT) or SIGTERM stops it."""
+    import signal
+    import threading
+
+    reg = _registry(args)
+    dog, judge = _watchdog(args, reg), None if args.no_canary else _canary_judge(args, reg)
+    stop = threading.Event()
+    if not args.once and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    print(f"[watch] {reg.name}: watchdog window {args.watch_window:g} s, >= {args.watch_min_tokens} drafted tokens "
+          f"over >= {args.watch_min_intervals} intervals, tolerance {args.rollback_tolerance:g}"
+          + ("" if judge is None else f"; canary judge: >= {args.canary_min_tokens} tokens and "
+             f"{args.canary_min_requests} requests per arm, >= {args.canary_min_time:g} s, timeout "
+             f"{args.canary_timeout:g} s") + f"; every {args.poll:g} s", flush=True)
+    try:
+        while not stop.is_set():
+            for name, part in (("watchdog", dog), ("canary", judge)):
+                if part is None:
+                    continue
+                try:
+                    v = part.check()
+                except Exception as e:  # noqa: BLE001 - e.g. MLflow down: no action this time
+                    print(f"[{name}] no look this time: {e}", flush=True)
+                    continue
+                if args.once or v.action not in ("none", "waiting", "ok"):
+                    print(f"[{name}] {v.action}: {v.message}", flush=True)
+            if args.once:
+                break
+            stop.wait(args.poll)
+    except KeyboardInterrupt:
+        pass
+    return EXIT_OK
+
+
+def _print_canary(reg, history: list[dict]) -> None:
+    """`status`: the running canary (version, share, since, live figures so far, the judge's last word) and
+    the last canary decision."""
+    from deploy.scheduler import CanaryJudge, read_canary_status
+
+    c = reg.canary()
+    if c is not None:
+        since = "-" if not c.get("since_ms") else time.strftime("%Y-%m-%d %H:%M:%S",
+                                                                time.localtime(c["since_ms"] / 1000))
+        print(f"canary:    version {c['version']} on {c['share']:.0%} of requests since {since}")
+        v, _, _ = CanaryJudge(reg, progress=lambda m: None).assess()
+        ca, ha = v.canary_figures, v.champion_figures
+        print(f"canary live: acceptance {_fmt(ca.get('acceptance'))} over {ca.get('drafted', 0):.0f} drafted tokens, "
+              f"{ca.get('requests', 0)} requests, {_fmt(ca.get('tokens_per_s'), 1)} tokens/s; champion "
+              f"{v.champion}: {_fmt(ha.get('acceptance'))} over {ha.get('drafted', 0):.0f}, {ha.get('requests', 0)} "
+              f"requests, {_fmt(ha.get('tokens_per_s'), 1)} tokens/s (same window)")
+        last = read_canary_status()
+        if last and str(last.get("version")) == c["version"]:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last.get("time", 0)))
+            print(f"canary judge: {last.get('action')} at {when}: {last.get('message')}")
+        else:
+            print("canary judge: no verdict yet (it runs in `draftsmith distill` on a schedule or `draftsmith watch`)")
+    done = next((h for h in reversed(history) if str(h.get("action", "")).startswith("canary ")), None)
+    if done is not None:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(done.get("time", 0)))
+        print(f"last canary: version {done.get('version')} {done['action'].split(' ', 1)[1]} at {when}: "
+              f"{done.get('reason') or '-'}")
+
+
+COMMANDS["watch"] = cmd_watch
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,9 @@ engine, the trainer and the gate load version N with version N's rows. Tags `dra
 the materialised folder against them.
 
 Roles are MLflow *aliases* (stages are not used): `champion` (served), `previous` (the champion
-before the last promotion), `candidate` (the newest registered candidate not yet promoted). Every
+before the last promotion), `candidate` (the newest registered candidate not yet promoted), `canary`
+(a gate-passed version serving a share of requests, `draftsmith.canary_share`, beside the champion until
+the canary judge in deploy/scheduler.py promotes or drops it: `start_canary`, `end_canary`). Every
 alias move is written to the registered model's tags as `draftsmith.history.<time_ns>` (JSON).
 
 `materialize(version)` resolves the parent chain down to a base folder, applies each adapter with
@@ -73,8 +75,8 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-CHAMPION, PREVIOUS, CANDIDATE = "champion", "previous", "candidate"
-ALIASES = (CHAMPION, PREVIOUS, CANDIDATE)
+CHAMPION, PREVIOUS, CANDIDATE, CANARY = "champion", "previous", "candidate", "canary"
+ALIASES = (CHAMPION, PREVIOUS, CANDIDATE, CANARY)
 DEFAULT_TARGET_NAME = "smollm2-135m-instruct"   # serving.models.DEFAULT_TARGET (not imported: torch)
 REGISTRY_EXPERIMENT = "draftsmith-drafts"
 LIVE_EXPERIMENT = "draftsmith-live"
@@ -85,6 +87,9 @@ TAG = "draftsmith."                             # prefix of every tag this modul
 PAUSE_TAG = TAG + "promotions_paused"           # registered-model tag: scheduled distillation paused
 TARGET_HASH_TAG = TAG + "target_sha256"         # version tag: fingerprint of the target the draft was built for
 SINCE_TAG = TAG + "champion_since_ms"           # version tag: when it last became the champion (epoch ms)
+CANARY_SHARE_TAG = TAG + "canary_share"         # registered-model tag: share of requests the canary serves
+CANARY_SINCE_TAG = TAG + "canary_since_ms"      # registered-model tag: when the current canary started (epoch ms)
+DEFAULT_CANARY_SHARE = 0.25
 NOT_FOUND = "RESOURCE_DOES_NOT_EXIST"
 TARGET_CONFIG_IGNORED = ("transformers_version", "_name_or_path")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -726,7 +731,8 @@ class Registry:
                                            filter_string=f"tags.`{TAG}draft_version` = '{v}'", max_results=50)
             out: dict[tuple[str, int], dict] = {}
             for run in runs:
-                for key in ("acceptance_rate", "draft_tokens", "accepted_tokens", "requests", "tokens"):
+                for key in ("acceptance_rate", "draft_tokens", "accepted_tokens", "requests", "tokens",
+                            "tokens_per_s"):
                     for m in self.client.get_metric_history(run.info.run_id, key):
                         if since_ms is not None and m.timestamp < since_ms:
                             continue
@@ -1090,6 +1096,8 @@ class Registry:
             self.client.set_registered_model_alias(self.name, CHAMPION, v)
             if self.alias(CANDIDATE) == v:
                 self._delete_alias(CANDIDATE)
+            if self.alias(CANARY) == v:           # a canary promoted (by the judge or an operator) ends as one
+                self._clear_canary()
             now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
             self.set_version_tags(v, {TAG + "promoted_at": now, TAG + "promote_reason": reason or "-",
                                       SINCE_TAG: str(_now_ms())})
@@ -1100,6 +1108,115 @@ class Registry:
             prev = old if old is not None else self.alias(PREVIOUS)
             msg = f"version {v} is now the champion" + (f" (previous: {old})" if old else "")
             return AliasMove("promote", v, old, prev, True, msg)
+
+    # ------------------------------------------------------------------ canary
+    def canary(self) -> dict | None:
+        """The running canary: {"version", "share", "since_ms"}, or None. RegistryUnavailable when MLflow
+        cannot be read. A share tag that does not read as a number in [0, 1) gives share 0 (no traffic:
+        the safe reading) and a warning."""
+        rm = self._registered_model()
+        v = None if rm is None else (rm.aliases or {}).get(CANARY)
+        if v is None:
+            return None
+        tags = rm.tags or {}
+        raw = tags.get(CANARY_SHARE_TAG, str(DEFAULT_CANARY_SHARE))
+        try:
+            share = float(raw)
+            if not (0.0 <= share < 1.0):
+                raise ValueError(raw)
+        except ValueError:
+            log.warning("%s: canary share tag %r is not a number in [0, 1); routing no traffic to the canary",
+                        self.name, raw)
+            share = 0.0
+        since = tags.get(CANARY_SINCE_TAG)
+        return {"version": str(v), "share": share,
+                "since_ms": int(since) if since and str(since).isdigit() else None}
+
+    def _clear_canary(self) -> None:
+        """Delete the canary alias and its registered-model tags (under the alias lock)."""
+        self._delete_alias(CANARY)
+        for key in (CANARY_SHARE_TAG, CANARY_SINCE_TAG):
+            try:
+                self.client.delete_registered_model_tag(self.name, key)
+            except Exception as e:  # noqa: BLE001 - a tag that is not there is fine
+                if not _not_found(e):
+                    log.debug("could not delete tag %s: %s", key, e)
+
+    def start_canary(self, version: Any, share: float = DEFAULT_CANARY_SHARE, *, reason: str = "",
+                     gate: dict | None = None, ignore_pause: bool = False) -> AliasMove:
+        """Make `version` the canary: replicas serve it to `share` of new requests beside the champion,
+        until `end_canary` promotes or drops it. Under the alias lock; refuses while promotions are paused
+        (PromotionsPaused, like `promote`) and when MLflow cannot be read; the version is verified and
+        materialised first (ArtifactError: nothing moves). A canary already running for another version is
+        dropped first (reason recorded). Needs a champion to compare with (UsageError otherwise)."""
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not (0.0 < share < 1.0):
+            raise UsageError(f"canary share must be a number in (0, 1), got {share!r}; 0 means promote directly")
+        with self.alias_lock:
+            v = str(self._model_version(version).version)
+            champ = self.champion()
+            if champ is None:
+                raise UsageError(f"no champion to compare canary version {v} with; promote it directly")
+            if champ == v:
+                return AliasMove("canary", champ, champ, self.alias(PREVIOUS), False,
+                                 f"version {v} is already the champion")
+            paused = self.promotions_paused()
+            if paused and not ignore_pause:
+                raise PromotionsPaused(f"promotions of {self.name} are paused ({paused.get('reason')}); version {v} "
+                                       "did not start a canary. `draftsmith resume` lifts the pause")
+            current = self.canary()
+            if current is not None and current["version"] != v:
+                self.end_canary(current["version"], promote=False, reason=f"replaced by version {v}")
+            self.materialize(v, verify=True)
+            since = _now_ms()
+            self.client.set_registered_model_alias(self.name, CANARY, v)
+            self.client.set_registered_model_tag(self.name, CANARY_SHARE_TAG, repr(float(share)))
+            if current is None or current["version"] != v:
+                self.client.set_registered_model_tag(self.name, CANARY_SINCE_TAG, str(since))
+            if self.alias(CANDIDATE) == v:
+                self._delete_alias(CANDIDATE)
+            self.set_version_tags(v, {TAG + "canary_status": "running", TAG + "canary_share": repr(float(share)),
+                                      TAG + "canary_started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                      TAG + "canary_reason": reason or "-"})
+            self._record_history({"action": "canary", "version": v, "champion": champ, "share": float(share),
+                                  "reason": reason, **({"gate": gate} if gate else {})})
+            return AliasMove("canary", champ, champ, self.alias(PREVIOUS), True,
+                             f"version {v} is the canary on {share:.0%} of requests (champion: {champ})")
+
+    def end_canary(self, version: Any, *, promote: bool, reason: str = "", details: dict | None = None) -> AliasMove:
+        """End canary `version`: `promote` makes it the champion through `promote` (old champion ->
+        previous; refused with PromotionsPaused while paused, the canary then keeps running), else drops it
+        (alias deleted, the champion untouched). The decision, reason and figures (`details`) are recorded
+        on the version (`draftsmith.canary_status` promoted/dropped, `draftsmith.canary_decision_reason`,
+        `draftsmith.canary_details`, numeric details as `canary_*` metrics) and in the history. A no-op
+        when `version` is not the canary (any more)."""
+        with self.alias_lock:
+            v = str(self._model_version(version).version)
+            current = self.canary()
+            if current is None or current["version"] != v:
+                champ = self.champion()
+                return AliasMove("canary", champ or "-", champ, self.alias(PREVIOUS), False,
+                                 f"version {v} is not the canary (canary: {current['version'] if current else 'none'})")
+            started = current.get("since_ms")
+            if promote:
+                move = self.promote(v, reason=f"canary: {reason}" if reason else "canary passed")
+            else:
+                self._clear_canary()
+                champ = self.champion()
+                move = AliasMove("canary", champ or "-", champ, self.alias(PREVIOUS), True,
+                                 f"canary version {v} dropped; version {champ} stays the champion")
+            status = "promoted" if promote else "dropped"
+            self.set_version_tags(v, {TAG + "canary_status": status,
+                                      TAG + "canary_decided_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                      TAG + "canary_decision_reason": reason or "-",
+                                      **({TAG + "canary_details": json.dumps(details, default=str)} if details else {})})
+            if details:
+                try:
+                    self.log_version_metrics(v, {f"canary_{k}": val for k, val in details.items()})
+                except RegistryError as e:
+                    log.warning("canary figures of version %s not logged: %s", v, e)
+            self._record_history({"action": f"canary {status}", "version": v, "reason": reason,
+                                  "started_ms": started, **({"details": details} if details else {})})
+            return move
 
     # ------------------------------------------------------------------ automatic promotion pause
     def pause_promotions(self, reason: str) -> None:

@@ -32,6 +32,23 @@ recorded on the version (`draftsmith.rollback_reason`, `draftsmith.rollback_deta
 and in `draftsmith status`. Before `min_draft_tokens` drafted tokens over `min_intervals` intervals it
 waits. With no `previous` it records the finding on the version and does nothing else.
 
+**Canary** (issue 17; `canary_share` > 0, the CLI's default 0.25): a candidate that passes the gate is not
+made champion at once; it becomes the `canary` (`Registry.start_canary`), which every replica loads beside
+the champion and serves to that share of new requests (chosen by a hash of the request id, so both arms
+see the same traffic mix in the same batches: serving/scheduler.py). Every tick the `CanaryJudge` compares
+the two arms' live figures over the same window (both since the canary started, or since the champion
+did if later), from MLflow `draftsmith-live` where each step is credited to the draft that proposed it:
+acceptance (accepted / drafted tokens) and tokens/s (tokens / request wall time). Once both arms have
+`min_draft_tokens` drafted tokens and `min_requests` requests and the canary has run `min_duration_s`, it
+is promoted (`Registry.end_canary(promote=True)`: champion -> previous) unless it is significantly worse
+(one-sided, `confidence`) than the champion less a tolerance (`tolerance` for acceptance,
+`tps_tolerance` for tokens/s); a significantly worse canary is dropped as soon as the evidence minimum is
+met, without waiting for `min_duration_s`. A canary that has not gathered enough evidence by `timeout_s`
+is dropped (a canary is promoted only on evidence; the reason says which arm lacked it). While promotion
+is paused a passing canary is held (it keeps its share) and dropped at the timeout. No distillation job
+starts while a canary runs. Reasons and figures go on the version (`draftsmith.canary_*` tags, `canary_*`
+metrics), into the history, `canary-status.json` and `draftsmith status`.
+
 Triggers (`ScheduleConfig`):
 - `every_s` only: a job each `every_s` seconds (the first one `every_s` after start);
 - `min_records` only: a job as soon as `pending_records(cursor) >= min_records` (polled every `poll_s`);
@@ -55,7 +72,7 @@ from statistics import NormalDist
 from typing import Callable
 
 from deploy.gate import GatePolicy, GateVerdict, SmokeCheck, run_gate
-from deploy.registry import CANDIDATE, PREVIOUS, TAG, Registry, RegistryError, data_dir
+from deploy.registry import CANDIDATE, PREVIOUS, TAG, PromotionsPaused, Registry, RegistryError, data_dir
 
 GATE_PENDING_TAG = TAG + "gate_pending"
 
@@ -152,7 +169,7 @@ AckFn = Callable[[Path], int]
 
 @dataclass
 class JobOutcome:
-    status: str                      # "promoted" | "rejected" | "held" (accepted, paused) | "failed" | "skipped"
+    status: str                      # "promoted" | "canary" | "rejected" | "held" (accepted, paused) | "failed" | "skipped"
     message: str
     version: str | None = None       # registered candidate version (None if none was registered)
     parent_version: str | None = None
@@ -210,7 +227,8 @@ class DistillScheduler:
                  schedule: ScheduleConfig | None = None, pending_records: PendingFn | None = None,
                  status_path: str | os.PathLike | None = None, clock: Callable[[], float] = time.monotonic,
                  progress: Callable[[str], None] = print, evidence=None, target_sha256: str | None = None,
-                 ack_records: AckFn | None = None, watchdog: "LiveWatchdog | None" = None) -> None:
+                 ack_records: AckFn | None = None, watchdog: "LiveWatchdog | None" = None,
+                 canary_share: float = 0.0, canary: "CanaryJudge | None" = None) -> None:
         if schedule is not None and schedule.min_records is not None and pending_records is None:
             raise ValueError("--min-records needs a way to count pending records (pending_records)")
         self.registry = registry
@@ -227,6 +245,10 @@ class DistillScheduler:
         self.target_sha256 = target_sha256
         self.ack_records = ack_records
         self.watchdog = watchdog
+        if not (0.0 <= canary_share < 1.0):
+            raise ValueError(f"canary share must be in [0, 1), got {canary_share!r} (0: promote directly)")
+        self.canary_share = float(canary_share)
+        self.canary = canary if canary is not None or not canary_share else CanaryJudge(registry, progress=progress)
         self._started = clock()
         self._last_job: float | None = None
 
@@ -254,15 +276,32 @@ class DistillScheduler:
         return out
 
     def _gate(self, version: str) -> GateVerdict:
-        return run_gate(self.registry, version, self.smoke_check, policy=self.policy, evidence=self.evidence,
-                        target_sha256=self.target_sha256)
+        """The gate; a pass is promoted directly (canary_share 0, or no champion yet) or starts a canary
+        (module docstring, "Canary"; a pause holds it like a promotion: gated again after resume)."""
+        canary = self.canary_share > 0 and self.registry.champion() is not None
+        verdict = run_gate(self.registry, version, self.smoke_check, policy=self.policy, evidence=self.evidence,
+                           target_sha256=self.target_sha256, promote=not canary)
+        if canary and verdict.accepted and verdict.candidate_version != verdict.champion_version:
+            try:
+                move = self.registry.start_canary(
+                    version, self.canary_share, reason=f"gate: {verdict.reason}",
+                    gate={k: v for k, v in verdict.to_dict().items()
+                          if k in ("candidate_acceptance", "champion_acceptance", "delta", "delta_lower", "requests")})
+                verdict.promotion = f"canary: {move.message}"
+            except PromotionsPaused as e:
+                verdict.promotion = f"paused: {e}"
+            self.registry.set_version_tags(version, {"draftsmith.gate.promotion": verdict.promotion})
+        return verdict
 
     @staticmethod
     def _verdict_outcome(verdict: GateVerdict, version: str, parent: str | None, t0: float,
                          note: str = "") -> JobOutcome:
         status = "promoted" if verdict.promoted else ("held" if verdict.accepted else "rejected")
+        if status == "held" and verdict.promotion.startswith("canary"):
+            status = "canary"
         msg = (f"version {version} " + {"promoted": "promoted to champion", "held": "passed the gate but was not "
-               "promoted", "rejected": "not promoted"}[status] + f": {verdict.reason}"
+               "promoted", "rejected": "not promoted", "canary": "passed the gate and serves as the canary"}[status]
+               + f": {verdict.reason}"
                + (f" ({verdict.promotion})" if verdict.promotion else "") + note)
         return JobOutcome(status, msg, version=version, parent_version=parent, verdict=verdict.to_dict(), started=t0)
 
@@ -358,6 +397,9 @@ class DistillScheduler:
         if paused:
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(paused.get("time", 0)))
             return False, f"paused since {when} ({paused.get('reason')}); `draftsmith resume` to continue"
+        canary = self.registry.canary() if self.canary is not None else None
+        if canary is not None:
+            return False, f"canary version {canary['version']} is being judged; the next job waits for its decision"
         now = self.clock()
         sch = self.schedule
         if sch.every_s is not None:
@@ -379,6 +421,11 @@ class DistillScheduler:
                 self.watchdog.check()
             except Exception as e:  # noqa: BLE001 - e.g. MLflow down: no action
                 log.warning("[watchdog] %s", e)
+        if self.canary is not None:
+            try:
+                self.canary.check()
+            except Exception as e:  # noqa: BLE001 - e.g. MLflow down: no decision
+                log.warning("[canary] %s", e)
         try:
             self.gate_pending()
         except Exception as e:  # noqa: BLE001
@@ -578,6 +625,192 @@ class LiveWatchdog:
         out.message = f"version {champ} rolled back to {move.champion}: {reason}"
         log.error("[watchdog] %s", out.message)
         return out
+
+
+# ---------------------------------------------------------------------------------- the canary judge
+@dataclass
+class CanaryPolicy:
+    """Evidence a canary needs and how much worse it may be (module docstring, "Canary"): per arm at least
+    `min_draft_tokens` drafted tokens and `min_requests` requests, and `min_duration_s` of canary time
+    before a promotion; `timeout_s` without that evidence drops it; `tolerance` / `tps_tolerance`: the
+    relative drop of acceptance / tokens/s below the champion's that is not held against it; `confidence`:
+    one-sided level of the "significantly worse" tests."""
+
+    min_draft_tokens: int = 2000
+    min_requests: int = 20
+    min_duration_s: float = 600.0
+    timeout_s: float = 7200.0
+    tolerance: float = 0.05
+    tps_tolerance: float = 0.10
+    confidence: float = 0.95
+
+    def __post_init__(self) -> None:
+        if self.min_draft_tokens < 1 or self.min_requests < 1:
+            raise ValueError("canary min_draft_tokens and min_requests must be >= 1")
+        if not (self.min_duration_s >= 0) or not (self.timeout_s > 0) or self.timeout_s < self.min_duration_s:
+            raise ValueError(f"canary timeout ({self.timeout_s!r} s) must be > 0 and >= its minimum duration "
+                             f"({self.min_duration_s!r} s)")
+        if not (0.0 <= self.tolerance < 1.0) or not (0.0 <= self.tps_tolerance < 1.0):
+            raise ValueError("canary tolerances must be in [0, 1)")
+        if not (0.5 <= self.confidence < 1.0):
+            raise ValueError(f"canary confidence must be in [0.5, 1), got {self.confidence!r}")
+
+
+@dataclass
+class ArmFigures:
+    """One arm's live figures over the comparison window: acceptance (accepted / drafted tokens, with the
+    standard error of `live_figure`), tokens/s (tokens / request wall time over the window, intervals as
+    clusters), requests."""
+
+    acceptance: float | None
+    acceptance_se: float
+    drafted: float
+    requests: int
+    tokens_per_s: float | None
+    tokens_per_s_se: float
+    intervals: int
+
+    def to_dict(self) -> dict:
+        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()}
+
+
+def arm_figures(intervals: list[dict]) -> ArmFigures:
+    acc = live_figure(intervals)
+    pts = [(it.get("tokens") or 0.0, (it.get("tokens") or 0.0) / it["tokens_per_s"]) for it in intervals
+           if it.get("tokens_per_s") and it.get("tokens")]
+    T, W = sum(t for t, _ in pts), sum(w for _, w in pts)
+    tps, tps_se = (T / W, math.inf) if W > 0 else (None, math.inf)
+    if tps is not None and len(pts) > 1:
+        n = len(pts)
+        tps_se = math.sqrt(n / (n - 1) * sum((t - tps * w) ** 2 for t, w in pts)) / W
+    return ArmFigures(acc.rate, acc.se, acc.drafted, int(sum(it.get("requests") or 0 for it in intervals)),
+                      tps, tps_se, len(intervals))
+
+
+@dataclass
+class CanaryVerdict:
+    action: str                        # "none" | "waiting" | "held" | "promoted" | "dropped"
+    message: str
+    version: str | None = None
+    champion: str | None = None
+    share: float | None = None
+    since_ms: int | None = None
+    elapsed_s: float = 0.0
+    canary_figures: dict = field(default_factory=dict)
+    champion_figures: dict = field(default_factory=dict)
+    time: float = field(default_factory=time.time)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class CanaryJudge:
+    """Promotes or drops the running canary on live evidence (module docstring, "Canary")."""
+
+    def __init__(self, registry: Registry, policy: CanaryPolicy | None = None, *,
+                 status_path: str | os.PathLike | None = None, progress: Callable[[str], None] = print,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.registry = registry
+        self.policy = policy or CanaryPolicy()
+        self.status_path = Path(status_path) if status_path else data_dir() / "canary-status.json"
+        self.progress = progress
+        self.clock = clock
+
+    def assess(self) -> tuple[CanaryVerdict, str | None, dict]:
+        """Read-only: (verdict with the figures so far, decision "promote" | "drop" | None, details)."""
+        reg, pol = self.registry, self.policy
+        c = reg.canary()
+        if c is None:
+            return CanaryVerdict("none", "no canary"), None, {}
+        champ = reg.champion()
+        now_ms = int(self.clock() * 1000)
+        started = c["since_ms"] or now_ms
+        since = started
+        if champ is not None:
+            since = max(since, reg.champion_since_ms(reg.get(champ)) or 0)
+        ca = arm_figures(reg.live_intervals(c["version"], since_ms=since))
+        ha = arm_figures(reg.live_intervals(champ, since_ms=since)) if champ else arm_figures([])
+        elapsed = max(0.0, (now_ms - started) / 1000.0)
+        v = CanaryVerdict("waiting", "", c["version"], champ, c["share"], started, round(elapsed, 1),
+                          ca.to_dict(), ha.to_dict())
+        details = {"share": c["share"], "elapsed_s": round(elapsed, 1), "window_since_ms": since,
+                   "live_acceptance": ca.acceptance, "champion_live_acceptance": ha.acceptance,
+                   "tokens_per_s": ca.tokens_per_s, "champion_tokens_per_s": ha.tokens_per_s,
+                   "drafted_tokens": ca.drafted, "champion_drafted_tokens": ha.drafted,
+                   "requests": ca.requests, "champion_requests": ha.requests, "champion_version": champ}
+        lacking = [f"{name}: {a.drafted:.0f}/{pol.min_draft_tokens} drafted tokens, {a.requests}/{pol.min_requests} "
+                   "requests" for name, a in ((f"canary {c['version']}", ca), (f"champion {champ}", ha))
+                   if a.acceptance is None or a.drafted < pol.min_draft_tokens or a.requests < pol.min_requests]
+        figures = (f"canary {c['version']} acceptance {_f(ca.acceptance)}, {_f(ca.tokens_per_s, 1)} tokens/s vs "
+                   f"champion {champ} {_f(ha.acceptance)}, {_f(ha.tokens_per_s, 1)} tokens/s")
+        if lacking:
+            if elapsed >= pol.timeout_s:
+                v.message = (f"no decision on live evidence within {pol.timeout_s:g} s ({'; '.join(lacking)}); "
+                             "a canary is promoted only on evidence")
+                return v, "drop", details
+            v.message = f"{figures}; waiting for evidence ({'; '.join(lacking)})"
+            return v, None, details
+        z = NormalDist().inv_cdf(pol.confidence)
+        worse = []
+        if ca.acceptance + z * math.hypot(ca.acceptance_se, ha.acceptance_se) < ha.acceptance * (1 - pol.tolerance):
+            worse.append(f"live acceptance {ca.acceptance:.3f} is significantly below the champion's "
+                         f"{ha.acceptance:.3f} less {pol.tolerance:.0%}")
+        if ca.tokens_per_s is not None and ha.tokens_per_s is not None and math.isfinite(ca.tokens_per_s_se) \
+                and math.isfinite(ha.tokens_per_s_se) and ca.tokens_per_s + z * math.hypot(
+                    ca.tokens_per_s_se, ha.tokens_per_s_se) < ha.tokens_per_s * (1 - pol.tps_tolerance):
+            worse.append(f"{ca.tokens_per_s:.1f} tokens/s is significantly below the champion's "
+                         f"{ha.tokens_per_s:.1f} less {pol.tps_tolerance:.0%}")
+        details.update(confidence=pol.confidence, tolerance=pol.tolerance, tps_tolerance=pol.tps_tolerance)
+        if worse:
+            v.message = f"{'; '.join(worse)} (same window, {figures})"
+            return v, "drop", details
+        if elapsed < pol.min_duration_s:
+            v.message = f"{figures}; not worse so far, judging after {pol.min_duration_s:g} s ({elapsed:.0f} s)"
+            return v, None, details
+        v.message = f"not significantly worse than the champion on the same window: {figures}"
+        return v, "promote", details
+
+    def check(self) -> CanaryVerdict:
+        """One look: assess, then promote / drop through the registry (alias lock, pause respected); the
+        verdict goes to `canary-status.json`. MLflow errors propagate (no decision)."""
+        v, decision, details = self.assess()
+        if decision == "promote":
+            try:
+                move = self.registry.end_canary(v.version, promote=True, reason=v.message, details=details)
+                v.action = "promoted" if move.changed else "none"
+            except PromotionsPaused as e:
+                if v.elapsed_s >= self.policy.timeout_s:
+                    decision = "drop"
+                    v.message = f"passed but promotions stayed paused until the timeout ({e}); {v.message}"
+                else:
+                    v.action, v.message = "held", f"passed, held while promotions are paused: {v.message}"
+        if decision == "drop":
+            move = self.registry.end_canary(v.version, promote=False, reason=v.message, details=details)
+            v.action = "dropped" if move.changed else "none"
+        if v.action in ("promoted", "dropped"):
+            self.progress(f"[canary] version {v.version} {v.action}: {v.message}")
+            log.warning("[canary] version %s %s: %s", v.version, v.action, v.message)
+        try:
+            self.status_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.status_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(v.to_dict(), default=str, indent=1))
+            os.replace(tmp, self.status_path)
+        except OSError as e:
+            log.warning("could not write %s: %s", self.status_path, e)
+        return v
+
+
+def _f(x: float | None, nd: int = 3) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def read_canary_status(path: str | os.PathLike | None = None) -> dict | None:
+    """The canary judge's last verdict (None if it never ran)."""
+    p = Path(path) if path else data_dir() / "canary-status.json"
+    try:
+        return json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
 
 
 def read_watchdog_status(path: str | os.PathLike | None = None) -> dict | None:

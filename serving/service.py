@@ -20,6 +20,12 @@ retried with exponential backoff while the alias names it; a draft pinned to ano
 current draft keeps serving.
 With an explicit `draft` folder the replica serves that folder as version "local" and does not watch.
 
+Canary (issue 17): the watcher also follows the registry's `canary` alias (`check_canary`): it loads that
+version beside the champion (same target check, materialisation and verification) and the engine routes
+`draftsmith.canary_share` of new requests to it by a hash of the request id (serving/engine.py); when the
+alias goes away the canary is unloaded (its requests continue on the champion draft), and when it becomes
+the champion the loaded canary model takes over without a second load. /health shows the canary.
+
 Faults: Redis down -> the writer drops and counts records (buffer_records_dropped_total), requests are
 unaffected; MLflow down -> no hot-swap and no live charts until it is back, requests are unaffected.
 Decoding faults: see serving/scheduler.py (a failed batched forward fails that step's requests only).
@@ -190,6 +196,7 @@ class Service:
             engine.swap_draft(self.s.draft, "local")
         else:
             self.check_champion(engine)
+            self.check_canary(engine)
         return engine
 
     # ------------------------------------------------------------------ hot-swap
@@ -326,6 +333,58 @@ class Service:
                 self.check_champion(due_only=True)
             except Exception as e:  # noqa: BLE001 - the watcher must not die
                 log.warning("draft watcher: %s", e)
+            try:
+                self.check_canary()
+            except Exception as e:  # noqa: BLE001
+                log.warning("draft watcher (canary): %s", e)
+
+    def check_canary(self, engine=None) -> str:
+        """Follow the registry's canary alias (module docstring, "Canary"); returns the canary version this
+        replica serves ("none" without one). An unreadable registry keeps the current state; a canary that
+        fails to load or was built for another target is not served (its share stays on the champion), the
+        reason is in /health `canary.error`, and the load is retried after a back-off."""
+        engine = engine or self.engine
+        if self.registry is None or not hasattr(engine, "set_canary"):
+            return "none"
+        st = self._watch_state().setdefault("canary", {"error": None, "version": None, "next": 0.0, "attempts": 0})
+        with self._swap_lock:
+            try:
+                c = self.registry.canary()
+            except Exception as e:  # noqa: BLE001 - MLflow down: keep what we have
+                st["error"] = f"cannot read the canary alias ({type(e).__name__}: {e})"
+                return engine.canary_version
+            if c is None or c["share"] <= 0 or c["version"] == engine.draft_version:
+                if engine.canary is not None:
+                    log.info("replica %s: canary version %s ended", self.s.replica_id, engine.canary_version)
+                    engine.set_canary(None)
+                st.update(error=None, version=None, attempts=0)
+                return "none"
+            version, share = c["version"], c["share"]
+            if version == engine.canary_version:
+                if share != engine.canary_share:
+                    engine.set_canary(engine.canary.path, version, share)   # loaded: only the share changes
+                return version
+            now = time.monotonic()
+            if st["version"] == version and st["error"] and now < st["next"]:
+                return engine.canary_version
+            try:
+                refusal = self._target_refusal(engine, version)
+                if refusal is not None:
+                    raise RuntimeError(f"REFUSED: {refusal}")
+                engine.set_canary(self.registry.materialize(version, verify=True), version, share)
+            except Exception as e:  # noqa: BLE001 - the champion keeps all traffic meanwhile
+                st["attempts"] = st["attempts"] + 1 if st["version"] == version else 1
+                delay = min(300.0, max(1.0, self.s.watch_interval_s) * 2 ** (st["attempts"] - 1))
+                st.update(version=version, next=now + delay,
+                          error=f"canary version {version} not served ({type(e).__name__}: {e}); retry in {delay:.0f} s")
+                log.error("replica %s: %s", self.s.replica_id, st["error"])
+                self.telemetry.inc("draft_swaps_total", result="canary_failed")
+                return engine.canary_version
+            st.update(error=None, version=version, attempts=0)
+            self.telemetry.inc("draft_swaps_total", result="canary")
+            log.info("replica %s serves canary version %s to %.0f%% of new requests", self.s.replica_id, version,
+                     100 * share)
+            return version
 
     # ------------------------------------------------------------------ telemetry
     def publish(self) -> dict:
@@ -364,6 +423,9 @@ class Service:
         info = {"status": "ok" if ok else "unhealthy", "reason": why, "replica": self.s.replica_id,
                 "draft_version": self.engine.draft_version, "draft_loaded": self.engine.draft is not None,
                 "swap_error": self.swap_error, "running": self.running, "waiting": self.waiting,
+                "canary": {"version": getattr(self.engine, "canary_version", "none"),
+                           "share": getattr(self.engine, "canary_share", 0.0),
+                           "error": self._watch_state().get("canary", {}).get("error")},
                 "buffer": None if self.sink is None else {k: v for k, v in self.sink.stats().items()
                                                           if k in ("written", "dropped", "queued")}}
         return ok, info
@@ -448,7 +510,8 @@ def settings_from_env(**overrides) -> ServiceSettings:
     env = os.environ
     kw: dict = {}
     for name, conv in (("max_running", int), ("max_waiting", int), ("max_batch_tokens", int), ("request_timeout_s", float),
-                       ("max_tokens_limit", int), ("watch_interval_s", float), ("torch_threads", int)):
+                       ("max_tokens_limit", int), ("watch_interval_s", float), ("torch_threads", int),
+                       ("live_interval_s", float)):
         v = env.get(f"DRAFTSMITH_{name.upper()}")
         if v:
             kw[name] = conv(v)
