@@ -1,0 +1,475 @@
+"""Does the service get faster the longer it serves? The online-learning experiment (issue 15).
+
+    .venv/bin/python scripts/bench_online.py --draft data/bootstrap-draft --duration 1800 --out docs/results/online
+
+Everything real, started as an operator would, in a data directory of its own (--data, wiped first):
+1. registers --draft (default: $DRAFTSMITH_DATA/bootstrap-draft) as version 1 and makes it champion;
+2. starts `draftsmith serve` on the README's defaults (embedded Redis, MLflow on SQLite, the default
+   target unless --target) and waits for /health;
+3. starts the scheduler as an operator would, `draftsmith distill --every E --min-records N`, which
+   distills, gates and promotes by itself (and its watchdog may roll back);
+4. drives --clients concurrent clients for --duration seconds with traffic the bootstrap never saw
+   (scripts/online_traffic.py): phase 1 is mostly SQL requests plus a share of the earlier, known
+   traffic (GSM8K / HumanEval), and at --shift-at the traffic shifts again, mostly to JSON extraction,
+   keeping shares of SQL and known traffic so forgetting is measured on the same clock;
+5. records per request: time, category, the draft version(s) that drafted it, drafted / accepted
+   tokens, completion tokens, latency; writes into --out:
+   responses.jsonl, summary.json, summary.md (a table per draft version and category, the issue's
+   targets computed), online.png (rolling live acceptance and tokens/s per category over time, with
+   promotions and rollbacks marked), serve.log and distill.log.
+
+Acceptance is accepted / proposed draft tokens (n-gram proposals of the adaptive controller included,
+as the response reports it), rolling over the last --window requests of a category. tokens/s is a
+request's completion tokens over its latency as the client saw it (queueing included). The default
+request is the served default: mode mjsd, adaptive; temperature --temperature (0 unless given).
+
+CI runs a one-minute smoke of this script on tiny models (tests/test_bench_online.py). The real run
+takes --duration plus about 2 minutes of start-up on a 2-core CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from scripts.online_traffic import CATEGORIES, PromptStream  # noqa: E402
+
+
+def log(msg: str) -> None:
+    print(f"[online {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def parse_mix(text: str) -> dict[str, float]:
+    """"sql=0.75,known=0.25" -> {"sql": 0.75, "known": 0.25} (weights need not sum to 1)."""
+    mix: dict[str, float] = {}
+    for part in text.split(","):
+        name, _, w = part.strip().partition("=")
+        if name not in CATEGORIES:
+            raise argparse.ArgumentTypeError(f"unknown category {name!r} in {text!r}; use {', '.join(CATEGORIES)}")
+        try:
+            mix[name] = float(w)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"weight of {name!r} in {text!r} is not a number") from None
+        if mix[name] < 0:
+            raise argparse.ArgumentTypeError(f"weight of {name!r} must be >= 0")
+    if not mix or sum(mix.values()) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give at least one category with a positive weight")
+    return mix
+
+
+def cli(env: dict, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    res = subprocess.run([sys.executable, "-m", "deploy.cli", *args], env=env, cwd=ROOT, capture_output=True,
+                         text=True)
+    log(f"$ draftsmith {' '.join(args)} -> {res.returncode}: {(res.stdout + res.stderr).strip()[-300:]}")
+    if check and res.returncode != 0:
+        raise SystemExit(f"draftsmith {' '.join(args)} failed:\n{res.stdout}\n{res.stderr}")
+    return res
+
+
+class Traffic:
+    """Client threads; each request's category is drawn from the current phase's mix."""
+
+    def __init__(self, url: str, args) -> None:
+        self.url, self.args = url, args
+        self.mix: dict[str, float] = {}
+        self.phase = 0
+        self.records: list[dict] = []
+        self.errors: list[dict] = []
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.t0 = time.time()
+
+    def set_phase(self, phase: int, mix: dict[str, float]) -> None:
+        with self.lock:
+            self.phase, self.mix = phase, dict(mix)
+        log(f"phase {phase}: traffic mix {mix}")
+
+    def _client(self, i: int) -> None:
+        rng = random.Random(f"client:{self.args.seed}:{i}")
+        streams = {c: PromptStream(c, seed=self.args.seed * 1000 + i) for c in CATEGORIES}
+        spec = None if self.args.mode == "default" else {"mode": self.args.mode}
+        with httpx.Client(timeout=600) as http:
+            model = http.get(f"{self.url}/v1/models").json()["data"][0]["id"]
+            while not self.stop.is_set():
+                with self.lock:
+                    phase, mix = self.phase, self.mix
+                category = rng.choices(list(mix), weights=list(mix.values()))[0]
+                body = {"model": model, "messages": [{"role": "user", "content": streams[category].next()}],
+                        "max_tokens": self.args.max_tokens, "temperature": self.args.temperature}
+                if spec is not None:
+                    body["speculative"] = spec
+                t = time.time()
+                try:
+                    r = http.post(f"{self.url}/v1/chat/completions", json=body)
+                except httpx.HTTPError as e:
+                    self.errors.append({"t": round(t - self.t0, 2), "category": category, "error": repr(e)})
+                    time.sleep(1)
+                    continue
+                if r.status_code != 200:
+                    self.errors.append({"t": round(t - self.t0, 2), "category": category,
+                                        "status": r.status_code, "body": r.text[:300]})
+                    time.sleep(1)
+                    continue
+                done = time.time()
+                data = r.json()
+                sd = (data.get("metrics") or {}).get("speculative_decoding") or {}
+                toks = (data.get("usage") or {}).get("completion_tokens") or 0
+                versions = sd.get("draft_versions") or {}
+                self.records.append({
+                    "t": round(done - self.t0, 2), "t_start": round(t - self.t0, 2), "phase": phase,
+                    "category": category, "draft_version": str(sd.get("draft_version")),
+                    "draft_versions": sorted(str(v) for v in versions) if isinstance(versions, dict) else versions,
+                    "draft_tokens": sd.get("draft_tokens") or 0, "accepted_tokens": sd.get("accepted_tokens") or 0,
+                    "steps": sd.get("steps"), "zero_draft_steps": sd.get("zero_draft_steps"),
+                    "ngram_steps": sd.get("ngram_steps"), "completion_tokens": toks,
+                    "latency_s": round(done - t, 3), "tokens_per_s": round(toks / max(done - t, 1e-6), 2)})
+
+    def start(self) -> None:
+        self.threads = [threading.Thread(target=self._client, args=(i,), daemon=True)
+                        for i in range(self.args.clients)]
+        for th in self.threads:
+            th.start()
+
+    def join(self) -> None:
+        self.stop.set()
+        for th in self.threads:
+            th.join(timeout=660)
+
+
+# ----------------------------------------------------------------------------- analysis
+def acceptance(rs: list[dict]) -> float | None:
+    drafted = sum(r["draft_tokens"] for r in rs)
+    return sum(r["accepted_tokens"] for r in rs) / drafted if drafted else None
+
+
+def tokens_per_s(rs: list[dict]) -> float | None:
+    """Mean per-request tokens/s (each request's completion tokens over its latency)."""
+    return sum(r["tokens_per_s"] for r in rs) / len(rs) if rs else None
+
+
+def rolling(rs: list[dict], window: int, fn) -> list[tuple[float, float]]:
+    out = []
+    for i in range(len(rs)):
+        v = fn(rs[max(0, i - window + 1): i + 1])
+        if v is not None and i + 1 >= min(window, len(rs)):
+            out.append((rs[i]["t"], v))
+    return out
+
+
+def between(rs: list[dict], lo: float, hi: float) -> list[dict]:
+    return [r for r in rs if lo <= r["t"] < hi]
+
+
+def version_events(records: list[dict]) -> list[tuple[float, str]]:
+    """When the served version changed, as responses saw it (the first response of a new version)."""
+    events, last = [], None
+    for r in sorted(records, key=lambda r: r["t"]):
+        if r["draft_version"] != last:
+            if last is not None:
+                events.append((r["t"], f"v{last} -> v{r['draft_version']}"))
+            last = r["draft_version"]
+    return events
+
+
+def targets(records: list[dict], args) -> dict:
+    """The issue's targets, computed from the responses (None where a figure has too little data)."""
+    by = {c: sorted((r for r in records if r["category"] == c), key=lambda r: r["t"]) for c in CATEGORIES}
+    out: dict = {}
+    first_new = next((c for c in args.phase1 if c != "known"), None)
+    if first_new and by[first_new]:
+        rs = by[first_new]
+        t_first = rs[0]["t"]
+        early = between(rs, t_first, t_first + args.early_s)
+        horizon = min(t_first + 1800, rs[-1]["t"] + 1)
+        roll = [v for t, v in rolling(rs, args.window, acceptance) if t <= horizon]
+        late = between(rs, horizon - args.early_s, horizon)
+        out["new_category"] = first_new
+        out["early_acceptance"] = acceptance(early)
+        out["best_rolling_acceptance"] = max(roll) if roll else None
+        out["late_acceptance"] = acceptance(late)
+        out["early_tokens_per_s"] = tokens_per_s(early)
+        out["late_tokens_per_s"] = tokens_per_s(late)
+        if out["early_acceptance"] is not None and out["late_acceptance"] is not None:
+            out["acceptance_gain_late"] = out["late_acceptance"] - out["early_acceptance"]
+        if out["early_acceptance"] is not None and out["best_rolling_acceptance"] is not None:
+            out["acceptance_gain_best_rolling"] = out["best_rolling_acceptance"] - out["early_acceptance"]
+        if out["early_tokens_per_s"] and out["late_tokens_per_s"]:
+            out["tokens_per_s_ratio"] = out["late_tokens_per_s"] / out["early_tokens_per_s"]
+        # forgetting: the first new category's acceptance just before the shift vs after it
+        if args.shift_at < args.duration:
+            before = between(rs, args.shift_at - args.early_s, args.shift_at)
+            after = between(rs, args.shift_at, args.duration + 1e9)
+            a, b = acceptance(before), acceptance(after)
+            out["earlier_category_before_shift"], out["earlier_category_after_shift"] = a, b
+            if a is not None and b is not None:
+                out["earlier_category_drop"] = a - b
+    if by["known"]:
+        rs = by["known"]
+        out["known_early_acceptance"] = acceptance(between(rs, 0, args.early_s))
+        out["known_late_acceptance"] = acceptance(between(rs, rs[-1]["t"] - args.early_s, rs[-1]["t"] + 1))
+    return out
+
+
+def registry_versions(env: dict, args) -> list[dict]:
+    """Every version with its kind, parent and adapter chain depth, read through the project's Registry."""
+    code = ("import json,sys; from deploy.registry import Registry\n"
+            "r = Registry(sys.argv[1] or None)\n"
+            "vs = {v.version: v for v in r.versions()}\n"
+            "def depth(v):\n"
+            "    d, seen = 0, set()\n"
+            "    while v in vs and vs[v].kind == 'adapter' and v not in seen:\n"
+            "        seen.add(v); d += 1; v = vs[v].parent_version\n"
+            "    return d\n"
+            "print(json.dumps([{'version': v.version, 'kind': v.kind, 'parent': v.parent_version, 'aliases': v.aliases,"
+            " 'depth': depth(v.version), 'gate': v.tags.get('draftsmith.gate.verdict'),"
+            " 'gate_acceptance': v.metrics.get('gate_candidate_acceptance'), 'gate_delta': v.metrics.get('gate_delta')}"
+            " for v in vs.values()]))\n")
+    res = subprocess.run([sys.executable, "-c", code, args.target or ""], env=env, cwd=ROOT, capture_output=True,
+                         text=True)
+    if res.returncode != 0:
+        log(f"could not read the registry: {res.stderr.strip()[-300:]}")
+        return []
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def plot(records: list[dict], events: list[tuple[float, str]], shift_at: float, window: int, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
+    for i, c in enumerate(CATEGORIES):
+        rs = sorted((r for r in records if r["category"] == c), key=lambda r: r["t"])
+        if not rs:
+            continue
+        acc = rolling(rs, window, acceptance)
+        tps = rolling(rs, window, tokens_per_s)
+        if acc:
+            ax1.plot([t / 60 for t, _ in acc], [v for _, v in acc], color=f"C{i}", lw=1.6, label=c)
+        if tps:
+            ax2.plot([t / 60 for t, _ in tps], [v for _, v in tps], color=f"C{i}", lw=1.6, label=c)
+    for ax in (ax1, ax2):
+        ax.axvline(shift_at / 60, color="black", ls=":", lw=1)
+        for t, label in events:
+            ax.axvline(t / 60, color="gray", ls="--", lw=0.8)
+    ymax = ax1.get_ylim()[1]
+    for t, label in events:
+        ax1.text(t / 60, ymax, label, rotation=90, va="top", ha="right", fontsize=7)
+    ax1.text(shift_at / 60, 0.0, " traffic shift", fontsize=8, va="bottom")
+    ax1.set_ylabel(f"live acceptance\n(accepted/proposed, rolling {window} req.)")
+    ax2.set_ylabel(f"tokens/s per request\n(rolling {window} req.)")
+    ax2.set_xlabel("minutes since traffic started")
+    ax1.legend(loc="upper left", fontsize=8)
+    ax1.set_title("Online distillation on traffic the bootstrap never saw (promotions marked)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def fmt(x, nd=3) -> str:
+    return "-" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
+
+
+def write_summary(out: Path, records: list[dict], errors: list[dict], events, versions: list[dict], args,
+                  wall: dict) -> dict:
+    tg = targets(records, args)
+    rows = []
+    for v in sorted({r["draft_version"] for r in records}, key=lambda x: (len(x), x)):
+        for c in CATEGORIES:
+            rs = [r for r in records if r["draft_version"] == v and r["category"] == c]
+            if rs:
+                rows.append({"draft_version": v, "category": c, "requests": len(rs),
+                             "acceptance": acceptance(rs), "tokens_per_s": tokens_per_s(rs),
+                             "drafted_per_request": sum(r["draft_tokens"] for r in rs) / len(rs),
+                             "first_t": min(r["t"] for r in rs), "last_t": max(r["t"] for r in rs)})
+    max_depth = max((v["depth"] for v in versions), default=0)
+    summary = {"args": {k: (v if isinstance(v, (int, float, str, dict, type(None))) else str(v))
+                        for k, v in vars(args).items()},
+               "requests": len(records), "failed_requests": len(errors), "errors": errors[:50],
+               "rows": rows, "targets": tg, "events": events, "versions": versions,
+               "max_chain_depth": max_depth, "wall": wall}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    lines = [f"# Online learning run ({time.strftime('%Y-%m-%d %H:%M')})", "",
+             f"Setting: {args.clients} clients, mode {args.mode}, temperature {args.temperature}, "
+             f"max_tokens {args.max_tokens}, {args.duration:.0f} s of traffic, shift at {args.shift_at:.0f} s; "
+             f"phase 1 mix {args.phase1}, phase 2 mix {args.phase2}; scheduler: "
+             f"`draftsmith distill {' '.join(args.distill_args)}`. Acceptance = accepted / proposed draft tokens.",
+             "", f"requests: {len(records)}, failed: {len(errors)}, max adapter chain depth: {max_depth}", "",
+             "| draft version | category | requests | acceptance | tokens/s per request | drafted per request "
+             "| first seen (s) | last seen (s) |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['draft_version']} | {r['category']} | {r['requests']} | {fmt(r['acceptance'])} | "
+                     f"{fmt(r['tokens_per_s'], 1)} | {r['drafted_per_request']:.1f} | {r['first_t']:.0f} | "
+                     f"{r['last_t']:.0f} |")
+    lines += ["", "## Targets (issue 15)", "", "| figure | value | target |", "|---|---:|---|"]
+    gain = tg.get("acceptance_gain_late")
+    lines += [
+        f"| {tg.get('new_category', '-')}: acceptance first {args.early_s:.0f} s | {fmt(tg.get('early_acceptance'))} | |",
+        f"| {tg.get('new_category', '-')}: acceptance last {args.early_s:.0f} s (within 30 min) | "
+        f"{fmt(tg.get('late_acceptance'))} | |",
+        f"| gain (last - first) | {fmt(gain)} | >= +0.15 {'met' if gain is not None and gain >= 0.15 else 'MISSED'} |",
+        f"| best rolling-{args.window} acceptance - first | {fmt(tg.get('acceptance_gain_best_rolling'))} | (for reference) |",
+        f"| tokens/s last / first {args.early_s:.0f} s | {fmt(tg.get('tokens_per_s_ratio'), 2)} | >= 1.2 "
+        f"{'met' if (tg.get('tokens_per_s_ratio') or 0) >= 1.2 else 'MISSED'} |",
+        f"| earlier category drop after the shift | {fmt(tg.get('earlier_category_drop'))} | <= 0.03 "
+        f"{'met' if tg.get('earlier_category_drop') is not None and tg['earlier_category_drop'] <= 0.03 else 'MISSED/n.a.'} |",
+        f"| known traffic acceptance first / last {args.early_s:.0f} s | {fmt(tg.get('known_early_acceptance'))} / "
+        f"{fmt(tg.get('known_late_acceptance'))} | (forgetting check) |",
+        f"| failed requests | {len(errors)} | 0 {'met' if not errors else 'MISSED'} |",
+        f"| max adapter chain depth | {max_depth} | <= K |",
+        "", "Events (as responses saw them): " + "; ".join(f"{t:.0f} s {e}" for t, e in events),
+        "", "| version | kind | parent | depth | aliases | gate |", "|---|---|---|---:|---|---|"]
+    for v in versions:
+        lines.append(f"| {v['version']} | {v['kind']} | {v['parent'] or '-'} | {v['depth']} | "
+                     f"{','.join(v['aliases']) or '-'} | {v['gate'] or '-'} | {fmt(v.get('gate_acceptance'))} | "
+                     f"{fmt(v.get('gate_delta'))} |")
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    return summary
+
+
+# ----------------------------------------------------------------------------- run
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, logfile: Path) -> None:
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.time() > deadline or proc.poll() is not None:
+            raise SystemExit(f"the service did not come up; see {logfile}")
+        time.sleep(2)
+
+
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGINT)
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        try:
+            p.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--draft", type=Path, default=None,
+                    help="base draft folder (default $DRAFTSMITH_DATA/bootstrap-draft, i.e. data/bootstrap-draft)")
+    ap.add_argument("--target", default=None, help="target model folder (default: the served default)")
+    ap.add_argument("--data", type=Path, default=ROOT / "data" / "bench-online", help="data dir (wiped first)")
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "online")
+    ap.add_argument("--port", type=int, default=8012)
+    ap.add_argument("--duration", type=float, default=1800.0, help="seconds of traffic")
+    ap.add_argument("--shift-at", type=float, default=1200.0, help="second shift after this many seconds")
+    ap.add_argument("--phase1", type=parse_mix, default=parse_mix("sql=0.75,known=0.25"))
+    ap.add_argument("--phase2", type=parse_mix, default=parse_mix("json=0.6,sql=0.2,known=0.2"))
+    ap.add_argument("--clients", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--mode", default="default", help="speculative mode, or 'default' (the served default)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--every", default="4m", help="scheduler: a job at most this often (draftsmith distill --every)")
+    ap.add_argument("--min-records", type=int, default=300, help="scheduler: ... once this many new records arrived")
+    ap.add_argument("--poll", default="15s")
+    ap.add_argument("--margin", type=float, default=0.01, help="gate margin")
+    ap.add_argument("--distill-config", type=Path, default=None, help="YAML for training.job (steps, lr, ...)")
+    ap.add_argument("--distill-arg", action="append", default=[],
+                    help="extra argument for `draftsmith distill` (repeatable, e.g. --distill-arg=--no-watchdog)")
+    ap.add_argument("--window", type=int, default=20, help="rolling window (requests) for the curves")
+    ap.add_argument("--early-s", type=float, default=300.0, help="length of the 'first minutes' window")
+    ap.add_argument("--start-timeout", type=float, default=900.0)
+    args = ap.parse_args(argv)
+    if args.duration <= 0 or not (0 < args.shift_at):
+        ap.error("--duration and --shift-at must be > 0")
+    if args.clients < 1:
+        ap.error("--clients must be >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    data = args.data.resolve()
+    draft = args.draft or Path(os.environ.get("DRAFTSMITH_DATA", ROOT / "data")) / "bootstrap-draft"
+    if not (draft / "config.json").is_file():
+        raise SystemExit(f"no draft model folder at {draft}: build one with `draftsmith bootstrap` or pass --draft")
+    shutil.rmtree(data, ignore_errors=True)
+    data.mkdir(parents=True)
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "DRAFTSMITH_DATA": str(data), "PYTHONUNBUFFERED": "1"}
+    for k in ("REDIS_URL", "MLFLOW_TRACKING_URI", "DRAFTSMITH_API_KEY"):
+        env.pop(k, None)
+    common = ["--target", args.target] if args.target else []
+    t_setup = time.time()
+    cli(env, "register", str(draft), *common)
+    cli(env, "promote", "1", "--force", *common)
+    args.distill_args = ["--every", args.every, "--min-records", str(args.min_records), "--poll", args.poll,
+                         "--margin", str(args.margin), *common, *args.distill_arg]
+    if args.distill_config:
+        args.distill_args += ["--config", str(args.distill_config)]
+    procs: list[subprocess.Popen] = []
+    serve_log, distill_log = out / "serve.log", out / "distill.log"
+    try:
+        with open(serve_log, "w") as f:
+            procs.append(subprocess.Popen([sys.executable, "-m", "deploy.cli", "serve", "--port", str(args.port),
+                                           "--no-bootstrap", *common], env=env, cwd=ROOT, stdout=f,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+        url = f"http://127.0.0.1:{args.port}"
+        wait_healthy(url, procs[0], args.start_timeout, serve_log)
+        log(f"service healthy after {time.time() - t_setup:.0f} s")
+        with open(distill_log, "w") as f:
+            procs.append(subprocess.Popen([sys.executable, "-m", "deploy.cli", "distill", *args.distill_args],
+                                          env=env, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+        traffic = Traffic(url, args)
+        traffic.set_phase(1, args.phase1)
+        traffic.start()
+        t_end = traffic.t0 + args.duration
+        shifted = args.shift_at >= args.duration
+        last_report = time.time()
+        while time.time() < t_end:
+            time.sleep(1.0)
+            now = time.time() - traffic.t0
+            if not shifted and now >= args.shift_at:
+                traffic.set_phase(2, args.phase2)
+                shifted = True
+            if time.time() - last_report >= 60 or time.time() >= t_end:
+                last_report = time.time()
+                recent = [r for r in traffic.records if r["t"] >= now - 60]
+                log(f"{now:.0f} s: {len(traffic.records)} requests ({len(recent) / 60:.2f}/s), "
+                    f"{len(traffic.errors)} failed, acceptance last minute {fmt(acceptance(recent))}, "
+                    f"versions seen {sorted({r['draft_version'] for r in recent})}")
+        traffic.join()
+    finally:
+        stop_all(procs)
+    events = version_events(traffic.records)
+    versions = registry_versions(env, args)
+    with open(out / "responses.jsonl", "w") as f:
+        for r in sorted(traffic.records, key=lambda r: r["t"]):
+            f.write(json.dumps(r) + "\n")
+    summary = write_summary(out, traffic.records, traffic.errors, events, versions, args,
+                            wall={"setup_s": round(traffic.t0 - t_setup, 1), "traffic_s": args.duration})
+    plot(traffic.records, events, args.shift_at, args.window, out / "online.png")
+    print((out / "summary.md").read_text())
+    return 0 if summary["requests"] > 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
