@@ -10,6 +10,7 @@
     draftsmith resume                              (lets scheduled distillation promote again)
     draftsmith versions                            (job-reported and gate-measured acceptance side by side)
     draftsmith status                              (aliases, pause, last job, watchdog, rollback reasons)
+    draftsmith gc [--keep-last N] [--dry-run]       (delete cached drafts and candidate folders not retained)
 
 Common options: --target (default $DRAFTSMITH_TARGET or the default SmolLM2 target) picks the
 registered model `draftsmith-<target>-draft`; --tracking-uri (default $MLFLOW_TRACKING_URI or
@@ -169,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("versions", parents=[common], help="list draft versions with aliases and metrics")
     sub.add_parser("status", parents=[common], help="champion, aliases, scheduler state")
     _watch_parser(sub, common)
+    _gc_parser(sub, common)
     return p
 
 
@@ -541,6 +543,8 @@ def cmd_status(args) -> int:
             print(f"champion offline acceptance: {_fmt(info.offline_acceptance)}; gate-measured "
                   f"{_fmt(info.metrics.get('gate_candidate_acceptance'))}; built for target "
                   f"{short_hash(info.target_sha256)}")
+            print(f"champion chain: {' -> '.join(reg.chain(champ))} (adapter depth {reg.chain_depth(champ)}, "
+                  f"at most {reg.max_chain_depth})")
         paused = reg.promotions_paused()
         history = reg.history()
         _print_canary(reg, history)
@@ -578,6 +582,66 @@ def cmd_status(args) -> int:
 COMMANDS = {"serve": cmd_serve, "bootstrap": cmd_bootstrap, "distill": cmd_distill, "register": cmd_register,
             "promote": cmd_promote, "rollback": cmd_rollback, "resume": cmd_resume, "versions": cmd_versions,
             "status": cmd_status}
+
+
+# ---------------------------------------------------------------------------------- gc (retention)
+def _gc_parser(sub, common) -> None:
+    g = sub.add_parser("gc", parents=[common], help="delete cached merged drafts and candidate folders of "
+                       "versions neither aliased nor among the newest N")
+    g.add_argument("--keep-last", type=_count, default=None, metavar="N",
+                   help="newest versions kept besides the aliased ones (default $DRAFTSMITH_KEEP_VERSIONS or 3)")
+    g.add_argument("--grace", type=_age, default=None, metavar="DURATION",
+                   help="never delete a folder written or used more recently than this (default 10m; 0 = none)")
+    g.add_argument("--unregistered-older-than", type=_age, default=None, metavar="DURATION",
+                   help="also delete candidate folders no version was registered from, older than this "
+                        "(default: never)")
+    g.add_argument("--dry-run", action="store_true", help="say what would be deleted, delete nothing")
+
+
+def _count(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return v
+
+
+def _age(text: str) -> float:
+    return 0.0 if text.strip() in ("0", "0s", "0m") else _duration(text)
+
+
+def cmd_gc(args) -> int:
+    """Retention (deploy.registry.Registry.gc): what was deleted, kept and left alone, and why."""
+    reg = _registry(args)
+    reports = reg.gc(args.keep_last, grace_s=args.grace, dry_run=args.dry_run,
+                     unregistered_older_than_s=args.unregistered_older_than)
+    keep = reg.retained_versions(args.keep_last)
+    verb = "would delete" if args.dry_run else "deleted"
+    print(f"{reg.name}: keeping versions "
+          + (", ".join(f"{v} ({', '.join(why)})" for v, why in sorted(keep.items(), key=lambda kv: int(kv[0])))
+             or "none (nothing registered)"))
+    for r in reports.values():
+        line = f"{r.what} {r.root}: "
+        if not r.root.is_dir():
+            print(line + "no such folder (nothing to delete)")
+            continue
+        line += (f"{verb} {len(r.deleted)} folder(s), {r.freed_bytes / 1e6:.1f} MB" if r.deleted
+                 else "nothing to delete") + f"; kept {len(r.kept)}"
+        if r.skipped:
+            line += f"; left {len(r.skipped)}: " + "; ".join(f"{n} ({why})" for n, why in r.skipped[:5])
+            line += " ..." if len(r.skipped) > 5 else ""
+        print(line)
+        for name in r.deleted:
+            print(f"  {verb}: {r.root / name}")
+    if any(why == "not registered" for n, why in reports["candidates"].skipped):
+        print("candidate folders no version was registered from are kept: `draftsmith register` them, or pass "
+              "--unregistered-older-than DURATION to delete old ones")
+    return EXIT_OK
+
+
+COMMANDS["gc"] = cmd_gc
 
 
 # ---------------------------------------------------------------------------------- watchdog + canary (issue 17)

@@ -380,7 +380,7 @@ def judge_acceptance(candidate: VersionInfo, champion_version: str | None,
     measurement. It remains the one place that names the job's metrics for the gate."""
     m = candidate.metrics
     cand = m.get("offline_acceptance_after")
-    if candidate.kind != "adapter":
+    if not candidate.distilled:                  # a base, unless a candidate squashed into one
         return False, f"version {candidate.version} is a {candidate.kind} draft: no job figures", None, None
     if cand is None:
         return False, "the candidate has no offline_acceptance_after metric (candidate.json metrics)", None, None

@@ -32,6 +32,18 @@ peft `merge_and_unload()`, and caches the merged plain folder under
 store, so two registries that both have a "version 3" never share a cache entry). Serving loads
 that folder with plain transformers; peft is only needed here.
 
+**Bounded history.** A version's chain (it, its adapter ancestors, their base) holds at most
+`max_chain_depth` (K, `$DRAFTSMITH_MAX_CHAIN_DEPTH`, default 4) adapters: a candidate that would be
+deeper is registered *squashed*, merged with its parent into a new base version (tags
+`draftsmith.squashed_from` / `squashed_chain`, otherwise tagged like an adapter), so a cold replica
+materialises any version from at most K+1 stored versions. `verify` re-hashes a version's own artifacts
+every time but an ancestor only once per cache (recorded in `<cache>/<model>/.verified.json` by version,
+run and manifest sha256). Retention (`gc`, `draftsmith gc`, also run after every registration,
+promotion and rollback, never failing them) deletes cached merged folders and registered candidate
+folders of versions that are neither aliased (champion, previous, candidate, canary...) nor among the
+newest `keep_last` (N, `$DRAFTSMITH_KEEP_VERSIONS`, default 3), sparing anything used in the last
+10 minutes. Artifacts in the MLflow store are never deleted.
+
 **Faults.** Reads tell "not there" from "cannot read": a registered model or version that does not
 exist is `{}` / None / UsageError, while any other failure (server down, database unreadable) raises
 `RegistryUnavailable`, so an outage never reads as "no champion" or "not paused". Callers keep what
@@ -90,6 +102,16 @@ SINCE_TAG = TAG + "champion_since_ms"           # version tag: when it last beca
 CANARY_SHARE_TAG = TAG + "canary_share"         # registered-model tag: share of requests the canary serves
 CANARY_SINCE_TAG = TAG + "canary_since_ms"      # registered-model tag: when the current canary started (epoch ms)
 DEFAULT_CANARY_SHARE = 0.25
+SQUASHED_FROM_TAG = TAG + "squashed_from"       # version tag of a squashed base: the version its adapter was on
+SQUASHED_CHAIN_TAG = TAG + "squashed_chain"     # ... JSON list of the versions merged into it, newest first
+CANDIDATE_PATH_TAG = TAG + "candidate_path"     # version tag: the candidate folder it was registered from
+MAX_CHAIN_DEPTH_ENV = "DRAFTSMITH_MAX_CHAIN_DEPTH"
+KEEP_VERSIONS_ENV = "DRAFTSMITH_KEEP_VERSIONS"
+DEFAULT_MAX_CHAIN_DEPTH = 4                     # K: adapter versions between any version and its base
+DEFAULT_KEEP_VERSIONS = 3                       # N: newest versions whose folders retention keeps
+DEFAULT_GC_GRACE_S = 600.0                      # folders used (materialised, loaded) this recently are kept
+STALE_STAGING_S = 6 * 3600.0                    # a '.'-staging folder this old was left by a crash
+VERIFIED = ".verified.json"                     # beside the cache: (version, run, manifest) already verified
 NOT_FOUND = "RESOURCE_DOES_NOT_EXIST"
 TARGET_CONFIG_IGNORED = ("transformers_version", "_name_or_path")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -195,6 +217,7 @@ def _canonical_json(obj: Any) -> str:
 # ---------------------------------------------------------------------------------- target fingerprints
 _FINGERPRINTS: dict[str, tuple[tuple, str]] = {}
 _FINGERPRINT_LOCK = threading.Lock()
+_VERIFIED_LOCK = threading.Lock()
 
 
 def _draftsmith_cache() -> Path:
@@ -452,6 +475,69 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
+def _env_int(name: str, default: int, minimum: int) -> int:
+    raw = os.environ.get(name)
+    if raw in (None, ""):
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise UsageError(f"${name} must be a whole number >= {minimum}, got {raw!r}") from None
+    if value < minimum:
+        raise UsageError(f"${name} must be a whole number >= {minimum}, got {raw!r}")
+    return value
+
+
+def _last_used(folder: Path) -> float:
+    """When a folder was last written or used: the newest mtime of the folder and its marker."""
+    stamps = [folder.stat().st_mtime]
+    try:
+        stamps.append((folder / MARKER).stat().st_mtime)
+    except OSError:
+        pass
+    return max(stamps)
+
+
+def _tree_size(folder: Path) -> int:
+    total = 0
+    for p in folder.rglob("*"):
+        try:
+            if p.is_file() and not p.is_symlink():
+                total += p.stat().st_size
+        except OSError:
+            pass
+    return total
+
+
+@dataclass
+class PruneReport:
+    """What one retention pass did under `root` (`Registry.prune_cache` / `prune_candidates`): folder names
+    deleted (or, with `dry_run`, that would be), kept (with why), and left alone (with why)."""
+
+    what: str                                   # "cache" | "candidates"
+    root: Path
+    dry_run: bool = False
+    deleted: list[str] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    freed_bytes: int = 0
+
+    def remove(self, entry: Path) -> None:
+        """Delete a folder: renamed to a '.trash-' name first (atomic, so the cached path vanishes at once and
+        a reader materialises it again), then removed."""
+        size = _tree_size(entry)
+        if not self.dry_run:
+            trash = entry.with_name(f".trash-{entry.name}-{os.getpid()}-{time.time_ns()}")
+            try:
+                os.rename(entry, trash)
+            except OSError as e:
+                self.skipped.append((entry.name, f"not deleted: {e}"))
+                return
+            shutil.rmtree(trash, ignore_errors=True)
+        self.deleted.append(entry.name)
+        self.freed_bytes += size
+
+
 @dataclass(frozen=True)
 class VersionInfo:
     """One registered draft version as the CLI and the gate see it."""
@@ -471,6 +557,17 @@ class VersionInfo:
     def target_sha256(self) -> str | None:
         """Fingerprint of the target this draft was built for (None: not recorded, an older version)."""
         return self.tags.get(TARGET_HASH_TAG) or None
+
+    @property
+    def squashed_from(self) -> str | None:
+        """For a squashed base (a candidate merged into a new base to bound the chain): the version its
+        adapter was trained on; None otherwise."""
+        return self.tags.get(SQUASHED_FROM_TAG) or None
+
+    @property
+    def distilled(self) -> bool:
+        """A distillation candidate: an adapter version, or one squashed into a base."""
+        return self.kind == "adapter" or self.squashed_from is not None
 
     @property
     def offline_acceptance(self) -> float | None:
@@ -505,17 +602,36 @@ class Registry:
         cache_root: where merged drafts are cached (default `<DRAFTSMITH_CACHE>/drafts`).
         lock_path: the alias lock file (default: next to a SQLite store, else under
             `<DRAFTSMITH_DATA>/locks/`); every process that moves this model's aliases must use the same one.
+        max_chain_depth: K, the most adapter versions between any version and its base (default
+            `$DRAFTSMITH_MAX_CHAIN_DEPTH` or 4); a candidate that would be deeper is registered squashed
+            (merged into a new base version, see `register_candidate`).
+        keep_last: N, the newest versions whose cached and candidate folders retention keeps besides the
+            aliased ones (default `$DRAFTSMITH_KEEP_VERSIONS` or 3); see `gc`.
+        candidates_root: where distillation jobs write candidate folders (default `<DRAFTSMITH_DATA>/candidates`,
+            as training/job.py); only folders under it are ever deleted by retention.
+        gc_grace_s: folders written or used this recently are never deleted (default 600 s).
+        auto_gc: run `gc` after every registration, promotion and rollback (failures are logged only).
     """
 
     def __init__(self, target: str | os.PathLike | None = None, *, name: str | None = None,
                  tracking_uri: str | None = None, artifact_root: str | os.PathLike | None = None,
                  cache_root: str | os.PathLike | None = None, lock_path: str | os.PathLike | None = None,
-                 lock_timeout_s: float = 120.0) -> None:
+                 lock_timeout_s: float = 120.0, max_chain_depth: int | None = None, keep_last: int | None = None,
+                 candidates_root: str | os.PathLike | None = None, gc_grace_s: float = DEFAULT_GC_GRACE_S,
+                 auto_gc: bool = True) -> None:
         self.target = str(target) if target not in (None, "") else DEFAULT_TARGET_NAME
         self.name = name or model_name_for(self.target)
         self.tracking_uri = tracking_uri or default_tracking_uri()
         self._artifact_root = Path(artifact_root).resolve() if artifact_root else None
         self._cache_root = Path(cache_root) if cache_root else None
+        self.max_chain_depth = (_env_int(MAX_CHAIN_DEPTH_ENV, DEFAULT_MAX_CHAIN_DEPTH, 0) if max_chain_depth is None
+                                else int(max_chain_depth))
+        self.keep_last = _env_int(KEEP_VERSIONS_ENV, DEFAULT_KEEP_VERSIONS, 0) if keep_last is None else int(keep_last)
+        if self.max_chain_depth < 0 or self.keep_last < 0:
+            raise UsageError(f"max_chain_depth and keep_last must be >= 0, got {max_chain_depth!r}, {keep_last!r}")
+        self.candidates_root = Path(candidates_root) if candidates_root else data_dir() / "candidates"
+        self.gc_grace_s = float(gc_grace_s)
+        self.auto_gc = bool(auto_gc)
         self._client = None
         self._experiment_id: str | None = None
         self.alias_lock = AliasLock(lock_path or self._default_lock_path(), timeout_s=lock_timeout_s)
@@ -682,7 +798,7 @@ class Registry:
         """The data window of the newest registered candidate (its `last_id` is the buffer cursor:
         records after it have not been used by any registered candidate). None before the first one."""
         for info in reversed(self.versions()):
-            if info.kind == "adapter":
+            if info.distilled:                 # an adapter, or a candidate squashed into a base
                 try:
                     return json.loads(info.tags.get(TAG + "data_window") or "{}")
                 except json.JSONDecodeError:
@@ -831,13 +947,23 @@ class Registry:
             description=description)
         if set_champion_if_none and self.champion() is None:
             self.promote(version, reason="first base draft")
+        self._auto_gc()
         return version
 
     def register_candidate(self, candidate_dir: str | os.PathLike, *, target_sha256: str | None = None,
                            tags: dict[str, str] | None = None) -> str:
         """Register a distillation candidate folder (docs/architecture.md, "Candidate folder") and point the
         `candidate` alias at it. Its target fingerprint: candidate.json `target_sha256` (the job writes the
-        one the scheduler gave it), else `target_sha256`, else its parent version's."""
+        one the scheduler gave it), else `target_sha256`, else its parent version's.
+
+        **Squash.** When the new adapter would put more than `max_chain_depth` (K) adapter versions between
+        it and its base, the candidate is registered merged instead: parent chain + adapter as a new *base*
+        version (`draft/` plus the candidate's own `adapter/`, `candidate.json` and `vocabulary.json` for
+        the record), with the same tags (parent_version, data window, vocabulary, target pin), params and
+        metrics, and `draftsmith.squashed_from` (the parent) / `draftsmith.squashed_chain` (the versions
+        merged in, newest first). Every version's chain therefore stays <= K deep, and a cold replica
+        materialises any version from at most K+1 stored versions. The returned version is the candidate
+        either way (the gate, the scheduler and `candidate` alias do not need to know)."""
         cdir = Path(candidate_dir)
         meta = read_candidate(cdir)
         parent = meta.get("parent_version")
@@ -878,13 +1004,43 @@ class Registry:
             **({TARGET_HASH_TAG: str(target_sha)} if target_sha else {}),
             **{_key(k): str(v)[:5000] for k, v in (tags or {}).items()},
         }
-        version = self._create_version(
-            kind="adapter", files=files,
-            run_name=f"{self.name}-candidate", params=params, metrics=metrics, tags=tags,
-            description=f"LoRA adapter on version {parent} ({meta.get('loss') or 'unknown'} loss)")
+        tags[CANDIDATE_PATH_TAG] = str(cdir.resolve())[:5000]
+        depth = self.chain_depth(parent) + 1
+        if depth > self.max_chain_depth:
+            version = self._register_squashed(cdir, parent, depth, files=files, params=params, metrics=metrics,
+                                              tags=tags, loss=str(meta.get("loss") or "unknown"))
+        else:
+            version = self._create_version(
+                kind="adapter", files=files,
+                run_name=f"{self.name}-candidate", params=params, metrics=metrics, tags=tags,
+                description=f"LoRA adapter on version {parent} ({meta.get('loss') or 'unknown'} loss)")
         with self.alias_lock:
             self.client.set_registered_model_alias(self.name, CANDIDATE, version)
-            self._record_history({"action": "register", "version": version, "parent_version": parent})
+            self._record_history({"action": "register", "version": version, "parent_version": parent,
+                                  **({"squashed": True} if depth > self.max_chain_depth else {})})
+        self._auto_gc()
+        return version
+
+    def _register_squashed(self, cdir: Path, parent: str, depth: int, *, files: dict[str, Path], params: dict,
+                           metrics: dict, tags: dict[str, str], loss: str) -> str:
+        """The candidate as a new base version: its parent (verified, materialised) + its adapter, merged."""
+        chain = self.chain(parent)
+        parent_dir = self.materialize(parent, verify=True)
+        with tempfile.TemporaryDirectory(prefix="draftsmith-squash-") as tmp:
+            merged = Path(tmp) / "draft"
+            merged.mkdir()
+            _merge_adapter(parent_dir, cdir / "adapter", merged, what=f"candidate {cdir}")
+            if (cdir / VOCABULARY).is_file():
+                _write_folder_vocabulary(merged, read_vocabulary_file(cdir / VOCABULARY, UsageError),
+                                         what=f"candidate {cdir}")
+            tags = {**tags, **_vocab_tags(_folder_vocabulary(merged, ArtifactError)), SQUASHED_FROM_TAG: parent,
+                    SQUASHED_CHAIN_TAG: json.dumps(chain)}
+            version = self._create_version(
+                kind="base", files={"draft": merged, **files}, run_name=f"{self.name}-candidate-squashed",
+                params=params, metrics=metrics, tags=tags,
+                description=(f"LoRA adapter on version {parent} ({loss} loss), squashed: merged with its chain "
+                             f"{'->'.join(chain)} into a base (depth {depth} > {self.max_chain_depth})"))
+        log.info("candidate %s squashed into base version %s (chain %s)", cdir, version, chain)
         return version
 
     def register(self, path: str | os.PathLike) -> str:
@@ -967,23 +1123,88 @@ class Registry:
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
+        self._mark_verified(mv)
         return root, tmp, manifest
 
-    def verify(self, version: Any) -> None:
-        """Check a version's stored artifacts and those of its whole parent chain (ArtifactError if bad)."""
-        seen = set()
-        mv = self._model_version(version)
-        while True:
-            if mv.version in seen:
-                raise ArtifactError(f"version {version}: its parent chain loops at version {mv.version}")
-            seen.add(mv.version)
+    def verify(self, version: Any, *, full: bool = False) -> list[str]:
+        """Check a version's stored artifacts against its manifest, and those of its chain down to its
+        base (ArtifactError naming the first bad file). The version itself is always re-hashed; an
+        ancestor that this cache has already verified with the same run and manifest sha256 (recorded in
+        `<cache>/<model>/.verified.json`) is not, unless `full`: a promotion or a replica's swap costs one
+        version's hashing, not its whole ancestry's. A version not yet verified here is always hashed, and
+        every artifact read to build a folder is hashed as it is read (`_materialize`). Returns the
+        versions hashed, newest first."""
+        hashed = []
+        for i, mv in enumerate(self._chain_mvs(version)):
+            if i > 0 and not full and self._is_verified(mv):
+                continue
             _, tmp, _ = self._verified_artifacts(mv)
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
+            hashed.append(str(mv.version))
+        return hashed
+
+    # ------------------------------------------------------------------ the verified record
+    def _verified_key(self, mv) -> str | None:
+        sha = (mv.tags or {}).get(TAG + "manifest_sha256")
+        return f"{mv.version}:{mv.run_id}:{sha}" if sha and mv.run_id else None
+
+    def _read_verified(self) -> dict:
+        try:
+            doc = json.loads((self.cache_root / self.name / VERIFIED).read_text())
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+            return {}
+        return doc if isinstance(doc, dict) else {}
+
+    def _is_verified(self, mv) -> bool:
+        key = self._verified_key(mv)
+        return key is not None and key in self._read_verified()
+
+    def _mark_verified(self, mv) -> None:
+        """Record that `mv`'s stored artifacts matched its manifest (best effort: a lost entry only means
+        hashing it again). At most 2000 entries, newest kept."""
+        key = self._verified_key(mv)
+        if key is None:
+            return
+        path = self.cache_root / self.name / VERIFIED
+        with _VERIFIED_LOCK:
+            doc = self._read_verified()
+            doc[key] = time.time()
+            if len(doc) > 2000:
+                doc = dict(sorted(doc.items(), key=lambda kv: kv[1])[-2000:])
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+                tmp.write_text(json.dumps(doc))
+                os.replace(tmp, path)
+            except OSError as e:
+                log.debug("verified record not written: %s", e)
+
+    # ------------------------------------------------------------------ bounded history
+    def _chain_mvs(self, version: Any) -> list:
+        """The model versions from `version` down to its nearest base (a squashed base ends the chain;
+        its lineage tags are history, not something to load)."""
+        mv = self._model_version(version)
+        out, seen = [mv], {str(mv.version)}
+        while (mv.tags or {}).get(TAG + "kind") == "adapter":
             parent = (mv.tags or {}).get(TAG + "parent_version")
             if not parent:
-                return
+                break
+            if _version_str(parent) in seen or len(out) > 64:
+                raise ArtifactError(f"version {version}: its parent chain loops at version {parent}")
             mv = self._model_version(parent)
+            out.append(mv)
+            seen.add(str(mv.version))
+        return out
+
+    def chain(self, version: Any) -> list[str]:
+        """The versions a cold materialisation of `version` reads: it, its adapter ancestors, its base."""
+        return [str(mv.version) for mv in self._chain_mvs(version)]
+
+    def chain_depth(self, version: Any) -> int:
+        """Adapter versions from `version` down to its nearest base (0 for a base): kept <= max_chain_depth
+        by squashing at registration."""
+        return sum(1 for mv in self._chain_mvs(version) if (mv.tags or {}).get(TAG + "kind") == "adapter")
 
     def _cache_path(self, mv) -> Path:
         return self.cache_root / self.name / f"{mv.version}-{(mv.run_id or 'norun')[:12]}"
@@ -996,14 +1217,19 @@ class Registry:
             return None
         ok = (marker.get("run_id") == mv.run_id
               and marker.get("manifest_sha256") == (mv.tags or {}).get(TAG + "manifest_sha256"))
+        if ok:
+            try:
+                os.utime(out)          # "used now": retention (gc) keeps recently used folders
+            except OSError:
+                pass
         return out if ok else None
 
     def materialize(self, version: Any, *, verify: bool = False) -> Path:
         """A plain HF model folder for `version` (merged adapters, cached); ArtifactError if it can't be built.
 
-        With `verify=True` the stored artifacts of the whole chain are re-checked against their
-        manifests even when a cached folder exists (promotion and rollback do this, because other
-        machines will materialise from the store, not from this cache).
+        With `verify=True` the stored artifacts are checked against their manifests even when a cached
+        folder exists (promotion and rollback do this, because other machines will materialise from the
+        store, not from this cache): the version's own always, its ancestors' once per cache (`verify`).
         """
         mv = self._model_version(version)
         if verify:
@@ -1052,6 +1278,131 @@ class Registry:
                 shutil.rmtree(tmp, ignore_errors=True)
         log.info("materialised %s version %s at %s", self.name, mv.version, out)
         return out
+
+    # ------------------------------------------------------------------ retention
+    def _version_mvs(self) -> dict[str, Any]:
+        """{version: model version} in one search (no run reads); RegistryUnavailable when unreadable."""
+        if self._registered_model() is None:
+            return {}
+        try:
+            return {str(mv.version): mv for mv in self.client.search_model_versions(f"name='{self.name}'")}
+        except Exception as e:  # noqa: BLE001
+            raise _unavailable(e, f"list the versions of {self.name}") from None
+
+    def retained_versions(self, keep_last: int | None = None) -> dict[str, list[str]]:
+        """{version: why kept}: every aliased version (champion, previous, candidate, canary, any alias)
+        and the newest `keep_last` (default `self.keep_last`) versions. RegistryUnavailable when MLflow
+        cannot be read: retention never guesses what to keep."""
+        keep_last = self.keep_last if keep_last is None else int(keep_last)
+        out: dict[str, list[str]] = {}
+        for alias, v in sorted(self.aliases().items()):
+            out.setdefault(str(v), []).append(alias)
+        if keep_last > 0:
+            for v in sorted(self._version_mvs(), key=int)[-keep_last:]:
+                out.setdefault(v, []).append("recent")
+        return out
+
+    def prune_cache(self, keep_last: int | None = None, *, grace_s: float | None = None,
+                    dry_run: bool = False) -> PruneReport:
+        """Delete the materialised folders under `<cache>/<model>/` of versions not retained
+        (`retained_versions`). Left alone: folders written or used (materialised, or found in the cache)
+        less than `grace_s` ago (default `gc_grace_s`), so a replica loading one keeps it; entries of
+        another store sharing the cache (version/run id unknown here); '.'-folders (staging of a
+        materialisation in progress) unless they are '.trash-' or older than 6 h. Deleting a cached folder
+        only costs a re-materialisation later."""
+        grace = self.gc_grace_s if grace_s is None else float(grace_s)
+        root = self.cache_root / self.name
+        report = PruneReport("cache", root, dry_run=dry_run)
+        if not root.is_dir():
+            return report
+        keep = self.retained_versions(keep_last)
+        mvs = self._version_mvs()
+        now = time.time()
+        for entry in sorted(root.iterdir()):
+            if not entry.is_dir() or entry.is_symlink():
+                continue
+            if entry.name.startswith("."):
+                if entry.name.startswith(".trash-") or now - _last_used(entry) > STALE_STAGING_S:
+                    report.remove(entry)
+                continue
+            m = re.fullmatch(r"(\d+)-(.+)", entry.name)
+            mv = mvs.get(m.group(1)) if m else None
+            if mv is None or (mv.run_id or "norun")[:12] != m.group(2):
+                report.skipped.append((entry.name, "not a version of this store"))
+            elif str(mv.version) in keep:
+                report.kept.append(f"{entry.name} ({', '.join(keep[str(mv.version)])})")
+            elif now - _last_used(entry) < grace:
+                report.skipped.append((entry.name, f"used {now - _last_used(entry):.0f} s ago (grace {grace:g} s)"))
+            else:
+                report.remove(entry)
+        return report
+
+    def prune_candidates(self, keep_last: int | None = None, *, grace_s: float | None = None,
+                         unregistered_older_than_s: float | None = None, dry_run: bool = False) -> PruneReport:
+        """Delete candidate folders under `candidates_root` that were registered as versions of this model
+        (`draftsmith.candidate_path`) that are not retained and were not written in the last `grace_s`.
+        A folder no version of this store was registered from (a job still writing it, a failed
+        registration, an operator's candidate waiting for `draftsmith register`, another model's) is left
+        alone unless `unregistered_older_than_s` is given and it is older than that."""
+        grace = self.gc_grace_s if grace_s is None else float(grace_s)
+        root = self.candidates_root
+        report = PruneReport("candidates", root, dry_run=dry_run)
+        if not root.is_dir():
+            return report
+        keep = self.retained_versions(keep_last)
+        mine = {}
+        for v, mv in self._version_mvs().items():
+            if (mv.tags or {}).get(CANDIDATE_PATH_TAG):
+                mine[mv.tags[CANDIDATE_PATH_TAG]] = v
+        try:                                    # folders registered to other models of the same store
+            others = {mv.tags.get(CANDIDATE_PATH_TAG) for mv in self.client.search_model_versions()
+                      if mv.name != self.name and (mv.tags or {}).get(CANDIDATE_PATH_TAG)}
+        except Exception as e:  # noqa: BLE001
+            raise _unavailable(e, "list the registered versions") from None
+        now = time.time()
+        for entry in sorted(root.iterdir()):
+            if not entry.is_dir() or entry.is_symlink():
+                continue
+            age = now - _last_used(entry)
+            if entry.name.startswith("."):      # a job's staging folder, or a deletion interrupted
+                if entry.name.startswith(".trash-") or age > STALE_STAGING_S:
+                    report.remove(entry)
+                continue
+            key = str(entry.resolve())
+            v = mine.get(key)
+            if v is None:
+                if key in others:
+                    report.skipped.append((entry.name, "registered to another model"))
+                elif unregistered_older_than_s is not None and age > unregistered_older_than_s:
+                    report.remove(entry)
+                else:
+                    report.skipped.append((entry.name, "not registered"))
+            elif v in keep:
+                report.kept.append(f"{entry.name} (version {v}: {', '.join(keep[v])})")
+            elif age < grace:
+                report.skipped.append((entry.name, f"written {age:.0f} s ago (grace {grace:g} s)"))
+            else:
+                report.remove(entry)
+        return report
+
+    def gc(self, keep_last: int | None = None, *, grace_s: float | None = None,
+           unregistered_older_than_s: float | None = None, dry_run: bool = False) -> dict[str, PruneReport]:
+        """The retention policy (`draftsmith gc`): `prune_cache` and `prune_candidates`."""
+        return {"cache": self.prune_cache(keep_last, grace_s=grace_s, dry_run=dry_run),
+                "candidates": self.prune_candidates(keep_last, grace_s=grace_s, dry_run=dry_run,
+                                                    unregistered_older_than_s=unregistered_older_than_s)}
+
+    def _auto_gc(self) -> None:
+        """`gc` after a registration or an alias move; a failure is logged, never raised."""
+        if not self.auto_gc:
+            return
+        try:
+            for report in self.gc().values():
+                if report.deleted:
+                    log.info("retention: deleted %d %s folder(s) under %s (%.1f MB)", len(report.deleted),
+                             report.what, report.root, report.freed_bytes / 1e6)
+        except Exception as e:  # noqa: BLE001 - retention must never fail the operation
+            log.warning("retention (gc) of %s skipped: %s: %s", self.name, type(e).__name__, e)
 
     # ------------------------------------------------------------------ alias moves
     def set_alias(self, alias: str, version: Any) -> None:
@@ -1107,6 +1458,7 @@ class Registry:
                                   **({"gate": gate} if gate else {})})
             prev = old if old is not None else self.alias(PREVIOUS)
             msg = f"version {v} is now the champion" + (f" (previous: {old})" if old else "")
+            self._auto_gc()
             return AliasMove("promote", v, old, prev, True, msg)
 
     # ------------------------------------------------------------------ canary
@@ -1296,6 +1648,7 @@ class Registry:
                                   **({"details": details} if details else {})})
             if pause:
                 self.pause_promotions(f"rollback from version {champ} to {target}: {reason or 'no reason given'}")
+            self._auto_gc()
             return AliasMove("rollback", target, champ, None, True,
                              f"rolled back: version {target} is now the champion"
                              + (f" (was {champ})" if champ else "")
