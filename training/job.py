@@ -3,8 +3,10 @@
     run_distillation(cfg: dict) -> Path        # what `draftsmith distill` (deploy/cli.py) calls
     pending_records(since_id) -> int           # step records after the scheduler's cursor
     python -m training.job --parent-version 3 --base-draft-path DIR [--since-id ID] [--config cfg.yaml]
-                           [--set loss=reverse_kl --set steps=200] [--ray [--num-cpus 2]]
+                           [--config-json '{...}'] [--set loss=reverse_kl --set steps=200]
+                           [--ray [--num-cpus 2] [--num-gpus 1]]
     ray job submit --working-dir . -- python -m training.job ... --ray
+    (scheduled jobs on Ray: deploy/ray_jobs.py submits `python -m training.job --config-json ...`)
 
 One job:
 1. consume up to `max_records` step records from the consumer group `group` (default "distill";
@@ -506,13 +508,11 @@ def _ray_task(cfg: dict) -> str:
     return str(run_distillation(cfg))
 
 
-def run_in_ray(cfg: dict, num_cpus: int = 2) -> Path:
-    """Run `run_distillation(cfg)` as a Ray task with `num_cpus` CPUs (module docstring)."""
-    import ray
-
-    from buffer.embedded import data_dir
-
-    job, _ = parse_config(cfg)                       # fail fast, in the driver
+def resolve_for_remote(cfg: dict) -> dict:
+    """`cfg` validated (ValueError early, in the driver) with what a job running elsewhere (a Ray task, a
+    Ray job's entrypoint) must not resolve on its own: the Redis URL, absolute parent and output folders,
+    and the MLflow tracking URI (when the job logs to MLflow)."""
+    job, _ = parse_config(cfg)
     cfg = {**cfg, "redis_url": _redis_url(job.redis_url),
            "base_draft_path": str(Path(job.base_draft_path).resolve()),
            "out_dir": str(Path(job.out_dir).resolve() if job.out_dir else _default_out_dir(job.parent_version))}
@@ -520,13 +520,24 @@ def run_in_ray(cfg: dict, num_cpus: int = 2) -> Path:
         from deploy.registry import default_tracking_uri
 
         cfg["tracking_uri"] = job.tracking_uri or default_tracking_uri()
+    return cfg
+
+
+def run_in_ray(cfg: dict, num_cpus: float = 2, num_gpus: float = 0) -> Path:
+    """Run `run_distillation(cfg)` as a Ray task with `num_cpus` CPUs and `num_gpus` GPUs (module docstring)."""
+    import ray
+
+    from buffer.embedded import data_dir
+
+    cfg = resolve_for_remote(cfg)                    # fail fast, in the driver
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
            "DRAFTSMITH_DATA": str(data_dir())}
     if not ray.is_initialized():
         address = os.environ.get("RAY_ADDRESS")
-        ray.init(address=address or None, num_cpus=None if address else num_cpus, include_dashboard=False,
-                 runtime_env={"env_vars": env})
-    task = ray.remote(num_cpus=num_cpus, max_retries=0)(_ray_task).options(runtime_env={"env_vars": env})
+        ray.init(address=address or None, num_cpus=None if address else max(1, int(num_cpus)),
+                 include_dashboard=False, runtime_env={"env_vars": env})
+    task = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_retries=0)(_ray_task).options(
+        runtime_env={"env_vars": env})
     return Path(ray.get(task.remote(cfg)))
 
 
@@ -539,15 +550,21 @@ def _parse_value(text: str):
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m training.job", description=__doc__.split("\n\n")[0])
-    p.add_argument("--base-draft-path", required=True, help="parent draft model folder")
+    p.add_argument("--base-draft-path", default=None, help="parent draft model folder (required unless the "
+                   "config sets base_draft_path)")
     p.add_argument("--parent-version", default=None, help="registry version of the parent draft")
-    p.add_argument("--target", default=os.environ.get("DRAFTSMITH_TARGET"), help="target model name/folder")
+    p.add_argument("--target", default=None, help="target model name/folder (default: the config's, else "
+                   "$DRAFTSMITH_TARGET)")
     p.add_argument("--since-id", default=None, help="buffer cursor: records after this stream id")
     p.add_argument("--config", type=Path, default=None, help="YAML mapping of distillation settings")
+    p.add_argument("--config-json", default=None, metavar="JSON",
+                   help="distillation settings as one JSON object (what a scheduled Ray job is given); "
+                        "--config, then --config-json, then --set and the flags above override one another")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override one setting (YAML value), e.g. --set loss=reverse_kl --set steps=200")
     p.add_argument("--ray", action="store_true", help="run as a Ray task (RAY_ADDRESS or a local Ray)")
-    p.add_argument("--num-cpus", type=int, default=2, help="CPUs of the Ray task (default 2)")
+    p.add_argument("--num-cpus", type=float, default=2, help="CPUs of the Ray task (default 2)")
+    p.add_argument("--num-gpus", type=float, default=0, help="GPUs of the Ray task (default 0)")
     args = p.parse_args(argv)
     cfg: dict = {}
     if args.config is not None:
@@ -556,16 +573,28 @@ def main(argv: list[str] | None = None) -> int:
         cfg = yaml.safe_load(args.config.read_text()) or {}
         if not isinstance(cfg, dict):
             p.error(f"--config {args.config} must hold a YAML mapping")
+    if args.config_json is not None:
+        try:
+            extra = json.loads(args.config_json)
+        except json.JSONDecodeError as e:
+            p.error(f"--config-json is not valid JSON: {e}")
+        if not isinstance(extra, dict):
+            p.error("--config-json must hold a JSON object")
+        cfg.update(extra)
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep or not key:
             p.error(f"--set needs KEY=VALUE, got {item!r}")
         cfg[key.strip()] = _parse_value(value)
-    cfg.update({"base_draft_path": args.base_draft_path, "parent_version": args.parent_version,
-                "target": args.target, "since_id": args.since_id})
+    cfg.update({k: v for k, v in {"base_draft_path": args.base_draft_path, "parent_version": args.parent_version,
+                                  "target": args.target, "since_id": args.since_id}.items() if v is not None})
+    if not cfg.get("base_draft_path"):
+        p.error("the parent draft is required: --base-draft-path, or base_draft_path in the config")
+    if cfg.get("target") is None and os.environ.get("DRAFTSMITH_TARGET"):
+        cfg["target"] = os.environ["DRAFTSMITH_TARGET"]
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        out = run_in_ray(cfg, args.num_cpus) if args.ray else run_distillation(cfg)
+        out = run_in_ray(cfg, args.num_cpus, args.num_gpus) if args.ray else run_distillation(cfg)
     except (ValueError, NotEnoughRecords) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
