@@ -89,6 +89,28 @@ def _version(text: str) -> str:
     return str(int(s))
 
 
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not (v > 0):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return v
+
+
+def _gpus(text: str):
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a number >= 0, got {text!r}") from None
+    if not (v >= 0):
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a number >= 0, got {text!r}")
+    return v
+
+
 def _existing_dir(text: str) -> Path:
     p = Path(text).expanduser()
     if not p.is_dir():
@@ -142,6 +164,20 @@ def build_parser() -> argparse.ArgumentParser:
                    "redis_url / buffer_prefix / heldout_fraction also tell the gate where to draw its sample")
     d.add_argument("--no-watchdog", action="store_true",
                    help="do not watch the champion's live acceptance (no automatic rollback)")
+    d.add_argument("--runner", choices=("auto", "ray", "process"),
+                   default=os.environ.get("DRAFTSMITH_DISTILL_RUNNER", "auto"),
+                   help="where jobs run: 'auto' (default) submits each job to Ray when a cluster is reachable "
+                        "($RAY_ADDRESS, else the Ray `draftsmith serve` runs on this machine, else the last `ray "
+                        "start --head`) and runs it in this process otherwise; 'ray' always on Ray (a job fails "
+                        "when none answers); 'process' always here")
+    d.add_argument("--ray-submit", choices=("auto", "job", "task"), default="auto",
+                   help="how a job goes to Ray: the job submission API ('job', needs the dashboard), a Ray task "
+                        "('task'), or 'auto' (default): the job API when the cluster has a dashboard")
+    d.add_argument("--ray-cpus", type=_positive_float, default=1.0,
+                   help="CPUs a Ray job asks for (default 1; torch uses as many threads)")
+    d.add_argument("--ray-gpus", type=_gpus, default="auto",
+                   help="GPUs a Ray job asks for: a number, or 'auto' (default): 1 when the cluster has a GPU, "
+                        "so the job lands on a GPU node")
     d.add_argument("--rollback-tolerance", type=_fraction, default=0.10,
                    help="relative drop of live acceptance below the gate figure / the previous version's that "
                         "the watchdog tolerates before a significant drop rolls back (default 0.10)")
@@ -328,7 +364,8 @@ def cmd_bootstrap(args) -> int:
 
 
 def _real_distill(args):
-    """The injected distillation function: `training.job.run_distillation(cfg) -> candidate dir`.
+    """The injected distillation function (deploy.ray_jobs.DistillRunner, JobRequest -> candidate dir): the
+    job `training.job.run_distillation(cfg)` on Ray or in this process, as --runner says.
 
     cfg is a plain dict: the --config YAML's keys, overridden by the job request
     (parent_version, base_draft_path = the materialised champion, target, since_id = buffer cursor,
@@ -338,12 +375,16 @@ def _real_distill(args):
         from training.job import run_distillation
     except ImportError as e:
         raise CommandFailed(f"the distillation job (training.job.run_distillation) is not available: {e}") from None
+    from deploy.ray_jobs import DistillRunner, RaySettings
+
     overrides = _read_config(args.config)
-
-    def distill(request):
-        return run_distillation(job_config(request, args.target, overrides))
-
-    return distill
+    try:
+        settings = RaySettings(submit=getattr(args, "ray_submit", "auto"), num_cpus=getattr(args, "ray_cpus", 1.0),
+                               num_gpus=getattr(args, "ray_gpus", "auto"))
+    except ValueError as e:
+        raise BadInput(str(e)) from None
+    return DistillRunner(lambda request: job_config(request, args.target, overrides),
+                         getattr(args, "runner", "auto"), settings, in_process=run_distillation)
 
 
 def job_config(request, target: str | None, overrides: dict | None = None) -> dict:
@@ -416,6 +457,7 @@ def cmd_distill(args) -> int:
         return EXIT_OK if out.status in ("promoted", "rejected", "held", "canary") else EXIT_FAILED
     print(f"[distill] scheduler started: every {args.every or '-'} s, min records {args.min_records or '-'}; "
           "Ctrl-C stops it")
+    getattr(distill, "announce", lambda: None)()      # where jobs run (deploy/ray_jobs.py)
     stop = threading.Event()
     try:
         sched.run_forever(stop, max_jobs=args.max_jobs)
@@ -524,11 +566,33 @@ def cmd_versions(args) -> int:
     return EXIT_OK
 
 
+def _print_job(job: dict, tail_lines: int = 10) -> None:
+    """The current (or last) job as its runner reported it (deploy/ray_jobs.py): runner, Ray job id, state,
+    duration, where; the log tail when it failed or was lost."""
+    state = job.get("state", "?")
+    now = time.time()
+    if job.get("ended"):
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(job["ended"]))
+        took = f"after {job.get('seconds', 0):.0f} s (ended {when})"
+    else:
+        took = f"for {now - (job.get('started') or job.get('submitted') or now):.0f} s"
+    where = f" on {job['cluster']} ({job.get('source')})" if job.get("cluster") else ""
+    res = job.get("resources") or {}
+    ask = f"; asks {res.get('CPU', 0):g} CPU, {res.get('GPU', 0):g} GPU" if res else ""
+    print(f"job:       {job.get('runner')} {job.get('id')} {state} {took}{where}{ask}"
+          + (f": {job['message']}" if job.get("message") and state != "running" else ""))
+    tail = [ln for ln in job.get("log_tail") or [] if ln.strip()]
+    if state in ("failed", "lost", "stopped") and tail:
+        print("job log:   (last lines" + (f"; full log {job['log_file']}" if job.get("log_file") else "") + ")")
+        for line in tail[-tail_lines:]:
+            print(f"  | {line}")
+
+
 def cmd_status(args) -> int:
     """Aliases, pins, pause, scheduler and watchdog state, and the last alias moves with their reasons.
     An MLflow outage is reported as such (exit 1), never as "no champion"."""
     from deploy.registry import RegistryUnavailable, short_hash
-    from deploy.scheduler import JobLock, read_status, read_watchdog_status
+    from deploy.scheduler import JobLock, read_job_status, read_status, read_watchdog_status
 
     reg = _registry(args)
     print(f"registry:  {reg.name}  [{reg.tracking_uri}]")
@@ -558,6 +622,9 @@ def cmd_status(args) -> int:
     holder = JobLock().holder()
     print("distill:   " + (f"a job is running (pid {holder.get('pid')} on {holder.get('host')})" if holder
                            else "no job running"))
+    job = read_job_status()
+    if job:
+        _print_job(job)
     last = read_status()
     if last:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last.get("time", 0)))

@@ -7,6 +7,11 @@ One job = (1) take the job lock (non-blocking: if another job holds it, this one
 `ack="registered"`: the job acks nothing it trained on); (4) register the candidate; (5) ack its
 records (`ack_records(candidate dir)`, training.job.ack_candidate_records); (6) run the gate
 (deploy/gate.py, on its own held-out sample), which promotes it if it passes; (7) release the lock.
+Where step (3) runs is the callable's business: `draftsmith distill` hands in a deploy.ray_jobs.DistillRunner,
+which submits the job to Ray (the cluster serving uses, or RAY_ADDRESS) or runs it in this process. A
+callable with `on_state` / `last_job` attributes (DistillRunner) has its job's state (runner, Ray job id,
+state, log tail, duration) written to `distill-job.json` beside the status file on every change, and the
+final one into the job's outcome (`draftsmith status` shows both).
 A job that raises, a candidate that cannot be registered, or a process killed before step 5 acks
 nothing and moves no alias: the champion is untouched, the buffer cursor (the data window's `last_id`
 of the newest registered candidate) does not advance, and every record stays pending in the consumer
@@ -176,6 +181,7 @@ class JobOutcome:
     verdict: dict | None = None
     started: float = 0.0
     seconds: float = 0.0
+    job: dict | None = None          # where and how the job ran (runner, Ray job id, state, log tail): ray_jobs.py
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -239,6 +245,9 @@ class DistillScheduler:
         self.schedule = schedule
         self.pending_records = pending_records
         self.status_path = Path(status_path) if status_path else self.lock.path.with_name("distill-status.json")
+        self.job_status_path = self.status_path.with_name("distill-job.json")
+        if getattr(distill, "on_state", False) is None:
+            distill.on_state = self.record_job        # a DistillRunner reports its job's state changes here
         self.clock = clock
         self.progress = progress
         self.evidence = evidence
@@ -314,22 +323,27 @@ class DistillScheduler:
         if champion is None:
             return JobOutcome("failed", "no champion draft to distill from: run `draftsmith bootstrap` first",
                               started=t0)
+        called = False
         try:
             parent_path = self.registry.materialize(champion)
             request = JobRequest(champion, parent_path, self.registry.target, self.cursor(), self.target_sha256)
             self.progress(f"[distill] job started from champion version {champion} "
                           f"(records after {request.since_id or 'the start'})")
+            called = True
             cand_dir = Path(self.distill(request))
         except Exception as e:  # noqa: BLE001 - a failed job must leave everything as it was
             log.error("distillation job failed:\n%s", traceback.format_exc())
             return JobOutcome("failed", f"distillation failed ({type(e).__name__}: {e}); champion {champion} "
-                                        "untouched, records left pending", parent_version=champion, started=t0)
+                                        "untouched, records left pending", parent_version=champion, started=t0,
+                              job=self._job_state() if called else None)
+        job = self._job_state()
         try:
             version = self.registry.register_candidate(cand_dir, target_sha256=self.target_sha256,
                                                        tags={GATE_PENDING_TAG: "scheduler"})
         except Exception as e:  # noqa: BLE001
             return JobOutcome("failed", f"could not register candidate {cand_dir} ({e}); champion {champion} "
-                                        "untouched, records left pending", parent_version=champion, started=t0)
+                                        "untouched, records left pending", parent_version=champion, started=t0,
+                              job=job)
         note = self._ack(cand_dir, version)
         try:
             verdict = self._gate(version)
@@ -337,8 +351,25 @@ class DistillScheduler:
             log.error("gate of version %s failed:\n%s", version, traceback.format_exc())
             return JobOutcome("failed", f"gate/promotion of version {version} could not run ({type(e).__name__}: "
                                         f"{e}); champion unchanged, the gate runs again on a later tick" + note,
-                              version=version, parent_version=champion, started=t0)
-        return self._verdict_outcome(verdict, version, champion, t0, note)
+                              version=version, parent_version=champion, started=t0, job=job)
+        out = self._verdict_outcome(verdict, version, champion, t0, note)
+        out.job = job
+        return out
+
+    def record_job(self, info: dict) -> None:
+        """Write a running job's state (deploy/ray_jobs.py `job_info`) to `distill-job.json`."""
+        try:
+            self.job_status_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.job_status_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"time": time.time(), **info}, default=str, indent=1))
+            os.replace(tmp, self.job_status_path)
+        except OSError as e:
+            log.warning("could not write %s: %s", self.job_status_path, e)
+
+    def _job_state(self) -> dict | None:
+        """The distill callable's final job state (None for a callable that keeps none)."""
+        info = getattr(self.distill, "last_job", None)
+        return dict(info) if isinstance(info, dict) else None
 
     def _ack(self, cand_dir: Path, version: str) -> str:
         """Ack a registered candidate's records; a note for the outcome message."""
@@ -825,6 +856,15 @@ def read_watchdog_status(path: str | os.PathLike | None = None) -> dict | None:
 def read_status(path: str | os.PathLike | None = None) -> dict | None:
     """The last job outcome written by a scheduler (None if no job ran yet)."""
     p = Path(path) if path else data_dir() / "distill-status.json"
+    try:
+        return json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def read_job_status(path: str | os.PathLike | None = None) -> dict | None:
+    """The state of the current (or last) job as its runner reported it: `distill-job.json` (None if none)."""
+    p = Path(path) if path else data_dir() / "distill-job.json"
     try:
         return json.loads(p.read_text())
     except (OSError, json.JSONDecodeError):

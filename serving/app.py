@@ -6,7 +6,9 @@ one named MetricsHub actor that merges their metrics and logs live acceptance to
     serve run serving.app:app_builder target=... replicas=2                       (an existing Ray)
     serve deploy deploy/serve_config.yaml                                          (a running cluster)
 
-`serve_forever` starts (or joins, with RAY_ADDRESS) Ray, resolves the Redis URL once (REDIS_URL or the
+`serve_forever` starts (or joins, with RAY_ADDRESS) Ray and writes its address to
+`<data dir>/ray-cluster.json` (removed at shutdown; scheduled distillation jobs are submitted to that Ray,
+deploy/ray_jobs.py), resolves the Redis URL once (REDIS_URL or the
 embedded server under ./data, shared by every replica) and the MLflow tracking URI, starts the hub, and
 runs the app on host:port until SIGINT or SIGTERM. Then, in order, it stops the hub, Serve, Ray
 (`ray.shutdown`, which stops the raylet and with it Ray's agents), the embedded Redis, and finally every
@@ -270,6 +272,9 @@ def serve_forever(host: str = "127.0.0.1", port: int = 8000, target: str | None 
                  include_dashboard=False, log_to_driver=True)
         if main_thread:
             _install_stop_handlers()            # ray.init installs its own SIGTERM handler (sys.exit)
+        from deploy.ray_jobs import publish_cluster
+
+        publish_cluster()                       # scheduled distillation jobs find this Ray (deploy/ray_jobs.py)
         hub = start_hub(s)
         serve.start(http_options={"host": host, "port": int(port)})
         serve.run(build(s, replicas), name=APP_NAME, route_prefix="/")
@@ -307,6 +312,13 @@ def _shutdown(hub, why: str, main_thread: bool) -> None:
         if hub is not None:
             steps.append(("hub actor", lambda: ray.kill(hub)))
         steps.append(("Ray", ray.shutdown))
+
+    def ray_address_file():
+        from deploy.ray_jobs import unpublish_cluster
+
+        unpublish_cluster()
+
+    steps.append(("Ray address file", ray_address_file))
 
     def embedded_redis():
         from buffer.embedded import stop_embedded

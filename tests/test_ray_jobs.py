@@ -1,0 +1,407 @@
+"""deploy/ray_jobs.py against a real local Ray: scheduled distillation jobs submitted to the cluster that
+`draftsmith serve` publishes (here a separate process that starts Ray with the dashboard, as a serving
+process would, and publishes its address the same way), through the job submission API and as a Ray task,
+real jobs on tiny models over records really served into real Redis, registered in real MLflow.
+
+A job completes and its candidate is registered (records acked only then); a failing job (a config the
+buffer cannot satisfy) is a failed job with its log tail, its records left pending, shown by
+`draftsmith status`; the next job re-claims them; a job lost with its node (the cluster killed mid-job)
+is a failed job with its records pending (its entrypoint, orphaned when Ray is SIGKILLed under it and not
+always stopped by Ray's fate-sharing watcher, is ended by the test). Finding the cluster (RAY_ADDRESS, the
+serve file, stale files) and the in-process fallback are checked without Ray."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from deploy.registry import CHAMPION, Registry
+from deploy.scheduler import DistillScheduler, JobLock, read_job_status, read_status
+from deploy_helpers import fresh_store, make_base_draft, synthetic_evidence, template_db
+
+ROOT = Path(__file__).resolve().parents[1]
+SHA = "7" * 64
+HELD = 0.25
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ----------------------------------------------------------------------------- no Ray needed
+def test_finding_the_cluster_and_the_in_process_fallback(tmp_path, monkeypatch):
+    from deploy.ray_jobs import (CLUSTER_FILE, DistillRunner, RayUnavailable, find_cluster,
+                                 read_published_cluster, unpublish_cluster)
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr("ray._private.utils.read_ray_address", lambda *a, **k: None)   # no `ray start` here
+    assert find_cluster(tmp_path) is None
+    # a file left by a serve process that is gone is ignored; so is one whose GCS does not answer
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / CLUSTER_FILE).write_text(json.dumps({"gcs_address": f"127.0.0.1:{_free_port()}", "pid": dead.pid,
+                                                     "host": socket.gethostname()}))
+    assert find_cluster(tmp_path) is None
+    (tmp_path / CLUSTER_FILE).write_text(json.dumps({"gcs_address": f"127.0.0.1:{_free_port()}",
+                                                     "pid": os.getpid(), "host": socket.gethostname()}))
+    t0 = time.time()
+    assert find_cluster(tmp_path) is None and time.time() - t0 < 10
+    unpublish_cluster(tmp_path)                                         # written by this pid: removed
+    assert read_published_cluster(tmp_path) is None
+    # RAY_ADDRESS set but dead: an error (the job fails, records pending), never a silent fallback
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{_free_port()}")
+    with pytest.raises(RayUnavailable, match="no Ray cluster answers"):
+        find_cluster(tmp_path)
+    monkeypatch.delenv("RAY_ADDRESS")
+
+    said, ran, states = [], [], []
+    runner = DistillRunner(lambda req: {"out_dir": str(tmp_path / f"c{req}")}, "auto",
+                           in_process=lambda cfg: ran.append(cfg) or cfg["out_dir"], progress=said.append,
+                           on_state=states.append, find=lambda: None)
+    assert runner(1) == tmp_path / "c1" and runner(2) == tmp_path / "c2" and len(ran) == 2
+    assert len(said) == 1 and "no Ray cluster found" in said[0] and "in this process" in said[0]
+    assert [s["state"] for s in states] == ["running", "succeeded"] * 2 and states[-1]["runner"] == "process"
+    strict = DistillRunner(lambda req: {}, "ray", in_process=ran.append, find=lambda: None)
+    with pytest.raises(RayUnavailable, match="no Ray cluster"):
+        strict(3)
+    assert len(ran) == 2
+    with pytest.raises(ValueError, match="runner must be one of"):
+        DistillRunner(lambda req: {}, "kubernetes")
+
+    # `draftsmith distill` builds its runner from the flags
+    from deploy import cli
+
+    args = cli.build_parser().parse_args(["distill", "--runner", "ray", "--ray-submit", "task", "--ray-cpus", "0.5",
+                                          "--ray-gpus", "1"])
+    runner = cli._real_distill(args)
+    assert isinstance(runner, DistillRunner) and runner.runner == "ray"
+    assert (runner.settings.submit, runner.settings.num_cpus, runner.settings.num_gpus) == ("task", 0.5, 1.0)
+    default = cli._real_distill(cli.build_parser().parse_args(["distill"]))
+    assert default.runner == "auto" and default.settings.num_gpus == "auto" and default.settings.submit == "auto"
+
+
+# ----------------------------------------------------------------------------- a real Ray cluster
+_CLUSTER = textwrap.dedent("""
+    import json, signal, sys, time
+    import ray
+    from deploy.ray_jobs import publish_cluster
+    ctx = ray.init(num_cpus=2, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=int(sys.argv[2]),
+                   log_to_driver=False)
+    publish_cluster(sys.argv[1])
+    node = ray._private.worker._global_node
+    print(json.dumps({"session": node.get_session_dir_path()}), flush=True)
+    signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
+    while True:
+        time.sleep(1)
+""")
+
+
+class Cluster:
+    """A process that owns a local Ray (2 CPUs, dashboard) like `draftsmith serve` does, in its own process
+    group, published in `data/ray-cluster.json`. It starts in the background (`ready()` waits), so Ray's
+    start overlaps the other fixtures."""
+
+    def __init__(self, data: Path) -> None:
+        self.data = data
+        data.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen([sys.executable, "-c", _CLUSTER, str(data), str(_free_port())], cwd=ROOT,
+                                     env={**os.environ, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": ""},
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                     start_new_session=True)
+        self.session = None
+        self.info = None
+
+    def ready(self) -> "Cluster":
+        if self.info is None:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError("the Ray cluster process did not start")
+            self.session = json.loads(line)["session"]
+            self.info = json.loads((self.data / "ray-cluster.json").read_text())
+        return self
+
+    def kill(self, pids: list[int] | None = None) -> None:
+        """The node dies: every process of this Ray (the cluster process and everything below it), at once."""
+        for pid in pids if pids is not None else _tree(self.proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(30)
+
+    def stop(self) -> None:
+        below = _tree(self.proc.pid)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)             # ray.shutdown at exit
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill([p for p in below if Path(f"/proc/{p}").exists()])
+        for pid in _session_pids(self.session) if self.session else []:               # anything of this session left (own sessions)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _tree(root: int) -> list[int]:
+    """`root` and every process below it (by parent pid)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += children.get(pid, [])
+    return out
+
+
+def _session_pids(*marks: str) -> list[int]:
+    """Processes whose command line holds every mark (this module's Ray session, or its data dir)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            args = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if args and all(m in args for m in marks):
+            pids.append(int(entry.name))
+    return pids
+
+
+def _kill_jobs(data: Path, wait_s: float = 10.0) -> None:
+    """Job entrypoints of this module (their config names its data dir) still running once their Ray is gone:
+    Ray's fate-sharing watcher does not always outlive a SIGKILLed node here, so they are ended by pid."""
+    deadline = time.time() + wait_s
+    while (pids := _session_pids("training.job", str(data))) and time.time() < deadline:
+        time.sleep(0.5)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return tmp_path_factory.mktemp("rayjobs-data")
+
+
+@pytest.fixture(scope="module")
+def cluster(data):
+    pytest.importorskip("ray")
+    c = Cluster(data)
+    try:
+        yield c
+    finally:
+        c.stop()
+        _kill_jobs(data, wait_s=0)
+        time.sleep(0.5)
+        assert c.session is None or _session_pids(c.session) == [], "processes of the test's Ray were left running"
+        assert _session_pids("training.job", str(data)) == [], "job processes were left running"
+
+
+@pytest.fixture(scope="module")
+def buffer(tmp_path_factory, redis_url):
+    """12 training requests and 4 held-out ones really served into real Redis (unique prefix)."""
+    from deploy_helpers import drop_prefix, serve_records
+    from tiny_models import save_pair
+
+    root = tmp_path_factory.mktemp("rayjobs-buffer")
+    target, draft = save_pair(root)
+    prefix = f"test:rayjobs:{uuid.uuid4().hex[:10]}"
+    serve_records(target, draft, redis_url, prefix, requests=12, heldout=False, heldout_fraction=HELD, tag="train")
+    serve_records(target, draft, redis_url, prefix, requests=4, heldout=True, heldout_fraction=HELD, tag="held")
+    yield {"url": redis_url, "prefix": prefix, "key": f"{prefix}:steps"}
+    drop_prefix(redis_url, prefix)
+
+
+@pytest.fixture
+def registry(tmp_path, data, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)            # ray_jobs turns token auth on for its clients
+    monkeypatch.setenv("DRAFTSMITH_DATA", str(data))           # where `draftsmith serve` published its Ray
+    reg = Registry("tiny-target", tracking_uri=fresh_store(template_db(data.parent), tmp_path / "mlflow"),
+                   cache_root=tmp_path / "cache")
+    reg.register_base(make_base_draft(tmp_path / "base"), target_sha256=SHA)
+    reg.promote("1")
+    return reg
+
+
+def overrides(buffer, group, **kw):
+    return {"redis_url": buffer["url"], "buffer_prefix": buffer["prefix"], "group": group, "heldout_fraction": HELD,
+            "claim_idle_ms": 0, "steps": 2, "batch_tokens": 1024, "min_records": 8, "mlflow": False, **kw}
+
+
+def make_scheduler(registry, data, runner, over):
+    from deploy import cli
+
+    return DistillScheduler(registry, runner, smoke_check=lambda p: (True, "fake"), evidence=synthetic_evidence(0.1),
+                            target_sha256=SHA, lock=JobLock(data / "distill.lock"), progress=lambda m: None,
+                            ack_records=cli._ack_records(over))
+
+
+def runner_for(settings_of, **settings):
+    """A DistillRunner that must run on Ray; `settings_of()` gives the job's --config keys at each job."""
+    from deploy import cli
+    from deploy.ray_jobs import DistillRunner, RaySettings
+
+    settings.setdefault("poll_s", 0.3)
+    return DistillRunner(lambda req: cli.job_config(req, "tiny-target", settings_of()), "ray",
+                         RaySettings(**settings), progress=lambda m: None)
+
+
+def _pending(buffer, group) -> set[str]:
+    from buffer.redis_store import connect
+
+    from redis.exceptions import ResponseError
+
+    c = connect(buffer["url"])
+    try:
+        rows = c.xpending_range(buffer["key"], group, min="-", max="+", count=100_000)
+    except ResponseError as e:                       # the job has not created its consumer group yet
+        if "NOGROUP" not in str(e):
+            raise
+        rows = []
+    finally:
+        c.close()
+    return {r["message_id"].decode() if isinstance(r["message_id"], bytes) else r["message_id"] for r in rows}
+
+
+def _training_ids(buffer) -> set[str]:
+    from buffer.redis_store import BufferConfig, ReplayBufferReader
+    from training.data import is_heldout
+
+    reader = ReplayBufferReader(buffer["url"], BufferConfig(prefix=buffer["prefix"]))
+    return {e.stream_id for e in reader.newest(100_000) if not is_heldout(e.record.request_id, HELD)}
+
+
+def _status(registry, capsys) -> str:
+    from deploy import cli
+
+    capsys.readouterr()
+    assert cli.main(["status", "--target", "tiny-target", "--tracking-uri", registry.tracking_uri]) == 0
+    return capsys.readouterr().out
+
+
+def test_a_failing_ray_job_leaves_its_records_pending_and_the_next_one_registers(cluster, registry, buffer, data,
+                                                                                 capsys):
+    """Through Ray's job submission API (the cluster has a dashboard): a job whose config the buffer cannot
+    satisfy reads its window and fails; the scheduler records a failed job with the Ray job's state and
+    log tail, every training record is still pending, `draftsmith status` shows it. The next job
+    re-claims them, its candidate is found and registered, and only then are they acked."""
+    cluster.ready()
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    good = overrides(buffer, group)
+    bad = overrides(buffer, group, min_heldout=100_000)            # more held-out steps than the buffer has
+    cfg = {"use": bad}
+    runner = runner_for(lambda: cfg["use"])
+    sched = make_scheduler(registry, data, runner, good)
+    seen = []
+    record = sched.record_job
+    runner.on_state = lambda info: (seen.append(info["state"]), record(info))
+
+    out = sched.run_job()
+    assert out.status == "failed" and "records left pending" in out.message, out.message
+    job = out.job
+    assert job["runner"] == "ray-job" and job["state"] == "failed" and job["id"].startswith("draftsmith-distill-v1-")
+    assert "RayJobError" in out.message and job["id"] in out.message
+    assert any("held-out step records" in line for line in job["log_tail"]), job["log_tail"]
+    assert seen[0] == "submitted" and seen[-1] == "failed" and "running" in seen
+    client = JobSubmissionClient(cluster.info["dashboard_url"])
+    assert client.get_job_status(job["id"]) == JobStatus.FAILED         # it really ran on that cluster
+    trained = _training_ids(buffer)
+    assert len(trained) > 50 and trained <= _pending(buffer, group)    # read, never acked
+    assert registry.aliases() == {CHAMPION: "1"} and sched.cursor() is None
+    assert read_job_status(sched.job_status_path)["state"] == "failed"
+    text = _status(registry, capsys)
+    assert f"job:       ray-job {job['id']} failed" in text and "job log:" in text, text
+    assert "held-out step records" in text and "last job:  failed" in text
+
+    cfg["use"] = good
+    out = sched.run_job()
+    assert out.status == "promoted" and f"{len(trained)} records acked" in out.message, out.message
+    assert out.job["state"] == "succeeded" and out.job["runner"] == "ray-job" and out.job["seconds"] > 0
+    assert client.get_job_status(out.job["id"]) == JobStatus.SUCCEEDED
+    cand = Path(out.job["candidate"])
+    assert (cand / "candidate.json").is_file() and (cand / "records.acked.json").is_file()
+    assert cand.parent == data / "candidates"                          # the scheduler's data dir, shared
+    assert _pending(buffer, group) == set() and registry.champion() == "2"
+    assert read_status(sched.status_path)["job"]["id"] == out.job["id"]
+    text = _status(registry, capsys)
+    assert f"job:       ray-job {out.job['id']} succeeded" in text and "asks 1 CPU, 0 GPU" in text, text
+
+
+def test_a_cluster_without_the_job_api_gets_the_job_as_a_ray_task(cluster, registry, buffer, data, monkeypatch):
+    """The Ray-task path, what the Ray of `draftsmith serve` gets (started without the dashboard, its GCS
+    still records a dashboard address where no job API answers; here the job API is made not to answer):
+    a driver child process runs the job as a Ray task on the cluster; the candidate is registered and the
+    records acked; the driver's log is kept."""
+    from deploy import ray_jobs
+
+    cluster.ready()
+    monkeypatch.setattr(ray_jobs, "_job_api_answers", lambda url: False)
+    found = ray_jobs.find_cluster()
+    assert found.dashboard_url is None and found.address == cluster.info["gcs_address"] and found.cpus == 2
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    over = overrides(buffer, group)
+    runner = runner_for(lambda: over)
+    sched = make_scheduler(registry, data, runner, over)
+    out = sched.run_job()
+    assert out.status == "promoted", out.message
+    assert out.job["runner"] == "ray-task" and out.job["state"] == "succeeded"
+    assert out.job["cluster"] == cluster.info["gcs_address"]
+    log_text = Path(out.job["log_file"]).read_text()
+    assert "(_ray_task" in log_text and "candidate written to" in log_text
+    assert _pending(buffer, group) == set()
+
+
+def test_a_job_lost_with_its_node_leaves_its_records_pending(cluster, registry, buffer, data):
+    """The node (here: the whole single-node cluster) dies while the job trains: the scheduler records a
+    failed job whose state is "lost", registers nothing, and every record the job had read stays pending
+    for the next job. Runs last: it kills the module's cluster."""
+    cluster.ready()
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    over = overrides(buffer, group, steps=100_000)                     # trains until the node dies
+    runner = runner_for(lambda: over, lost_after_s=2.0)
+    sched = make_scheduler(registry, data, runner, over)
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("out", sched.run_job()))
+    t.start()
+    trained = _training_ids(buffer)
+    deadline = time.time() + 120
+    while not trained <= _pending(buffer, group):                      # the job has read its window
+        assert t.is_alive() and time.time() < deadline, result
+        time.sleep(0.3)
+    cluster.kill()
+    t.join(120)
+    out = result["out"]
+    assert out.status == "failed" and "records left pending" in out.message, out.message
+    assert out.job["state"] == "lost" and "RayJobLost" in out.message
+    assert trained <= _pending(buffer, group)
+    assert registry.aliases() == {CHAMPION: "1"} and len(registry.versions()) == 1
+    _kill_jobs(data, wait_s=0)                  # its orphaned entrypoint would train on (module docstring)
