@@ -41,7 +41,9 @@ so every record it read stays pending in the consumer group until a candidate is
 lost because its cluster stopped answering may still be running somewhere (a partition; or, seen in tests,
 an entrypoint orphaned when the whole local Ray was SIGKILLed, which Ray's fate-sharing watcher did not
 stop): it acks nothing, its candidate is never registered, and the next job re-claims its records once
-they have been idle `claim_idle_ms`.
+they have been idle `claim_idle_ms`. A scheduler stopped while a job runs stops it (Ctrl-C: `stop_job`, or
+the driver child; a killed scheduler's driver child gets SIGTERM from the kernel), except a job-API job
+whose scheduler was killed outright: that one finishes on the cluster, unregistered, its records pending.
 
 **Data.** The job's config is resolved here (training.job.resolve_for_remote): Redis URL, MLflow tracking
 URI, the materialised parent folder and the output folder. On one machine they are shared with the job.
@@ -448,12 +450,18 @@ def run_on_ray(cfg: dict, cluster: RayCluster, settings: RaySettings | None = No
     progress(f"[distill] submitting job {sid} to {cluster.describe()} as a Ray {'job' if mode == 'job' else 'task'} "
              f"({st.num_cpus:g} CPU, {gpus:g} GPU)")
     job.report()
-    if mode == "job":
-        python = st.python or os.environ.get("DRAFTSMITH_RAY_PYTHON") or (sys.executable if cluster.local
-                                                                           else "python")
-        _submit_job(cfg, cluster, st, job, python, gpus)
-    else:
-        _submit_task(cfg, cluster, st, job, gpus)
+    try:
+        if mode == "job":
+            python = st.python or os.environ.get("DRAFTSMITH_RAY_PYTHON") or (sys.executable if cluster.local
+                                                                               else "python")
+            _submit_job(cfg, cluster, st, job, python, gpus)
+        else:
+            _submit_task(cfg, cluster, st, job, gpus)
+    except RayJobError:
+        raise
+    except BaseException as e:                       # Ctrl-C, or a fault here: the job was stopped on the way out
+        job.set("stopped", message=f"the scheduler stopped ({type(e).__name__}: {e}); the job was stopped")
+        raise
     out = Path(cfg["out_dir"])
     if not (out / "candidate.json").is_file():
         raise job.fail("failed", f"the job succeeded but its candidate folder {out} is not readable here (a "
@@ -538,7 +546,8 @@ def _submit_task(cfg: dict, cluster: RayCluster, st: RaySettings, job: _Job, gpu
     started = threading.Event()
     with open(logfile, "w", buffering=1) as fh:
         proc = subprocess.Popen(cmd, cwd=str(ROOT), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, text=True, errors="replace", start_new_session=True)
+                                stdin=subprocess.DEVNULL, text=True, errors="replace", start_new_session=True,
+                                preexec_fn=_death_signal())
         job.info["driver_pid"] = proc.pid
 
         def pump() -> None:
@@ -571,6 +580,20 @@ def _submit_task(cfg: dict, cluster: RayCluster, st: RaySettings, job: _Job, gpu
     lost = any(m in text for m in _LOST_MARKERS)
     raise job.fail("lost" if lost else "failed", f"the Ray driver exited with status {proc.returncode}"
                    + (" (the task's worker, node or the cluster went away)" if lost else ""))
+
+
+def _death_signal():
+    """A preexec_fn for the driver child (Linux): the kernel sends it SIGTERM when the scheduler (the thread
+    that started and waits for it) dies, even by SIGKILL; its own session keeps it out of the scheduler's
+    Ctrl-C, which the scheduler handles by stopping it. Resolved here, in the parent: the child only calls
+    it. None where prctl is not available."""
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, signal.SIGTERM)          # PR_SET_PDEATHSIG
 
 
 def _stop_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
