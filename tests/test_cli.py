@@ -206,8 +206,8 @@ def test_distill_runs_one_job_through_the_gate(env, capsys, tmp_path, monkeypatc
                               target_sha256=req.target_sha256)
 
     monkeypatch.setattr(cli, "_real_distill", lambda args: distill)
-    code, out, _ = run(capsys, "distill", "--config", str(gate_config), *GATE)
-    assert code == 0 and "version 2 promoted to champion" in out, out
+    code, out, _ = run(capsys, "distill", "--config", str(gate_config), "--canary-share", "0", *GATE)
+    assert code == 0 and "version 2 promoted to champion" in out, out   # (the default share starts a canary)
     assert requests[0].parent_version == "1" and reg.champion() == "2"
     assert requests[0].target_sha256 == reg.get("1").target_sha256 == reg.get("2").target_sha256
 
