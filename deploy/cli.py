@@ -488,6 +488,8 @@ def cmd_register(args) -> int:
     info = reg.get(version)
     print(f"registered {args.path} as {reg.name} version {version} ({info.kind}"
           + (f" on version {info.parent_version}" if info.parent_version else "")
+          + (f", squashed: its chain {' -> '.join(info.squashed_chain)} "
+             f"merged in, as the adapter chain would exceed {reg.max_chain_depth}" if info.squashed_from else "")
           + f"; target {short_hash(info.target_sha256)})" + note)
     return EXIT_OK
 

@@ -489,8 +489,12 @@ def _env_int(name: str, default: int, minimum: int) -> int:
 
 
 def _last_used(folder: Path) -> float:
-    """When a folder was last written or used: the newest mtime of the folder and its marker."""
-    stamps = [folder.stat().st_mtime]
+    """When a folder was last written or used: the newest mtime of the folder and its marker ("now" when it
+    cannot be read, e.g. removed meanwhile: never a reason to delete)."""
+    try:
+        stamps = [folder.stat().st_mtime]
+    except OSError:
+        return time.time()
     try:
         stamps.append((folder / MARKER).stat().st_mtime)
     except OSError:
@@ -563,6 +567,15 @@ class VersionInfo:
         """For a squashed base (a candidate merged into a new base to bound the chain): the version its
         adapter was trained on; None otherwise."""
         return self.tags.get(SQUASHED_FROM_TAG) or None
+
+    @property
+    def squashed_chain(self) -> list[str]:
+        """For a squashed base: the versions merged into it, newest first (its parent down to a base)."""
+        try:
+            chain = json.loads(self.tags.get(SQUASHED_CHAIN_TAG) or "[]")
+        except json.JSONDecodeError:
+            return []
+        return [str(v) for v in chain] if isinstance(chain, list) else []
 
     @property
     def distilled(self) -> bool:

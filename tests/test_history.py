@@ -89,8 +89,8 @@ def test_a_long_chain_stays_within_k_and_merges_to_the_same_draft(template, tmp_
 
     squashed = sq.get("4")
     assert squashed.kind == "base" and squashed.squashed_from == "3" and squashed.distilled
-    assert json.loads(squashed.tags["draftsmith.squashed_chain"]) == ["3", "2", "1"]
     adapter = flat.get("4")
+    assert squashed.squashed_chain == ["3", "2", "1"] and adapter.squashed_chain == []
     # the lineage, pin, vocabulary, data window and figures the gate and the scheduler read are kept
     assert squashed.parent_version == adapter.parent_version == "3"
     assert squashed.target_sha256 == adapter.target_sha256 == SHA
@@ -381,3 +381,20 @@ def test_gc_command(template, tmp_path, base, monkeypatch, capsys):
     code = cli.main(["status", *common])
     out, _ = capsys.readouterr()
     assert code == 0 and "champion chain: 5 -> 4 -> 3 -> 2 -> 1 (adapter depth 4, at most 4)" in out
+
+
+def test_register_command_says_when_it_squashes(template, tmp_path, base, monkeypatch, capsys):
+    monkeypatch.setenv("DRAFTSMITH_DATA", str(tmp_path / "data"))
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "dcache"))
+    monkeypatch.setenv("DRAFTSMITH_MAX_CHAIN_DEPTH", "1")
+    reg = make_registry(template, tmp_path, cache_root=tmp_path / "dcache" / "drafts")
+    reg.register_base(base, target_sha256=SHA)
+    common = ["--target", "tiny-target", "--tracking-uri", reg.tracking_uri]
+    for v in ("2", "3"):
+        cand = make_candidate(tmp_path / f"c{v}", base, parent_version=str(int(v) - 1), seed=int(v))
+        assert cli.main(["register", str(cand), *common]) == 0
+    out, err = capsys.readouterr()
+    assert f"version 2 (adapter on version 1; target {SHA[:12]})" in out
+    assert (f"version 3 (base on version 2, squashed: its chain 2 -> 1 merged in, as the adapter chain would "
+            f"exceed 1; target {SHA[:12]})") in out
+    assert [reg.chain_depth(v) for v in ("1", "2", "3")] == [0, 1, 0]
