@@ -164,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "redis_url / buffer_prefix / heldout_fraction also tell the gate where to draw its sample")
     d.add_argument("--no-watchdog", action="store_true",
                    help="do not watch the champion's live acceptance (no automatic rollback)")
+    d.add_argument("--evidence-wait", type=_age_or_zero, default=1800.0,
+                   help="a candidate the gate could not judge yet (held-out sample below its minimum) is gated "
+                        "again every tick for this long while no new job starts (default 30m; 0 = reject it)")
     d.add_argument("--runner", choices=("auto", "ray", "process"),
                    default=os.environ.get("DRAFTSMITH_DISTILL_RUNNER", "auto"),
                    help="where jobs run: 'auto' (default) submits each job to Ray when a cluster is reachable "
@@ -451,7 +454,8 @@ def cmd_distill(args) -> int:
                              schedule=schedule, pending_records=_pending_records() if args.min_records else None,
                              evidence=_evidence(args, overrides), target_sha256=_target_sha(args),
                              ack_records=_ack_records(overrides), watchdog=watchdog,
-                             canary_share=args.canary_share, canary=_canary_judge(args, reg))
+                             canary_share=args.canary_share, canary=_canary_judge(args, reg),
+                             evidence_wait_s=args.evidence_wait)
     if schedule is None:
         out = sched.run_job()
         return EXIT_OK if out.status in ("promoted", "rejected", "held", "canary") else EXIT_FAILED

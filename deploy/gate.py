@@ -186,6 +186,7 @@ class EvidenceJudgement:
     delta: float | None = None
     delta_lower: float | None = None
     categories: dict = field(default_factory=dict)   # source -> {"requests", "delta", "upper", "tested", "blocks"}
+    insufficient: bool = False     # not judged: the sample is below the policy's minimums (not a regression)
 
 
 def judge_evidence(ev: PairedEvidence, policy: GatePolicy) -> EvidenceJudgement:
@@ -193,7 +194,7 @@ def judge_evidence(ev: PairedEvidence, policy: GatePolicy) -> EvidenceJudgement:
     if ev.requests < policy.min_requests or ev.records < policy.min_heldout_records:
         return EvidenceJudgement(False, (f"not enough held-out evidence: {ev.requests} requests / {ev.records} steps "
                                          f"in the gate's sample, the gate needs at least {policy.min_requests} "
-                                         f"requests and {policy.min_heldout_records} steps"))
+                                         f"requests and {policy.min_heldout_records} steps"), insufficient=True)
     alpha = 1.0 - policy.confidence
     cand, champ = _weighted(ev.candidate, ev.weight), _weighted(ev.champion, ev.weight)
     delta, lower, _ = paired_bootstrap(ev, resamples=policy.bootstrap, seed=policy.seed, lower_q=alpha)
@@ -320,6 +321,7 @@ class GateVerdict:
     champion_expected_rate: float | None = None
     predicted_live_acceptance: float | None = None
     window: dict = field(default_factory=dict)
+    insufficient: bool = False          # rejected only because the held-out sample is still too small
     promotion: str = ""                 # "", "paused: ..." when accepted but promotions are paused
 
     @property
@@ -333,6 +335,7 @@ class GateVerdict:
                     "categories": self.categories, "window": self.window, "reported_delta": self.reported_delta}
         return {
             "draftsmith.gate.verdict": "accepted" if self.accepted else "rejected",
+            "draftsmith.gate.insufficient": "1" if self.insufficient and not self.accepted else "0",
             "draftsmith.gate.reason": self.reason,
             "draftsmith.gate.champion_version": self.champion_version or "none",
             "draftsmith.gate.margin": f"{self.margin:g}",
@@ -467,7 +470,7 @@ def run_gate(registry: Registry, version: str, smoke_check: SmokeCheck | None, *
                 collect = evidence.collect if isinstance(evidence, EvidenceSource) else evidence
                 ev = collect(registry.materialize(champion), cand_path)
                 j = judge_evidence(ev, policy)
-                verdict.accepted, verdict.reason = j.ok, j.reason
+                verdict.accepted, verdict.reason, verdict.insufficient = j.ok, j.reason, j.insufficient
                 verdict.candidate_acceptance, verdict.champion_acceptance = j.candidate_acceptance, j.champion_acceptance
                 verdict.delta_lower, verdict.categories = j.delta_lower, j.categories
                 verdict.requests, verdict.records, verdict.window = ev.requests, ev.records, ev.window

@@ -234,7 +234,8 @@ class DistillScheduler:
                  status_path: str | os.PathLike | None = None, clock: Callable[[], float] = time.monotonic,
                  progress: Callable[[str], None] = print, evidence=None, target_sha256: str | None = None,
                  ack_records: AckFn | None = None, watchdog: "LiveWatchdog | None" = None,
-                 canary_share: float = 0.0, canary: "CanaryJudge | None" = None) -> None:
+                 canary_share: float = 0.0, canary: "CanaryJudge | None" = None,
+                 evidence_wait_s: float = 1800.0) -> None:
         if schedule is not None and schedule.min_records is not None and pending_records is None:
             raise ValueError("--min-records needs a way to count pending records (pending_records)")
         self.registry = registry
@@ -259,6 +260,9 @@ class DistillScheduler:
         self.canary_share = float(canary_share)
         self.canary = canary if canary is not None or not canary_share else CanaryJudge(registry, progress=progress)
         self._started = clock()
+        if evidence_wait_s < 0:
+            raise ValueError(f"evidence_wait_s must be >= 0, got {evidence_wait_s!r}")
+        self.evidence_wait_s = float(evidence_wait_s)
         self._last_job: float | None = None
 
     # ------------------------------------------------------------------ one job
@@ -308,8 +312,12 @@ class DistillScheduler:
         status = "promoted" if verdict.promoted else ("held" if verdict.accepted else "rejected")
         if status == "held" and verdict.promotion.startswith("canary"):
             status = "canary"
-        msg = (f"version {version} " + {"promoted": "promoted to champion", "held": "passed the gate but was not "
-               "promoted", "rejected": "not promoted", "canary": "passed the gate and serves as the canary"}[status]
+        waiting = status == "rejected" and verdict.insufficient
+        if waiting:
+            status = "held"
+        msg = (f"version {version} " + ("waits for held-out evidence, gated again on later ticks" if waiting else
+               {"promoted": "promoted to champion", "held": "passed the gate but was not "
+               "promoted", "rejected": "not promoted", "canary": "passed the gate and serves as the canary"}[status])
                + f": {verdict.reason}"
                + (f" ({verdict.promotion})" if verdict.promotion else "") + note)
         return JobOutcome(status, msg, version=version, parent_version=parent, verdict=verdict.to_dict(), started=t0)
@@ -392,7 +400,8 @@ class DistillScheduler:
         info = self.registry.get(cand)
         verdict = info.tags.get("draftsmith.gate.verdict")
         held = verdict == "accepted" and info.tags.get("draftsmith.gate.promotion", "-").startswith("paused")
-        if info.tags.get(GATE_PENDING_TAG) != "scheduler" or not (verdict is None or held):
+        waiting = self._awaits_evidence(info)
+        if info.tags.get(GATE_PENDING_TAG) != "scheduler" or not (verdict is None or held or waiting):
             return None
         if self.registry.promotions_paused():
             return None
@@ -400,7 +409,8 @@ class DistillScheduler:
             return None
         t0 = time.time()
         try:
-            self.progress(f"[distill] gating version {cand} again (its gate did not finish before)")
+            self.progress(f"[distill] gating version {cand} again "
+                          + ("(it waits for held-out evidence)" if waiting else "(its gate did not finish before)"))
             out = self._verdict_outcome(self._gate(cand), cand, info.parent_version, t0)
         finally:
             self.lock.release()
@@ -408,6 +418,25 @@ class DistillScheduler:
         self._write_status(out)
         self.progress(f"[distill] {out.status}: {out.message}")
         return out
+
+    def _awaits_evidence(self, info) -> bool:
+        """A candidate rejected only because the gate's held-out sample was too small (not because it was
+        worse), trained from the current champion, registered less than `evidence_wait_s` ago: it is gated
+        again every tick as held-out traffic arrives, and no new job starts meanwhile (a new job would
+        train from the champion again on newer records only, so what this one learnt would be lost)."""
+        if info.tags.get("draftsmith.gate.verdict") != "rejected" or info.tags.get("draftsmith.gate.insufficient") != "1":
+            return False
+        if info.parent_version != self.registry.champion():
+            return False
+        return time.time() - info.created_ms / 1000.0 < self.evidence_wait_s
+
+    def waiting_candidate(self) -> str | None:
+        """The `candidate` version that waits for held-out evidence (see `_awaits_evidence`), if any."""
+        cand = self.registry.alias(CANDIDATE)
+        if cand is None:
+            return None
+        info = self.registry.get(cand)
+        return cand if info.tags.get(GATE_PENDING_TAG) == "scheduler" and self._awaits_evidence(info) else None
 
     def _write_status(self, out: JobOutcome) -> None:
         try:
@@ -432,6 +461,10 @@ class DistillScheduler:
         if canary is not None:
             return False, f"canary version {canary['version']} is being judged; the next job waits for its decision"
         now = self.clock()
+        waiting = self.waiting_candidate()
+        if waiting is not None:
+            return False, (f"candidate version {waiting} waits for held-out evidence (at most "
+                           f"{self.evidence_wait_s:.0f} s after registration); the next job waits for its verdict")
         sch = self.schedule
         if sch.every_s is not None:
             since = now - (self._last_job if self._last_job is not None else self._started)

@@ -185,6 +185,9 @@ class FakeRegistry:
     def promotions_paused(self):
         return None
 
+    def alias(self, name):          # no candidate waiting for evidence
+        return None
+
 
 def test_triggers():
     clock = [0.0]
@@ -392,6 +395,39 @@ def test_a_gate_that_could_not_finish_runs_again_on_a_later_tick(registry, tmp_p
 
     manual = registry.register_candidate(make_candidate(tmp_path / "by-hand", tmp_path / "base", seed=9))
     assert sched.gate_pending() is None and registry.get(manual).tags.get("draftsmith.gate.verdict") is None
+
+
+def test_a_candidate_short_of_held_out_evidence_waits_for_it_instead_of_being_discarded(registry, tmp_path):
+    """Early in new traffic the gate's held-out sample is below its minimum: the candidate is not worse,
+    only unjudged. It stays the candidate, no new job starts (one would train from the champion again on
+    newer records only), every tick gates it again, and it is promoted once the sample is large enough;
+    past `evidence_wait_s` it stays rejected and jobs resume."""
+    small, large = synthetic_evidence(0.1, n=5), synthetic_evidence(0.1, n=40)
+    state = {"evidence": small, "pending": 100}
+    distill, calls = candidate_maker(tmp_path)
+    sched = scheduler(registry, distill, tmp_path, evidence=lambda a, b: state["evidence"](a, b),
+                      schedule=ScheduleConfig(min_records=5, poll_s=0.01), pending_records=lambda since: state["pending"])
+    out = sched.run_job()
+    assert out.status == "held" and "waits for held-out evidence" in out.message and "5 requests" in out.message
+    info = registry.get("2")
+    assert info.tags["draftsmith.gate.verdict"] == "rejected" and info.tags["draftsmith.gate.insufficient"] == "1"
+    assert registry.champion() == "1" and sched.waiting_candidate() == "2"
+    ok, why = sched.due()
+    assert not ok and "waits for held-out evidence" in why
+    assert sched.tick() is None and len(calls) == 1          # gated again (still too small), no new job
+    assert registry.champion() == "1"
+    state["evidence"], state["pending"] = large, 0
+    assert sched.tick() is None                               # the pending gate promotes it; no job ran
+    assert registry.champion() == "2" and len(calls) == 1 and sched.waiting_candidate() is None
+    assert registry.get("2").tags["draftsmith.gate.insufficient"] == "0"
+
+    # a worse candidate is rejected for good (not "insufficient"), and one waiting too long stops waiting
+    state["evidence"] = synthetic_evidence(-0.1, n=40)
+    assert sched.run_job().status == "rejected" and sched.waiting_candidate() is None
+    state["evidence"], state["pending"] = small, 100
+    sched.evidence_wait_s = 0.0
+    out = sched.run_job()
+    assert out.status == "held" and sched.waiting_candidate() is None and sched.due()[0]
 
 
 def test_an_accepted_candidate_held_by_a_pause_is_promoted_after_resume(registry, tmp_path):
