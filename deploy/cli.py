@@ -449,7 +449,7 @@ def cmd_distill(args) -> int:
         raise BadInput(f"{reg.name} has no champion draft to distill from; run `draftsmith bootstrap` first")
     overrides = _read_config(args.config)
     distill = _real_distill(args)
-    watchdog = None if args.no_watchdog or schedule is None else _watchdog(args, reg)
+    watchdog = None if args.no_watchdog or schedule is None else _watchdog(args, reg, _evidence(args, overrides))
     sched = DistillScheduler(reg, distill, smoke_check=engine_smoke_check(args.target), policy=policy,
                              schedule=schedule, pending_records=_pending_records() if args.min_records else None,
                              evidence=_evidence(args, overrides), target_sha256=_target_sha(args),
@@ -730,6 +730,10 @@ def _watch_options(sub, *, tolerance: bool = False) -> None:
                      help="drafted tokens of live evidence the watchdog needs before judging (default 2000)")
     sub.add_argument("--watch-min-intervals", type=_positive_int, default=3,
                      help="live intervals (MLflow draftsmith-live points) the watchdog needs (default 3)")
+    sub.add_argument("--no-offline-check", action="store_true",
+                     help="roll back on live evidence alone; by default a live drop is first checked offline: "
+                          "champion and previous version scored on the newest held-out records, and no rollback "
+                          "when the champion is not worse there (the traffic changed, not the draft)")
     sub.add_argument("--canary-share", type=_fraction, default=0.25,
                      help="share of requests a gate-passed candidate serves as the canary before it may become "
                           "champion (default 0.25; 0 = promote directly after the gate)")
@@ -751,13 +755,17 @@ def _age_or_zero(text: str) -> float:
     return 0.0 if text.strip() in ("0", "0s", "0m") else _duration(text)
 
 
-def _watchdog(args, reg):
+def _watchdog(args, reg, evidence=None):
+    """The live watchdog; `evidence`: the gate's evidence source for its offline check (default: the
+    default buffer's), none with --no-offline-check."""
+    from deploy.gate import EvidenceSource
     from deploy.scheduler import LiveWatchdog, WatchdogPolicy
 
     try:
         return LiveWatchdog(reg, WatchdogPolicy(tolerance=args.rollback_tolerance, window_s=args.watch_window,
                                                 min_draft_tokens=args.watch_min_tokens,
-                                                min_intervals=args.watch_min_intervals))
+                                                min_intervals=args.watch_min_intervals),
+                            evidence=None if args.no_offline_check else (evidence or EvidenceSource()))
     except ValueError as e:
         raise BadInput(str(e)) from None
 

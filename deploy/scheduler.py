@@ -608,12 +608,20 @@ class LiveWatchdog:
     previous version's (module docstring, "Watchdog")."""
 
     def __init__(self, registry: Registry, policy: WatchdogPolicy | None = None, *,
-                 status_path: str | os.PathLike | None = None, progress: Callable[[str], None] = print) -> None:
+                 status_path: str | os.PathLike | None = None, progress: Callable[[str], None] = print,
+                 evidence=None, recheck_s: float = 300.0, min_requests: int = 20) -> None:
         self.registry = registry
         self.policy = policy or WatchdogPolicy()
         self.status_path = Path(status_path) if status_path else data_dir() / "watchdog-status.json"
         self.progress = progress
         self._flagged: set[str] = set()
+        # the offline check before a rollback (`_offline_check`): the gate's evidence source (or any
+        # callable (previous folder, champion folder) -> PairedEvidence), how long a "the traffic, not
+        # the draft" finding stands before it is checked again, and the sample it needs
+        self.evidence = evidence
+        self.recheck_s = float(recheck_s)
+        self.min_requests = int(min_requests)
+        self._traffic_until: dict[str, float] = {}
 
     def check(self) -> WatchdogVerdict:
         """One look at the champion; MLflow errors propagate (no action is taken on an unreadable state)."""
@@ -674,6 +682,22 @@ class LiveWatchdog:
             out.message = f"version {champ}: live acceptance {live.rate:.3f} +- {live.se:.3f} is not significantly low"
             return out
         reason = "; ".join(reasons)
+        if prev is not None and self.evidence is not None:
+            if time.time() < self._traffic_until.get(champ, 0.0):
+                out.action = "ok"
+                out.message = (f"version {champ}: {reason}; attributed to the traffic by the last offline check "
+                               "(checked again later)")
+                return out
+            verdict, note, figures = self._offline_check(champ, prev)
+            details["offline_check"] = figures
+            if verdict == "traffic":
+                self._traffic_until[champ] = time.time() + self.recheck_s
+                out.action = "ok"
+                out.message = f"version {champ}: {reason}; but {note}: the traffic changed, not the draft; no rollback"
+                reg.record_event({"action": "watchdog", "version": champ, "reason": out.message, "details": details})
+                self.progress(f"[watchdog] {out.message}")
+                return out
+            reason = f"{reason}; {note}"
         if prev is None:
             out.action = "degraded"
             out.message = f"version {champ}: {reason}; no previous version to roll back to"
@@ -689,6 +713,40 @@ class LiveWatchdog:
         out.message = f"version {champ} rolled back to {move.champion}: {reason}"
         log.error("[watchdog] %s", out.message)
         return out
+
+
+    def _offline_check(self, champ: str, prev: str) -> tuple[str, str, dict]:
+        """Is the champion worse than the previous version on the traffic of NOW? A live figure can fall
+        because the traffic changed (a new kind of request both drafts know less about), which a rollback
+        would not cure (and it would pause learning from the new traffic). Both drafts are scored on the
+        newest held-out records of the replay buffer, paired by request, as the gate scores them
+        (deploy/gate.py): ("worse", note, figures) when the champion is significantly below the previous
+        version there (one-sided upper bound of the paired difference below -tolerance x its figure),
+        ("traffic", ...) when it is not, ("unknown", ...) when the sample is too small or cannot be drawn
+        (then the live evidence alone decides, as without the check)."""
+        from deploy.gate import paired_bootstrap
+
+        pol = self.policy
+        try:
+            collect = getattr(self.evidence, "collect", self.evidence)
+            ev = collect(self.registry.materialize(prev), self.registry.materialize(champ))
+        except Exception as e:  # noqa: BLE001 - Redis down, artifacts unreadable: decide on live evidence
+            log.warning("[watchdog] offline check not possible: %s", e)
+            return "unknown", f"offline check not possible ({type(e).__name__}: {e})", {"error": str(e)}
+        if ev.requests < self.min_requests:
+            return "unknown", (f"offline check: {ev.requests} held-out requests, fewer than "
+                               f"{self.min_requests}"), {"requests": ev.requests}
+        delta, _, upper = paired_bootstrap(ev, resamples=2000, seed=0, upper_q=pol.confidence)
+        w = sum(ev.weight)
+        prev_fig = sum(a * b for a, b in zip(ev.champion, ev.weight)) / w if w else 0.0
+        champ_fig = sum(a * b for a, b in zip(ev.candidate, ev.weight)) / w if w else 0.0
+        figures = {"requests": ev.requests, "records": ev.records, "previous": prev_fig, "champion": champ_fig,
+                   "delta": delta, "delta_upper": upper}
+        worse = upper is not None and upper < -pol.tolerance * prev_fig
+        note = (f"on the newest {ev.requests} held-out requests version {champ} scores {champ_fig:.3f} offline vs "
+                f"version {prev}'s {prev_fig:.3f} (paired difference {delta:+.3f}, upper bound {upper:+.3f} at "
+                f"{pol.confidence:g})")
+        return ("worse" if worse else "traffic"), note, figures
 
 
 # ---------------------------------------------------------------------------------- the canary judge
