@@ -173,15 +173,26 @@ def between(rs: list[dict], lo: float, hi: float) -> list[dict]:
     return [r for r in rs if lo <= r["t"] < hi]
 
 
-def version_events(records: list[dict]) -> list[tuple[float, str]]:
-    """When the served version changed, as responses saw it (the first response of a new version)."""
-    events, last = [], None
-    for r in sorted(records, key=lambda r: r["t"]):
-        if r["draft_version"] != last:
-            if last is not None:
-                events.append((r["t"], f"v{last} -> v{r['draft_version']}"))
-            last = r["draft_version"]
-    return events
+def registry_events(history: list[dict], t0: float) -> list[tuple[float, str]]:
+    """Alias moves from the registry's history, in seconds since traffic started: promotions, canaries
+    started / ended, rollbacks (the watchdog's or an operator's), pauses, watchdog findings. Gate verdicts
+    and registrations are in the version table instead."""
+    out = []
+    for h in history:
+        a, t = h.get("action", ""), h.get("time")
+        if t is None or t < t0:
+            continue
+        if a == "promote":
+            out.append((round(t - t0, 1), f"v{h.get('version')} champion"))
+        elif a == "rollback":
+            out.append((round(t - t0, 1), f"rollback v{h.get('from')} -> v{h.get('to')}"))
+        elif a == "canary":
+            out.append((round(t - t0, 1), f"v{h.get('version')} canary"))
+        elif a.startswith("canary "):
+            out.append((round(t - t0, 1), f"canary v{h.get('version')} {a.split(' ', 1)[1]}"))
+        elif a in ("pause", "resume", "watchdog"):
+            out.append((round(t - t0, 1), a))
+    return out
 
 
 def targets(records: list[dict], args) -> dict:
@@ -223,8 +234,9 @@ def targets(records: list[dict], args) -> dict:
     return out
 
 
-def registry_versions(env: dict, args) -> list[dict]:
-    """Every version with its kind, parent and adapter chain depth, read through the project's Registry."""
+def registry_state(env: dict, args) -> tuple[list[dict], list[dict]]:
+    """(every version with its kind, parent, adapter chain depth and gate figures; the registry's history),
+    read through the project's Registry in a subprocess (the run's data dir and store)."""
     code = ("import json,sys; from deploy.registry import Registry\n"
             "r = Registry(sys.argv[1] or None)\n"
             "vs = {v.version: v for v in r.versions()}\n"
@@ -236,13 +248,15 @@ def registry_versions(env: dict, args) -> list[dict]:
             "print(json.dumps([{'version': v.version, 'kind': v.kind, 'parent': v.parent_version, 'aliases': v.aliases,"
             " 'depth': depth(v.version), 'gate': v.tags.get('draftsmith.gate.verdict'),"
             " 'gate_acceptance': v.metrics.get('gate_candidate_acceptance'), 'gate_delta': v.metrics.get('gate_delta')}"
-            " for v in vs.values()]))\n")
+            " for v in vs.values()]))\n"
+            "print(json.dumps(r.history()))\n")
     res = subprocess.run([sys.executable, "-c", code, args.target or ""], env=env, cwd=ROOT, capture_output=True,
                          text=True)
     if res.returncode != 0:
         log(f"could not read the registry: {res.stderr.strip()[-300:]}")
-        return []
-    return json.loads(res.stdout.strip().splitlines()[-1])
+        return [], []
+    lines = res.stdout.strip().splitlines()
+    return json.loads(lines[-2]), json.loads(lines[-1])
 
 
 def plot(records: list[dict], events: list[tuple[float, str]], shift_at: float, window: int, path: Path) -> None:
@@ -329,7 +343,7 @@ def write_summary(out: Path, records: list[dict], errors: list[dict], events, ve
         f"{fmt(tg.get('known_late_acceptance'))} | (forgetting check) |",
         f"| failed requests | {len(errors)} | 0 {'met' if not errors else 'MISSED'} |",
         f"| max adapter chain depth | {max_depth} | <= K |",
-        "", "Events (as responses saw them): " + "; ".join(f"{t:.0f} s {e}" for t, e in events),
+        "", "Registry events (s since traffic started): " + "; ".join(f"{t:.0f} s {e}" for t, e in events),
         "", "| version | kind | parent | depth | aliases | gate |", "|---|---|---|---:|---|---|"]
     for v in versions:
         lines.append(f"| {v['version']} | {v['kind']} | {v['parent'] or '-'} | {v['depth']} | "
@@ -459,8 +473,8 @@ def main(argv=None) -> int:
         traffic.join()
     finally:
         stop_all(procs)
-    events = version_events(traffic.records)
-    versions = registry_versions(env, args)
+    versions, history = registry_state(env, args)
+    events = registry_events(history, traffic.t0)
     with open(out / "responses.jsonl", "w") as f:
         for r in sorted(traffic.records, key=lambda r: r["t"]):
             f.write(json.dumps(r) + "\n")
