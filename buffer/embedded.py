@@ -36,14 +36,11 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
+from buffer.paths import data_dir
+
 log = logging.getLogger(__name__)
 
 _MAX_UNIX_PATH = 100  # sun_path is 108 bytes on Linux; keep a margin
-
-
-def data_dir() -> Path:
-    """`$DRAFTSMITH_DATA` (default ./data), made absolute."""
-    return Path(os.environ.get("DRAFTSMITH_DATA") or "data").expanduser().resolve()
 
 
 def find_redis_server() -> str:

@@ -43,7 +43,7 @@ import uuid
 import weakref
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 import redis
@@ -138,6 +138,21 @@ class BufferConfig:
 def redis_url_from_env() -> str | None:
     """`$REDIS_URL`, or None when unset/empty (then `connect` starts the embedded server)."""
     return os.environ.get("REDIS_URL") or None
+
+
+def resolve_redis_url(url: str | None = None) -> str:
+    """`url`, else `$REDIS_URL`, else the URL of the embedded server (started if needed): the URL to hand
+    to a process or task that must reach the same Redis (a job's Ray task, the gate's reader)."""
+    return url or redis_url_from_env() or embedded.ensure_embedded()
+
+
+def stream_id_key(stream_id: str) -> tuple[int, int]:
+    """'<ms>-<seq>' -> (ms, seq), for ordering Redis stream ids; ValueError on anything else."""
+    try:
+        ms, _, seq = str(stream_id).partition("-")
+        return int(ms), int(seq or 0)
+    except ValueError:
+        raise ValueError(f"not a Redis stream id: {stream_id!r} (expected '<ms>-<seq>')") from None
 
 
 def connect(url: str | None = None, *, socket_timeout: float = 2.0, socket_connect_timeout: float = 1.0,
@@ -633,21 +648,41 @@ class ReplayBufferReader:
 
     # -- windows without consuming ------------------------------------------------------------
     def newest(self, n: int, *, stream: str | None = None, draft_version: str | None = None,
-               source: str | None = None, max_scan: int | None = None) -> list[BufferEntry]:
+               source: str | None = None, max_scan: int | None = None, before_id: str | None = None,
+               where: Callable[[StepRecord | SequenceRecord], bool] | None = None) -> list[BufferEntry]:
         """The newest `n` entries (newest first) matching the filters, via XREVRANGE; nothing is
-        consumed or acked. `source` filters steps through their request's SequenceRecord, so steps
+        consumed or acked. `before_id`: only entries strictly older than that stream id. `where`: a
+        predicate on the record. `source` filters steps through their request's SequenceRecord, so steps
         of requests still in flight (no sequence yet) or whose sequence expired are left out.
         Scans at most max_scan entries (default max(10 * n, 10_000))."""
+        return self._newest(n, stream=stream, draft_version=draft_version, source=source, max_scan=max_scan,
+                            before_id=before_id, where=where)[0]
+
+    def newest_steps(self, n: int, *, where: Callable[[StepRecord], bool] | None = None,
+                     before_id: str | None = None, source: str | None = None,
+                     max_scan: int = 100_000) -> tuple[list[BufferEntry], dict[str, SequenceRecord]]:
+        """The newest `n` step entries (newest first) matching `where` / `before_id` / `source` whose request
+        has a stored SequenceRecord, with those records by request id (what a trainer needs to rebuild each
+        step's context). Read-only, as `newest`; steps without a stored sequence are left out."""
+        return self._newest(n, stream="steps", source=source, max_scan=max_scan, before_id=before_id,
+                            where=where, need_sequence=True)
+
+    def _newest(self, n: int, *, stream: str | None, draft_version: str | None = None, source: str | None = None,
+                max_scan: int | None = None, before_id: str | None = None, where=None,
+                need_sequence: bool = False) -> tuple[list[BufferEntry], dict[str, SequenceRecord]]:
         stream = stream or self.stream
         if stream not in ("steps", "sequences"):
             raise ValueError(f"stream must be 'steps' or 'sequences', got {stream!r}")
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be an integer >= 1, got {n!r}")
+        if before_id is not None:
+            stream_id_key(before_id)
         key = self.config.steps_key if stream == "steps" else self.config.seqs_key
         max_scan = max_scan or max(10 * n, 10_000)
+        by_seq = stream == "steps" and (need_sequence or source is not None)
         out: list[BufferEntry] = []
-        sources: dict[str, str | None] = {}
-        hi, scanned = "+", 0
+        sequences: dict[str, SequenceRecord | None] = {}       # request id -> its record (None: not stored)
+        hi, scanned = ("(" + before_id) if before_id else "+", 0
         try:
             while len(out) < n and scanned < max_scan:
                 page = self.client.xrevrange(key, max=hi, min="-", count=min(max(2 * n, 64), 1000,
@@ -664,18 +699,21 @@ class ReplayBufferReader:
                         self._decode_error(f"{key} {_s(sid)}", exc)
                 if draft_version is not None:
                     batch = [e for e in batch if e.record.draft_version == draft_version]
-                if source is not None:
-                    if stream == "steps":
-                        missing = {e.record.request_id for e in batch} - sources.keys()
-                        found = self.get_sequences(missing)
-                        sources.update({rid: (found[rid].source if rid in found else None) for rid in missing})
-                        batch = [e for e in batch if sources[e.record.request_id] == source]
-                    else:
-                        batch = [e for e in batch if e.record.source == source]
+                if where is not None:
+                    batch = [e for e in batch if where(e.record)]
+                if by_seq:
+                    missing = {e.record.request_id for e in batch} - sequences.keys()
+                    found = self.get_sequences(missing)
+                    sequences.update({rid: found.get(rid) for rid in missing})
+                    batch = [e for e in batch if sequences[e.record.request_id] is not None
+                             and (source is None or sequences[e.record.request_id].source == source)]
+                elif source is not None:
+                    batch = [e for e in batch if e.record.source == source]
                 out += batch[: n - len(out)]
         except _CONNECTION_ERRORS as exc:
             raise BufferUnavailable(f"Redis unreachable: {exc}") from exc
-        return out
+        used = {e.record.request_id for e in out} if by_seq else set()
+        return out, {r: s for r, s in sequences.items() if r in used and s is not None}
 
     def get_sequence(self, request_id: str) -> SequenceRecord | None:
         """The SequenceRecord of a request (None if never written, expired or undecodable)."""
@@ -699,6 +737,42 @@ class ReplayBufferReader:
             except DecodeError as exc:
                 self._decode_error(self.config.seq_key(rid), exc)
         return out
+
+
+# Counts XRANGE pages inside Redis, so no entry is transferred: returns {entries in the page, last id}.
+_COUNT_SCRIPT = """
+local r = redis.call('XRANGE', KEYS[1], ARGV[1], '+', 'COUNT', ARGV[2])
+if #r == 0 then return {0, ''} end
+return {#r, r[#r][1]}
+"""
+
+
+def count_after(client: "redis.Redis | str | None", key: str, since_id: str | None = None, *,
+                page: int = 10_000) -> int:
+    """Number of entries of stream `key` with an id after `since_id` (all of them when None), counted inside
+    Redis (a Lua script over XRANGE pages of `page` ids). BufferUnavailable when Redis cannot be reached."""
+    if since_id is not None:
+        stream_id_key(since_id)
+    if not isinstance(page, int) or page < 1:
+        raise ValueError(f"page must be an integer >= 1, got {page!r}")
+    own = not isinstance(client, redis.Redis)
+    conn = _client(client)
+    try:
+        if since_id is None:
+            return int(conn.xlen(key))
+        script = conn.register_script(_COUNT_SCRIPT)
+        total, start = 0, f"({since_id}"
+        while True:
+            n, last = script(keys=[key], args=[start, page])
+            total += int(n)
+            if int(n) < page:
+                return total
+            start = "(" + _s(last)
+    except _CONNECTION_ERRORS as exc:
+        raise BufferUnavailable(f"Redis unreachable: {exc}") from exc
+    finally:
+        if own:
+            conn.close()
 
 
 def ack_entries(client: "redis.Redis | str | None", key: str, group: str, ids: Iterable[str], *,

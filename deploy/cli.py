@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from buffer.paths import DEFAULT_TARGET
+
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
@@ -122,7 +124,7 @@ def _existing_dir(text: str) -> Path:
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--target", default=os.environ.get("DRAFTSMITH_TARGET"),
-                        help="target model id or folder (default: $DRAFTSMITH_TARGET or smollm2-135m-instruct)")
+                        help=f"target model id or folder (default: $DRAFTSMITH_TARGET or {DEFAULT_TARGET})")
     common.add_argument("--model-name", default=None, help="registered model name (default draftsmith-<target>-draft)")
     common.add_argument("--tracking-uri", default=None,
                         help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or sqlite:///$DRAFTSMITH_DATA/mlflow.db)")
@@ -162,11 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
     _gate_options(d)
     d.add_argument("--config", type=Path, default=None, help="distillation config YAML (training.job); its "
                    "redis_url / buffer_prefix / heldout_fraction also tell the gate where to draw its sample")
-    d.add_argument("--no-watchdog", action="store_true",
-                   help="do not watch the champion's live acceptance (no automatic rollback)")
     d.add_argument("--evidence-wait", type=_age_or_zero, default=1800.0,
                    help="a candidate the gate could not judge yet (held-out sample below its minimum) is gated "
                         "again every tick for this long while no new job starts (default 30m; 0 = reject it)")
+    d.add_argument("--no-watchdog", action="store_true",
+                   help="do not watch the champion's live acceptance (no automatic rollback)")
     d.add_argument("--runner", choices=("auto", "ray", "process"),
                    default=os.environ.get("DRAFTSMITH_DISTILL_RUNNER", "auto"),
                    help="where jobs run: 'auto' (default) submits each job to Ray when a cluster is reachable "
@@ -280,7 +282,7 @@ def cmd_serve(args) -> int:
     embedded Redis, and a background bootstrap started here (the next start begins it again; a finished
     teacher-data cache is re-used)."""
     try:
-        from serving.app import serve_forever
+        from deploy.app import serve_forever
     except ImportError as e:
         raise CommandFailed(f"the serving application is not available ({e})") from None
     if args.admin_key is not None and not args.admin_key.strip():
@@ -304,7 +306,8 @@ def _bootstrap_in_background(args) -> None:
     it in. The service gets faster without a restart, which is the product's point."""
     import subprocess
 
-    from deploy.registry import RegistryUnavailable, data_dir
+    from buffer.paths import data_dir
+    from deploy.registry import RegistryUnavailable
     from deploy.scheduler import JobLock
 
     reg = _registry(args)
@@ -340,7 +343,7 @@ def _bootstrap_builder():
 
 
 def cmd_bootstrap(args) -> int:
-    from deploy.registry import data_dir
+    from buffer.paths import data_dir
 
     reg = _registry(args)
     existing = reg.versions()

@@ -252,11 +252,10 @@ class EvidenceSource:
 
     def collect(self, champion_path: Path, candidate_path: Path) -> PairedEvidence:
         """Draw the sample and score both drafts on it (module docstring, check 2)."""
-        from buffer.redis_store import BufferConfig, ReplayBufferReader
+        from buffer.redis_store import BufferConfig, ReplayBufferReader, resolve_redis_url, stream_id_key
         from training import data
-        from training.job import _redis_url
 
-        reader = ReplayBufferReader(_redis_url(self.redis_url), BufferConfig(prefix=self.buffer_prefix))
+        reader = ReplayBufferReader(resolve_redis_url(self.redis_url), BufferConfig(prefix=self.buffer_prefix))
         try:
             units, entries = data.heldout_units(reader, self.records, heldout_fraction=self.heldout_fraction,
                                                 max_len=self.max_len, source=self.source)
@@ -267,7 +266,7 @@ class EvidenceSource:
         ids = sorted(set(scores["champion"]) & set(scores["candidate"]))
         cats = {u.request_id: (u.source or "unlabelled") for u in units}
         ch, ca = scores["champion"], scores["candidate"]
-        sids = sorted((e.stream_id for e in entries), key=data.stream_id_key)
+        sids = sorted((e.stream_id for e in entries), key=stream_id_key)
         return PairedEvidence(
             ids, [cats[r] for r in ids], [ch[r]["positions"] for r in ids], [ch[r]["acceptance"] for r in ids],
             [ca[r]["acceptance"] for r in ids], [ch[r]["rate"] for r in ids], [ca[r]["rate"] for r in ids],
@@ -321,8 +320,8 @@ class GateVerdict:
     champion_expected_rate: float | None = None
     predicted_live_acceptance: float | None = None
     window: dict = field(default_factory=dict)
-    insufficient: bool = False          # rejected only because the held-out sample is still too small
     promotion: str = ""                 # "", "paused: ..." when accepted but promotions are paused
+    insufficient: bool = False          # rejected only because the held-out sample is still too small
 
     @property
     def delta(self) -> float | None:
@@ -335,8 +334,8 @@ class GateVerdict:
                     "categories": self.categories, "window": self.window, "reported_delta": self.reported_delta}
         return {
             "draftsmith.gate.verdict": "accepted" if self.accepted else "rejected",
-            "draftsmith.gate.insufficient": "1" if self.insufficient and not self.accepted else "0",
             "draftsmith.gate.reason": self.reason,
+            "draftsmith.gate.insufficient": "1" if self.insufficient and not self.accepted else "0",
             "draftsmith.gate.champion_version": self.champion_version or "none",
             "draftsmith.gate.margin": f"{self.margin:g}",
             "draftsmith.gate.smoke": {None: "not run", True: "passed", False: "failed"}[self.smoke_ok],

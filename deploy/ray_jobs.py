@@ -127,7 +127,7 @@ class RayCluster:
 
 
 def _data_dir() -> Path:
-    from buffer.embedded import data_dir
+    from buffer.paths import data_dir
 
     return data_dir()
 

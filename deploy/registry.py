@@ -1,4 +1,7 @@
-"""The draft model registry: the one module that imports MLflow.
+"""The draft model registry: deploy's door to MLflow (the client, versions, aliases, promotion policy).
+deploy/live_stats.py logs live serving statistics through it (`Registry.experiment_id`, `Registry.client`);
+what a version's files must be (manifests, fingerprints, vocabularies, the candidate layout, the adapter
+merge) is deploy/artifacts.py, the errors deploy/errors.py.
 
 One MLflow registered model per target (`draftsmith-<target>-draft`); each version is one draft:
 - version 1 (and any later `register_base`) is a *base* draft, a full Hugging Face model folder,
@@ -85,16 +88,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from buffer.paths import DEFAULT_TARGET, cache_dir, data_dir, default_tracking_uri, is_default_target  # noqa: F401
+from deploy.artifacts import (MANIFEST, MARKER, TARGET_CONFIG_IGNORED, VOCABULARY, WEIGHT_INDEXES,  # noqa: F401
+                              WEIGHT_SUFFIXES, _canonical_json, _folder_vocabulary, _merge_adapter, _sha256,
+                              _write_folder_vocabulary, file_manifest, read_candidate, read_vocabulary_file,
+                              resolve_target_folder, short_hash, target_fingerprint, verify_manifest,
+                              vocabulary_digest)
+from deploy.errors import (ArtifactError, PromotionsPaused, RegistryError, RegistryUnavailable,  # noqa: F401
+                           UsageError)
+
 log = logging.getLogger(__name__)
 
 CHAMPION, PREVIOUS, CANDIDATE, CANARY = "champion", "previous", "candidate", "canary"
 ALIASES = (CHAMPION, PREVIOUS, CANDIDATE, CANARY)
-DEFAULT_TARGET_NAME = "smollm2-135m-instruct"   # serving.models.DEFAULT_TARGET (not imported: torch)
 REGISTRY_EXPERIMENT = "draftsmith-drafts"
 LIVE_EXPERIMENT = "draftsmith-live"
-MANIFEST = "manifest.json"
-VOCABULARY = "vocabulary.json"                  # a candidate's chosen output vocabulary (training/job.py)
-MARKER = ".draftsmith-materialized.json"        # written last into a cached merged folder
 TAG = "draftsmith."                             # prefix of every tag this module writes
 PAUSE_TAG = TAG + "promotions_paused"           # registered-model tag: scheduled distillation paused
 TARGET_HASH_TAG = TAG + "target_sha256"         # version tag: fingerprint of the target the draft was built for
@@ -113,30 +121,6 @@ DEFAULT_GC_GRACE_S = 600.0                      # folders used (materialised, lo
 STALE_STAGING_S = 6 * 3600.0                    # a '.'-staging folder this old was left by a crash
 VERIFIED = ".verified.json"                     # beside the cache: (version, run, manifest) already verified
 NOT_FOUND = "RESOURCE_DOES_NOT_EXIST"
-TARGET_CONFIG_IGNORED = ("transformers_version", "_name_or_path")
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-
-
-class RegistryError(RuntimeError):
-    """A registry operation failed; the message says what happened and what to do."""
-
-
-class UsageError(RegistryError, ValueError):
-    """The request itself is wrong (unknown version, malformed candidate folder...): fix the input."""
-
-
-class ArtifactError(RegistryError):
-    """A version's stored artifacts are missing, corrupt or unusable; nothing was changed."""
-
-
-class RegistryUnavailable(RegistryError):
-    """MLflow could not be read or written (server down, database unreadable...): a transient fault, not
-    an answer. Nothing was changed; retry later."""
-
-
-class PromotionsPaused(RegistryError):
-    """Promotion refused: promotions are paused (after a rollback) until `draftsmith resume`."""
 
 
 def _not_found(exc: BaseException) -> bool:
@@ -148,23 +132,13 @@ def _unavailable(exc: BaseException, what: str) -> RegistryUnavailable:
 
 
 # ---------------------------------------------------------------------------------- locations
-def data_dir() -> Path:
-    """`DRAFTSMITH_DATA` (default `./data`), made absolute."""
-    return Path(os.environ.get("DRAFTSMITH_DATA", "data")).expanduser().resolve()
-
-
-def default_tracking_uri() -> str:
-    """`MLFLOW_TRACKING_URI` if set, else the local SQLite file `<data dir>/mlflow.db`."""
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{data_dir() / 'mlflow.db'}"
-
-
 def _is_local_store(uri: str) -> bool:
     return uri.startswith("sqlite:") or uri.startswith("file:") or "://" not in uri
 
 
 def target_slug(target: str | os.PathLike | None) -> str:
     """A registered-model-safe short name for a target: the folder/model name, lower-case, [a-z0-9._-]."""
-    raw = str(target) if target not in (None, "", "default") else DEFAULT_TARGET_NAME
+    raw = DEFAULT_TARGET if is_default_target(target) else str(target)
     base = Path(raw.rstrip("/\\")).name or raw
     slug = re.sub(r"[^a-z0-9._-]+", "-", base.lower()).strip("-.")
     if not slug:
@@ -177,127 +151,7 @@ def model_name_for(target: str | os.PathLike | None) -> str:
     return f"draftsmith-{target_slug(target)}-draft"
 
 
-# ---------------------------------------------------------------------------------- manifests
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def file_manifest(root: Path) -> dict[str, dict]:
-    """{relative posix path: {"sha256": hex, "size": bytes}} for every file under `root`."""
-    root = Path(root)
-    out = {}
-    for p in sorted(root.rglob("*")):
-        if p.is_file():
-            out[p.relative_to(root).as_posix()] = {"sha256": _sha256(p), "size": p.stat().st_size}
-    return out
-
-
-def verify_manifest(root: Path, manifest: dict[str, dict], what: str) -> None:
-    """Raise ArtifactError naming the first missing, resized or altered file under `root`."""
-    root = Path(root)
-    for rel, entry in manifest.items():
-        p = root / rel
-        if not p.is_file():
-            raise ArtifactError(f"{what}: artifact file {rel!r} is missing from the artifact store")
-        if p.stat().st_size != entry["size"]:
-            raise ArtifactError(f"{what}: artifact file {rel!r} is corrupt (size {p.stat().st_size} bytes, "
-                                f"registered {entry['size']})")
-        if _sha256(p) != entry["sha256"]:
-            raise ArtifactError(f"{what}: artifact file {rel!r} is corrupt (sha256 differs from the registered one)")
-
-
-def _canonical_json(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
-
-
-# ---------------------------------------------------------------------------------- target fingerprints
-_FINGERPRINTS: dict[str, tuple[tuple, str]] = {}
-_FINGERPRINT_LOCK = threading.Lock()
 _VERIFIED_LOCK = threading.Lock()
-
-
-def _draftsmith_cache() -> Path:
-    """`DRAFTSMITH_CACHE` (default ~/.cache/draftsmith), as serving.models.cache_dir (not imported: torch)."""
-    return Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith"))
-
-
-def resolve_target_folder(target: str | os.PathLike | None) -> Path | None:
-    """The local folder of a target: the converted default target under the cache (only if it has been
-    converted already; nothing is converted here), or a folder holding config.json; None otherwise."""
-    if target in (None, "", "default", DEFAULT_TARGET_NAME):
-        folder = _draftsmith_cache() / "models" / DEFAULT_TARGET_NAME
-    else:
-        folder = Path(str(target)).expanduser()
-    return folder.resolve() if (folder / "config.json").is_file() else None
-
-
-def _target_files(folder: Path) -> list[Path]:
-    files = [folder / "config.json"]
-    files += sorted(p for p in folder.iterdir() if p.is_file() and (p.name.endswith(WEIGHT_SUFFIXES)
-                                                                    or p.name in WEIGHT_INDEXES))
-    if (folder / "tokenizer.json").is_file():
-        files.append(folder / "tokenizer.json")
-    return files
-
-
-def target_fingerprint(target: str | os.PathLike | None) -> str | None:
-    """sha256 over a target folder's config.json (without `transformers_version` / `_name_or_path`), weight
-    files and tokenizer.json: what a draft version is pinned to (`draftsmith.target_sha256`). None when the
-    target has no local folder. Computed once per folder: cached in memory and in
-    `<DRAFTSMITH_CACHE>/target-fingerprints.json`, keyed by each file's size and mtime, so a later call
-    costs a few stat() calls."""
-    folder = resolve_target_folder(target)
-    if folder is None:
-        return None
-    files = _target_files(folder)
-    stamp = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files)
-    key = str(folder)
-    with _FINGERPRINT_LOCK:
-        hit = _FINGERPRINTS.get(key)
-        if hit is not None and hit[0] == stamp:
-            return hit[1]
-        store = _draftsmith_cache() / "target-fingerprints.json"
-        try:
-            disk = json.loads(store.read_text())
-        except (OSError, json.JSONDecodeError):
-            disk = {}
-        entry = disk.get(key) if isinstance(disk, dict) else None
-        if isinstance(entry, dict) and entry.get("stamp") == [list(x) for x in stamp] and entry.get("sha256"):
-            _FINGERPRINTS[key] = (stamp, entry["sha256"])
-            return entry["sha256"]
-        h = hashlib.sha256()
-        for p in files:
-            if p.name == "config.json":
-                try:
-                    cfg = json.loads(p.read_text())
-                except (OSError, json.JSONDecodeError):
-                    cfg = {}
-                if isinstance(cfg, dict):
-                    cfg = {k: v for k, v in cfg.items() if k not in TARGET_CONFIG_IGNORED}
-                digest = hashlib.sha256(_canonical_json(cfg).encode()).hexdigest()
-            else:
-                digest = _sha256(p)
-            h.update(f"{p.name}\0{digest}\n".encode())
-        sha = h.hexdigest()
-        _FINGERPRINTS[key] = (stamp, sha)
-        if isinstance(disk, dict):
-            disk[key] = {"stamp": [list(x) for x in stamp], "sha256": sha}
-            try:
-                store.parent.mkdir(parents=True, exist_ok=True)
-                tmp = store.with_name(f".{store.name}.{os.getpid()}.tmp")
-                tmp.write_text(json.dumps(disk))
-                os.replace(tmp, store)
-            except OSError as e:
-                log.debug("target fingerprint cache not written: %s", e)
-        return sha
-
-
-def short_hash(sha: str | None) -> str:
-    return "unknown" if not sha else sha[:12]
 
 
 # ---------------------------------------------------------------------------------- the alias lock
@@ -358,79 +212,9 @@ class AliasLock:
             self._local.release()
 
 
-# ---------------------------------------------------------------------------------- vocabularies
-def vocabulary_digest(ids: list[int] | None) -> str:
-    """sha256 of a vocabulary (its ids in order; "full" for None): the `draftsmith.vocab_sha256` tag."""
-    return "full" if ids is None else hashlib.sha256(_canonical_json([int(i) for i in ids]).encode()).hexdigest()
-
-
-def _check_token_ids(ids: Any, what: str, error: type[RegistryError]) -> list[int] | None:
-    """`output_token_ids` as stored: None (full vocabulary) or distinct non-negative integers."""
-    if ids is None:
-        return None
-    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
-                                                       for i in ids):
-        raise error(f"{what}: output_token_ids must be null (full vocabulary) or a non-empty list of "
-                    "non-negative integer token ids")
-    if len(set(ids)) != len(ids):
-        raise error(f"{what}: output_token_ids lists a token id twice")
-    return [int(i) for i in ids]
-
-
-def read_vocabulary_file(path: Path, error: type[RegistryError] = ArtifactError) -> list[int] | None:
-    """A candidate's `vocabulary.json` -> its ids (None: full vocabulary); `error` when malformed."""
-    try:
-        doc = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise error(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(doc, dict) or "output_token_ids" not in doc:
-        raise error(f"{path} must hold a JSON object with output_token_ids")
-    return _check_token_ids(doc["output_token_ids"], str(path), error)
-
-
-def _folder_vocabulary(folder: Path, error: type[RegistryError]) -> list[int] | None:
-    """`draftsmith.json` `output_token_ids` of a model folder, parsed as serving.models.read_output_token_ids
-    does (not imported here: it imports torch)."""
-    meta = Path(folder) / "draftsmith.json"
-    if not meta.is_file():
-        return None
-    try:
-        doc = json.loads(meta.read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise error(f"{meta} is not valid JSON: {e}") from None
-    ids = doc.get("output_token_ids") if isinstance(doc, dict) else None
-    return _check_token_ids(ids or None, str(meta), error)
-
-
 def _vocab_tags(ids: list[int] | None) -> dict[str, str]:
     return {TAG + "vocab_size": "full" if ids is None else str(len(ids)), TAG + "vocab_sha256": vocabulary_digest(ids)}
 
-
-def _write_folder_vocabulary(folder: Path, ids: list[int] | None, *, what: str) -> None:
-    """Set `draftsmith.json` `output_token_ids` of a materialised folder (other keys kept; None: removed),
-    after checking the ids against the folder's vocabulary size."""
-    try:
-        cfg = json.loads((folder / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        cfg = {}
-    rows = cfg.get("vocab_size") if isinstance(cfg, dict) else None
-    if ids is not None and isinstance(rows, int) and max(ids) >= rows:
-        raise ArtifactError(f"{what}: its vocabulary reaches token id {max(ids)}, beyond the {rows} rows of "
-                            "the draft's output layer")
-    meta_path = folder / "draftsmith.json"
-    meta: dict = {}
-    if meta_path.is_file():
-        try:
-            meta = json.loads(meta_path.read_text())
-        except (OSError, json.JSONDecodeError):
-            meta = {}
-        if not isinstance(meta, dict):
-            meta = {}
-    meta.pop("output_token_ids", None)
-    if ids is not None:
-        meta["output_token_ids"] = list(ids)
-    if meta or meta_path.exists():
-        meta_path.write_text(json.dumps(meta))
 
 
 # ---------------------------------------------------------------------------------- small helpers
@@ -632,7 +416,7 @@ class Registry:
                  lock_timeout_s: float = 120.0, max_chain_depth: int | None = None, keep_last: int | None = None,
                  candidates_root: str | os.PathLike | None = None, gc_grace_s: float = DEFAULT_GC_GRACE_S,
                  auto_gc: bool = True) -> None:
-        self.target = str(target) if target not in (None, "") else DEFAULT_TARGET_NAME
+        self.target = str(target) if target not in (None, "") else DEFAULT_TARGET
         self.name = name or model_name_for(self.target)
         self.tracking_uri = tracking_uri or default_tracking_uri()
         self._artifact_root = Path(artifact_root).resolve() if artifact_root else None
@@ -685,12 +469,12 @@ class Registry:
     @property
     def cache_root(self) -> Path:
         if self._cache_root is None:
-            from serving.models import cache_dir
-
             self._cache_root = cache_dir() / "drafts"
         return self._cache_root
 
-    def _experiment(self, name: str = REGISTRY_EXPERIMENT) -> str:
+    def experiment_id(self, name: str = REGISTRY_EXPERIMENT) -> str:
+        """The id of MLflow experiment `name`, created on first use (artifacts beside a local store): the one
+        place experiments are created (the registry's, the live statistics' in deploy/live_stats.py)."""
         if name == REGISTRY_EXPERIMENT and self._experiment_id is not None:
             return self._experiment_id
         exp = self.client.get_experiment_by_name(name)
@@ -753,6 +537,11 @@ class Registry:
 
     def alias(self, alias: str) -> str | None:
         return self.aliases().get(alias)
+
+    @staticmethod
+    def target_fingerprint(target: str | os.PathLike | None) -> str | None:
+        """`target_fingerprint(target)`: what replicas compare a version's pin with (serving/sources.py)."""
+        return target_fingerprint(target)
 
     def champion(self) -> str | None:
         return self.alias(CHAMPION)
@@ -885,7 +674,7 @@ class Registry:
         from mlflow.entities import Metric, Param
 
         self._ensure_model()
-        exp = self._experiment()
+        exp = self.experiment_id()
         with tempfile.TemporaryDirectory(prefix="draftsmith-reg-") as tmp:
             staging = Path(tmp) / "artifacts"
             staging.mkdir()
@@ -1666,223 +1455,3 @@ class Registry:
                              f"rolled back: version {target} is now the champion"
                              + (f" (was {champ})" if champ else "")
                              + ("; scheduled distillation paused until `draftsmith resume`" if pause else ""))
-
-
-def read_candidate(cdir: Path) -> dict:
-    """Parse and check a candidate folder's layout (docs/architecture.md, "Candidate folder"); UsageError says what is wrong."""
-    cdir = Path(cdir)
-    if not cdir.is_dir():
-        raise UsageError(f"candidate folder {cdir} does not exist")
-    cj = cdir / "candidate.json"
-    if not cj.is_file():
-        raise UsageError(f"{cdir} has no candidate.json; a distillation candidate holds adapter/ and candidate.json")
-    try:
-        meta = json.loads(cj.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UsageError(f"{cj} is not valid JSON: {e}") from None
-    if not isinstance(meta, dict):
-        raise UsageError(f"{cj} must hold a JSON object")
-    for name in ("adapter_config.json", "adapter_model.safetensors"):
-        if not (cdir / "adapter" / name).is_file():
-            raise UsageError(f"{cdir / 'adapter' / name} is missing; the adapter must be a peft save_pretrained() folder")
-    for key, typ in (("metrics", dict), ("train_config", dict), ("data_window", dict)):
-        if meta.get(key) is not None and not isinstance(meta[key], typ):
-            raise UsageError(f"{cj}: {key!r} must be a JSON object")
-    if (cdir / VOCABULARY).exists():
-        read_vocabulary_file(cdir / VOCABULARY, UsageError)
-    return meta
-
-
-def _merge_adapter(parent_dir: Path, adapter_dir: Path, out_dir: Path, *, what: str) -> None:
-    """out_dir := merge_and_unload(parent + LoRA adapter), saved in the parent's dtype, plus the
-    parent's non-weight files (tokenizer, draftsmith.json, ...)."""
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    try:
-        base = AutoModelForCausalLM.from_pretrained(parent_dir, dtype=torch.float32)
-    except Exception as e:  # noqa: BLE001 - any load failure means an unusable parent
-        raise ArtifactError(f"{what}: its parent draft at {parent_dir} does not load: {e}") from None
-    saved_dtype = _config_dtype(parent_dir)
-    try:
-        merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
-    except Exception as e:  # noqa: BLE001
-        raise ArtifactError(f"{what}: its adapter does not apply to its parent draft: {e}") from None
-    if saved_dtype is not None:
-        merged = merged.to(saved_dtype)
-    merged.save_pretrained(out_dir)
-    written = {p.name for p in out_dir.iterdir()}
-    for p in parent_dir.iterdir():
-        if (p.is_file() and p.name not in written and p.name != MARKER
-                and not p.name.endswith(WEIGHT_SUFFIXES) and p.name not in WEIGHT_INDEXES):
-            shutil.copy2(p, out_dir / p.name)
-
-
-def _config_dtype(folder: Path):
-    import torch
-
-    try:
-        cfg = json.loads((folder / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    name = cfg.get("dtype") or cfg.get("torch_dtype")
-    dt = getattr(torch, str(name), None) if name else None
-    return dt if isinstance(dt, torch.dtype) else None
-
-
-# ---------------------------------------------------------------------------------- live statistics
-@dataclass
-class LiveAggregate:
-    """Serving figures of one draft version over one interval.
-
-    acceptance_rate = accepted draft tokens / proposed draft tokens; mean_accepted_length = accepted
-    draft tokens per verification step; tokens_per_s = emitted tokens / request wall time;
-    joules_per_token = energy / emitted tokens, or None where energy is not measurable.
-    draft_tokens / accepted_tokens / steps: the counts behind the rates (None when only rates were given);
-    the watchdog (deploy/scheduler.py) weighs intervals by them.
-    """
-
-    acceptance_rate: float
-    mean_accepted_length: float
-    tokens_per_s: float
-    joules_per_token: float | None = None
-    requests: int = 0
-    tokens: int = 0
-    draft_tokens: int | None = None
-    accepted_tokens: int | None = None
-    steps: int | None = None
-
-
-class LiveStatsLogger:
-    """Logs per-draft-version serving aggregates to MLflow on an interval, one run per version.
-
-    Runs live in the experiment `draftsmith-live`, named `live-v<version>`; metric steps are whole
-    seconds since that run started, so the MLflow UI plots acceptance over time with the versions
-    side by side. Feed it either ready aggregates (`update`) or per-request
-    `GenerationStats.to_dict()` dicts (`observe`), which are summed per version and turned into
-    rates at flush time: acceptance_rate = sum(accepted) / sum(draft tokens),
-    mean_accepted_length = sum(accepted) / sum(steps), tokens_per_s = sum(tokens) / sum(wall time),
-    joules_per_token = sum(energy) / sum(tokens) (None if any request had no energy figure).
-    Logging never raises into the caller (failures are logged and the figures kept for the next try).
-    """
-
-    def __init__(self, tracking_uri: str | None = None, *, interval_s: float = 30.0,
-                 experiment: str = LIVE_EXPERIMENT, registry: Registry | None = None, clock=time.time) -> None:
-        if interval_s <= 0:
-            raise ValueError(f"interval_s must be > 0, got {interval_s!r}")
-        self.registry = registry or Registry(tracking_uri=tracking_uri)
-        self.interval_s = float(interval_s)
-        self.experiment = experiment
-        self.clock = clock
-        self._pending: dict[str, LiveAggregate] = {}
-        self._sums: dict[str, dict[str, float]] = {}
-        self._runs: dict[str, tuple[str, float]] = {}   # version -> (run id, run start seconds)
-        self._lock = threading.Lock()
-        self._flush_lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def update(self, draft_version: str, aggregate: LiveAggregate) -> None:
-        """Set the latest aggregate for a version (logged at the next flush)."""
-        with self._lock:
-            self._pending[str(draft_version)] = aggregate
-
-    def observe(self, stats: dict) -> None:
-        """Add one finished request's GenerationStats.to_dict() to its version's running sums."""
-        v = str(stats.get("draft_version", "none"))
-        with self._lock:
-            s = self._sums.setdefault(v, {"requests": 0, "draft_tokens": 0, "accepted_tokens": 0, "steps": 0,
-                                          "tokens": 0, "wall_time_s": 0.0, "energy_j": 0.0, "energy_missing": 0})
-            s["requests"] += 1
-            for k in ("draft_tokens", "accepted_tokens", "steps", "tokens", "wall_time_s"):
-                s[k] += float(stats.get(k) or 0)
-            if stats.get("energy_j") is None:
-                s["energy_missing"] += 1
-            else:
-                s["energy_j"] += float(stats["energy_j"])
-
-    def _drain(self) -> dict[str, LiveAggregate]:
-        with self._lock:
-            out = dict(self._pending)
-            for v, s in self._sums.items():
-                if s["requests"] == 0:
-                    continue
-                out[v] = LiveAggregate(
-                    acceptance_rate=s["accepted_tokens"] / s["draft_tokens"] if s["draft_tokens"] else 0.0,
-                    mean_accepted_length=s["accepted_tokens"] / s["steps"] if s["steps"] else 0.0,
-                    tokens_per_s=s["tokens"] / s["wall_time_s"] if s["wall_time_s"] > 0 else 0.0,
-                    joules_per_token=(s["energy_j"] / s["tokens"]
-                                      if s["energy_missing"] == 0 and s["tokens"] > 0 else None),
-                    requests=int(s["requests"]), tokens=int(s["tokens"]), draft_tokens=int(s["draft_tokens"]),
-                    accepted_tokens=int(s["accepted_tokens"]), steps=int(s["steps"]))
-            self._pending.clear()
-            self._sums.clear()
-            return out
-
-    def _run_for(self, version: str) -> tuple[str, float]:
-        if version in self._runs:
-            return self._runs[version]
-        client = self.registry.client
-        exp = self.registry._experiment(self.experiment)
-        found = client.search_runs([exp], filter_string=f"tags.`{TAG}draft_version` = '{version}'",
-                                   max_results=1, order_by=["attributes.start_time ASC"])
-        if found:
-            run = found[0]
-        else:
-            run = client.create_run(exp, run_name=f"live-v{version}", start_time=int(self.clock() * 1000),
-                                    tags={TAG + "draft_version": version, TAG + "model": self.registry.name})
-        self._runs[version] = (run.info.run_id, run.info.start_time / 1000.0)
-        return self._runs[version]
-
-    def flush(self) -> int:
-        """Log everything gathered since the last flush now; returns the number of metric points logged."""
-        with self._flush_lock:
-            return self._flush()
-
-    def _flush(self) -> int:
-        from mlflow.entities import Metric
-
-        batch = self._drain()
-        logged = 0
-        for version, agg in batch.items():
-            try:
-                run_id, start = self._run_for(version)
-                now = self.clock()
-                step = max(0, int(now - start))
-                values = {"acceptance_rate": agg.acceptance_rate, "mean_accepted_length": agg.mean_accepted_length,
-                          "tokens_per_s": agg.tokens_per_s, "requests": agg.requests, "tokens": agg.tokens}
-                if agg.joules_per_token is not None:
-                    values["joules_per_token"] = agg.joules_per_token
-                for k in ("draft_tokens", "accepted_tokens", "steps"):
-                    if getattr(agg, k) is not None:
-                        values[k] = getattr(agg, k)
-                ms = int(now * 1000)
-                metrics = [Metric(k, float(v), ms, step) for k, v in values.items()]
-                self.registry.client.log_batch(run_id, metrics=metrics)
-                logged += len(metrics)
-            except Exception as e:  # noqa: BLE001 - serving must not fail because MLflow is down
-                log.warning("live stats for draft %s not logged (%s); keeping them for the next flush", version, e)
-                with self._lock:
-                    self._pending.setdefault(version, agg)
-        return logged
-
-    def start(self) -> "LiveStatsLogger":
-        """Flush every `interval_s` seconds in a daemon thread until `stop()`."""
-        if self._thread is None:
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._loop, name="draftsmith-live-stats", daemon=True)
-            self._thread.start()
-        return self
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.flush()
-
-    def stop(self) -> None:
-        """Stop the thread and flush what is left."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self.interval_s + 5)
-            self._thread = None
-        self.flush()

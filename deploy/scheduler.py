@@ -76,8 +76,9 @@ from pathlib import Path
 from statistics import NormalDist
 from typing import Callable
 
+from buffer.paths import data_dir
 from deploy.gate import GatePolicy, GateVerdict, SmokeCheck, run_gate
-from deploy.registry import CANDIDATE, PREVIOUS, TAG, PromotionsPaused, Registry, RegistryError, data_dir
+from deploy.registry import CANDIDATE, PREVIOUS, TAG, PromotionsPaused, Registry, RegistryError
 
 GATE_PENDING_TAG = TAG + "gate_pending"
 
@@ -259,10 +260,10 @@ class DistillScheduler:
             raise ValueError(f"canary share must be in [0, 1), got {canary_share!r} (0: promote directly)")
         self.canary_share = float(canary_share)
         self.canary = canary if canary is not None or not canary_share else CanaryJudge(registry, progress=progress)
-        self._started = clock()
         if evidence_wait_s < 0:
             raise ValueError(f"evidence_wait_s must be >= 0, got {evidence_wait_s!r}")
         self.evidence_wait_s = float(evidence_wait_s)
+        self._started = clock()
         self._last_job: float | None = None
 
     # ------------------------------------------------------------------ one job
@@ -460,11 +461,11 @@ class DistillScheduler:
         canary = self.registry.canary() if self.canary is not None else None
         if canary is not None:
             return False, f"canary version {canary['version']} is being judged; the next job waits for its decision"
-        now = self.clock()
         waiting = self.waiting_candidate()
         if waiting is not None:
             return False, (f"candidate version {waiting} waits for held-out evidence (at most "
                            f"{self.evidence_wait_s:.0f} s after registration); the next job waits for its verdict")
+        now = self.clock()
         sch = self.schedule
         if sch.every_s is not None:
             since = now - (self._last_job if self._last_job is not None else self._started)

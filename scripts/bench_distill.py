@@ -228,15 +228,14 @@ def main() -> int:
     import torch
     import yaml
 
-    from buffer.redis_store import BufferConfig, ReplayBufferReader, ReplayBufferWriter
+    from buffer.redis_store import BufferConfig, ReplayBufferReader, ReplayBufferWriter, resolve_redis_url
     from serving.engine import Engine
     from training import data, distill
-    from training.job import _redis_url
     from training.prompts import chat_prompt_ids, load_prompts
 
     t_start = time.time()
     fraction = 0.2
-    url = _redis_url(None)
+    url = resolve_redis_url(None)
     bcfg = BufferConfig(prefix=args.reuse or f"bench:distill:{uuid.uuid4().hex[:8]}")
     writer = ReplayBufferWriter(url, bcfg)
     engine = Engine.from_paths(args.target, str(args.draft), sink=writer, draft_version="base",

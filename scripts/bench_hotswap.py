@@ -3,7 +3,7 @@
     .venv/bin/python scripts/bench_hotswap.py [--seconds 60] [--clients 4] [--swaps 3] [--replicas 2]
         [--target DIR --base-draft DIR] [--out docs/results/hotswap]
 
-Starts the Ray Serve app (serving/app.py) with --replicas replicas in a fresh data directory (its own
+Starts the Ray Serve app (deploy/app.py) with --replicas replicas in a fresh data directory (its own
 MLflow SQLite store), registers --base-draft as version 1 and promotes it, then runs --clients clients
 (streaming and non-streaming completions, MJSD and speculative) for --seconds. During the load it
 registers --swaps LoRA candidates (random small adapters on the base: the swap mechanics, not their
@@ -82,7 +82,7 @@ def main() -> int:
     os.environ["DRAFTSMITH_DATA"] = str(work / "data")
     os.environ["DRAFTSMITH_CACHE"] = str(work / "cache")
     from deploy.registry import Registry
-    from serving.app import APP_NAME, build, start_hub
+    from deploy.app import APP_NAME, build, start_hub
     from serving.metrics import HUB_NAMESPACE
     from serving.service import ServiceSettings
 

@@ -13,7 +13,8 @@ ratios). Helpers (run_engine_mode, summarise, perplexity, to_markdown, plot) are
   NVML reads a GPU).
 - Table 3: MJSD with --beams-sweep beams (paper: 2, 4, 6, 8); Figure 4: MJSD over --taus (0..1), speed-up
   and perplexity against tau (PNG). Runs whose settings equal Table 2's MJSD row reuse that row.
-- Expected speed-up of speculative sampling (Leviathan et al.; algorithms.md 7):
+- Expected speed-up of speculative sampling (its expected improvement factor in Leviathan et al. 2023,
+  "Fast Inference from Transformers via Speculative Decoding"):
       S(alpha, gamma, c) = (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1))
   alpha = accepted / (accepted + rejections) over its steps (each step examines draft tokens until the
   first rejection, so this is the per-token acceptance estimate); c = draft / target time of one cached

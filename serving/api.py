@@ -28,6 +28,9 @@ a draft mode / engine unhealthy. Messages say what was wrong with the request; a
 names only a reference (`err-...`) that the replica's log has next to the traceback, never the
 exception's text. A failure after a stream started is sent as `data: {"error": ...}` followed by
 `data: [DONE]`.
+
+The routes use only Service's public methods; the service raises domain errors (serving/service.py,
+`ServiceError`) and `service_error` below is the one place that maps them to status codes and bodies.
 """
 from __future__ import annotations
 
@@ -47,7 +50,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serving import protocol as P
-from serving.service import Service
+from serving.service import Busy, Conflict, InvalidRequest, Service, ServiceError, TimedOut, UnknownModel
 
 log = logging.getLogger(__name__)
 
@@ -142,23 +145,46 @@ def _err(e: P.APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
+# a domain error's status and OpenAI error type
+_STATUS: dict[type, tuple[int, str]] = {
+    InvalidRequest: (400, "invalid_request_error"),
+    UnknownModel: (404, "invalid_request_error"),
+    TimedOut: (408, "timeout"),
+    Conflict: (409, "invalid_request_error"),
+    Busy: (429, "rate_limit_exceeded"),
+}
+
+
+def service_error(e: ServiceError) -> P.APIError:
+    """The HTTP error for a Service domain error (500-class faults never come this way)."""
+    status, kind = next((v for cls, v in _STATUS.items() if isinstance(e, cls)), (400, "invalid_request_error"))
+    headers = {"Retry-After": str(e.retry_after_s)} if isinstance(e, Busy) else None
+    return P.APIError(status, e.message, type=kind, param=e.param, code=e.code, headers=headers)
+
+
 def build_app(service: Service) -> FastAPI:
     app = FastAPI(title="Draftsmith", version="0.1.0",
                   description="OpenAI-compatible LLM serving with speculative decoding and a continually "
                               "distilled draft.")
     svc = service
-    key = svc.s.api_key
-    admin_key = svc.s.admin_api_key
+    key = svc.settings.api_key
+    admin_key = svc.settings.admin_api_key
 
     # ---------------------------------------------------------------- errors
     @app.exception_handler(P.APIError)
     async def _api_error(_req, e: P.APIError):
-        svc.telemetry.inc("request_errors_total", code=str(e.status))
+        svc.count_error(e.status)
         return _err(e)
+
+    @app.exception_handler(ServiceError)
+    async def _service_error(_req, e: ServiceError):
+        err = service_error(e)
+        svc.count_error(err.status)
+        return _err(err)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_req, e: RequestValidationError):
-        svc.telemetry.inc("request_errors_total", code="400")
+        svc.count_error(400)
         return _err(P.validation_error(list(e.errors())))
 
     @app.exception_handler(StarletteHTTPException)
@@ -169,7 +195,7 @@ def build_app(service: Service) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _internal(req: Request, e: Exception):
-        svc.telemetry.inc("request_errors_total", code="500")
+        svc.count_error(500)
         return JSONResponse(internal_error(f"handling {req.method} {req.url.path}", e), status_code=500)
 
     def auth(request: Request) -> None:
@@ -223,7 +249,7 @@ def build_app(service: Service) -> FastAPI:
     @app.get("/v1/models", dependencies=[Depends(auth)])
     async def models():
         return {"object": "list", "data": [{"id": svc.model_name, "object": "model", "created": 0,
-                                            "owned_by": "draftsmith", "draft_version": svc.engine.draft_version}]}
+                                            "owned_by": "draftsmith", "draft_version": svc.draft_version}]}
 
     # ---------------------------------------------------------------- generation
     @app.post("/v1/completions", dependencies=[Depends(auth)])
@@ -239,75 +265,32 @@ def build_app(service: Service) -> FastAPI:
         reaching Starlette's outermost handler closes the keep-alive connection)."""
         try:
             return await coro
-        except P.APIError:
+        except (P.APIError, ServiceError):
             raise
         except Exception as e:  # noqa: BLE001
-            svc.telemetry.inc("request_errors_total", code="500")
+            svc.count_error(500)
             return JSONResponse(internal_error("generating", e), status_code=500)
-
-    def _prompt_ids(body, chat: bool) -> list[int]:
-        tok = svc.engine.tokenizer
-        if chat:
-            if not getattr(tok, "chat_template", None):
-                raise P.APIError(400, "this model has no chat template; use /v1/completions", param="messages")
-            msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in body.messages]
-            ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
-            return [int(i) for i in ids]
-        if isinstance(body.prompt, str):
-            return [int(i) for i in tok(body.prompt, add_special_tokens=False)["input_ids"]]
-        ids = list(body.prompt)
-        bad = [i for i in ids if not 0 <= i < svc.engine.vocab_size]
-        if bad:
-            raise P.APIError(400, f"prompt token id {bad[0]} is outside [0, {svc.engine.vocab_size})", param="prompt")
-        return ids
 
     async def _generate(body, request: Request, chat: bool):
         t0 = time.monotonic()
-        if body.model not in (None, svc.model_name, svc.s.target):
-            raise P.APIError(404, f"the model {body.model!r} does not exist; this server serves {svc.model_name!r}",
-                             param="model", code="model_not_found")
-        prompt = _prompt_ids(body, chat)
-        if not prompt:
-            raise P.APIError(400, "the prompt is empty after tokenisation", param="prompt")
-        ctx = svc.engine.max_context
-        if len(prompt) >= ctx:
-            raise P.APIError(400, f"the prompt has {len(prompt)} tokens; this model's context is {ctx} tokens",
-                             param="messages" if chat else "prompt", code="context_length_exceeded")
-        max_tokens = (body.max_completion_tokens if chat and body.max_completion_tokens else None) or body.max_tokens
-        if max_tokens is None:
-            max_tokens = min(svc.s.max_tokens_limit, ctx - len(prompt)) if chat else 16
-        if max_tokens > svc.s.max_tokens_limit:
-            raise P.APIError(400, f"max_tokens is {max_tokens}; this server allows at most {svc.s.max_tokens_limit}",
-                             param="max_tokens")
-        if len(prompt) + max_tokens > ctx:
-            raise P.APIError(400, f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds this "
-                             f"model's context of {ctx} tokens; lower max_tokens", param="max_tokens",
-                             code="context_length_exceeded")
+        requested = (body.max_completion_tokens if chat and body.max_completion_tokens else None) or body.max_tokens
+        messages = ([{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                     for m in body.messages] if chat else None)
+        prompt, max_tokens = svc.prepare(model=body.model, prompt=None if chat else body.prompt, messages=messages,
+                                         max_tokens=requested)
         try:
             sampling = P.sampling_params(body, max_tokens)
         except ValueError as e:
             raise P.APIError(400, str(e)) from None
-        spec = P.spec_params(body, svc.engine.draft is not None)
-        # the engine refuses a request that could never fit its KV budget; say so as a 400 here (its
-        # exception inside decoding would be an internal error whose text the client does not see)
-        footprint, budget = svc.engine.footprint(len(prompt), sampling, spec), svc.engine.max_batch_tokens
-        if footprint > budget:
-            raise P.APIError(400, f"this request may hold {footprint} KV tokens (prompt + max_tokens + gamma, times "
-                             f"beams or drafts), more than this server's budget of {budget}; lower max_tokens, "
-                             "speculative.beams or speculative.params.num_drafts", param="max_tokens",
-                             code="kv_budget_exceeded")
+        spec = P.spec_params(body, svc.has_draft)
+        svc.check_fits(len(prompt), sampling, spec)
         rid = P.new_id("chatcmpl" if chat else "cmpl")
-        deadline = t0 + svc.s.request_timeout_s
-        ts = P.TextStream(svc.engine.tokenizer, body.stop)
+        deadline = t0 + svc.settings.request_timeout_s
+        ts = P.TextStream(svc.tokenizer, body.stop)
         cancel = threading.Event()
         agen = svc.stream(prompt, sampling, spec, request_id=rid, log_mode=body.log_mode, deadline=deadline,
                           cancel=cancel)
         if body.stream:
-            if svc.waiting >= svc.s.max_waiting and svc.running >= svc.s.max_running:
-                await agen.aclose()
-                raise P.APIError(429, "the server is busy; retry shortly", type="rate_limit_exceeded",
-                                 code="queue_full", headers={"Retry-After": "1"})
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_sse(agen, ts, rid, chat, len(prompt), include_usage, t0, cancel),
                                      media_type="text/event-stream",
@@ -329,7 +312,7 @@ def build_app(service: Service) -> FastAPI:
                     break
                 if await request.is_disconnected():
                     cancel.set()
-                    svc.telemetry.inc("request_errors_total", code="499")
+                    svc.count_error(499)
                     return JSONResponse(P.error_body("client disconnected", code="client_closed"), status_code=499)
         st = stats.to_dict() if stats is not None else {}
         reason = reason or "length"
@@ -369,11 +352,12 @@ def build_app(service: Service) -> FastAPI:
             if include_usage:
                 yield event(P.usage_chunk(rid, svc.model_name, chat, P.usage(n_prompt, n), st, created=created))
             svc.record(st, n_prompt, reason, time.monotonic() - t0, ttft)
-        except P.APIError as e:
-            svc.telemetry.inc("request_errors_total", code=str(e.status))
-            yield event(e.body())
+        except (P.APIError, ServiceError) as e:
+            err = service_error(e) if isinstance(e, ServiceError) else e
+            svc.count_error(err.status)
+            yield event(err.body())
         except Exception as e:  # noqa: BLE001 - a stream ends with an error event, never a dropped socket
-            svc.telemetry.inc("request_errors_total", code="500")
+            svc.count_error(500)
             yield event(internal_error(f"streaming {rid}", e))
         finally:
             cancel.set()
@@ -382,43 +366,15 @@ def build_app(service: Service) -> FastAPI:
     # ---------------------------------------------------------------- admin
     @app.get("/v1/admin/draft", dependencies=[Depends(admin_auth)])
     async def admin_draft():
-        champion = None
-        if svc.registry is not None:
-            try:
-                champion = await run_in_threadpool(svc.registry.champion)
-            except Exception:  # noqa: BLE001
-                log.warning("admin: cannot read the champion alias", exc_info=True)
-                champion = "unknown (the registry could not be read; the replica log has the cause)"
-        return {"replica": svc.s.replica_id, "draft_version": svc.engine.draft_version, "champion": champion,
-                "swap_error": svc.swap_error}
+        return await run_in_threadpool(svc.draft_status)
 
     @app.post("/v1/admin/reload", dependencies=[Depends(admin_auth)])
     async def admin_reload():
-        if svc.registry is None:
-            raise P.APIError(409, "this server serves an explicit draft folder (--draft); there is no registry "
-                             "to reload from", code="no_registry")
-        version = await run_in_threadpool(svc.check_champion)
-        if svc.swap_error:
-            raise P.APIError(409, svc.swap_error, code="draft_load_failed")
-        return {"replica": svc.s.replica_id, "draft_version": version,
-                "note": "other replicas load the champion within their watch interval"}
+        return await run_in_threadpool(svc.reload)
 
     @app.post("/v1/admin/rollback", dependencies=[Depends(admin_auth)])
     async def admin_rollback(body: P.RollbackRequest):
-        if svc.registry is None:
-            raise P.APIError(409, "this server serves an explicit draft folder (--draft); nothing to roll back",
-                             code="no_registry")
-        from deploy.registry import RegistryError, UsageError
+        return await run_in_threadpool(lambda: svc.rollback(body.to, reason=body.reason))
 
-        try:
-            move = await run_in_threadpool(lambda: svc.registry.rollback(body.to, reason=body.reason or "http admin"))
-        except UsageError as e:
-            raise P.APIError(400, str(e), param="to") from None
-        except RegistryError as e:
-            raise P.APIError(409, str(e), code="rollback_failed") from None
-        version = await run_in_threadpool(svc.check_champion)
-        return {"changed": move.changed, "champion": move.champion, "old_champion": move.old_champion,
-                "message": move.message, "replica_draft_version": version}
-
-    app.add_middleware(BodyLimit, limit=svc.s.max_body_bytes)
+    app.add_middleware(BodyLimit, limit=svc.settings.max_body_bytes)
     return app

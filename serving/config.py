@@ -54,7 +54,8 @@ def _int_in(name: str, value, low: int, high: int) -> int:
         raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
     return value
 
-# MJSD paper, Appendix D: top-k 20 then top-p 0.9, gamma 4, 8 beams, tau 0.1.
+# MJSD paper (Qin et al. 2024, "Multi-Token Joint Speculative Decoding for Accelerating Large Language Model
+# Inference"), Appendix D: top-k 20 then top-p 0.9, gamma 4, 8 beams, tau 0.1.
 DEFAULT_TOP_K = 20
 DEFAULT_TOP_P = 0.9
 

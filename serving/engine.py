@@ -4,7 +4,7 @@ propose -> verify -> accept loop. The decision rules themselves are pure functio
 
 Cache invariants (batch 1, one request):
 - the *target* cache holds `seq[:-1]`: every token except the last emitted one, which the next
-  verification pass feeds first (algorithms.md 1.4 item 5);
+  verification pass feeds first (so a step's bonus or resampled token is scored with the next proposal);
 - the *draft* cache holds some prefix of `seq` (length <= len(seq) - 1 after a step); before
   drafting, the missing tokens are fed in one forward, so a step never re-encodes the whole prefix.
 After a verification the caches are cropped back to the accepted prefix (rollback).
@@ -25,10 +25,10 @@ Modes (SpecParams.mode; rules in serving/decoding/, knobs in SpecParams.extra, s
   is verified by speculative sampling with a one-hot draft distribution: accept x w.p. target(x),
   else sample target restricted to tokens != x (lossless; at temperature 0 exactly the greedy
   token-match rule of HF prompt lookup);
-- staged: staged speculation (Spector & Re 2023; paper 003): n-gram lookup proposes for the DRAFT
-  model, which checks the proposal in one forward with the same one-hot speculative rule
-  (`ngram.staged_accept`), so its gamma tokens are exact draft samples produced in fewer sequential
-  draft forwards; the target then verifies them by speculative sampling (lossless).
+- staged: staged speculation (Spector & Re 2023, "Accelerating LLM Inference with Staged Speculative
+  Decoding"): n-gram lookup proposes for the DRAFT model, which checks the proposal in one forward with
+  the same one-hot speculative rule (`ngram.staged_accept`), so its gamma tokens are exact draft samples
+  produced in fewer sequential draft forwards; the target then verifies them by speculative sampling (lossless).
 
 Randomness: one torch.Generator per request, seeded from SamplingParams.seed, on the target's device
 (CPU or CUDA), so every rule draws where its probability rows live; a seed reproduces a run on the
@@ -66,6 +66,7 @@ from serving.decoding.warp import sample, warp_logprobs
 from serving.energy import EnergyMeter
 from serving.modes import MODE_TABLE, VERIFY_RULES
 from serving.models import (
+    DEFAULT_TARGET,
     LoadedModel,
     ModelLoadError,
     check_same_tokenizer,
@@ -258,7 +259,7 @@ class Engine:
         target_path = resolve_model_path(target)
         tgt = LoadedModel(load_causal_lm(target_path, device, dtype), load_tokenizer(target_path), target_path)
         drf = cls._load_draft(draft, tgt, device, dtype) if draft else None
-        kwargs.setdefault("target_name", "smollm2-135m-instruct" if target is None else str(target))
+        kwargs.setdefault("target_name", DEFAULT_TARGET if target is None else str(target))
         return cls(tgt, drf, draft_version=draft_version if drf else "none", sink=sink, device=device, **kwargs)
 
     @staticmethod

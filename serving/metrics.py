@@ -209,27 +209,25 @@ def split_by_version(stats: dict) -> list[dict]:
 
 
 class MetricsHub:
-    """Merges replica snapshots and logs live per-version acceptance to MLflow (LiveStatsLogger).
+    """Merges replica snapshots and hands each finished request's per-version statistics to a live
+    statistics sink (serving/sources.py `StatsSink`; deploy/live_stats.py logs them to MLflow).
 
     In the Ray Serve app this class runs as the named actor HUB_NAME; in-process it is used directly.
-    `observe` never raises: MLflow being down costs the live charts, never a request.
+    `live`: a StatsSink, or a factory called here (in the actor's process) that returns a started one;
+    None: no live statistics. `observe` never raises: a failing sink costs the live charts, never a request.
     """
 
-    def __init__(self, tracking_uri: str | None = None, target: str | None = None, model_name: str | None = None,
-                 live_interval_s: float = 15.0, live_stats: bool = True) -> None:
+    def __init__(self, live=None, *, live_stats: bool = True) -> None:
         self.snapshots: dict[str, dict] = {}
         self._lock = threading.Lock()
         self.live = None
-        if live_stats:
+        if live is not None and live_stats:
             try:
-                from deploy.registry import LiveStatsLogger, Registry
-
-                reg = Registry(target, name=model_name, tracking_uri=tracking_uri)
-                self.live = LiveStatsLogger(registry=reg, interval_s=live_interval_s).start()
+                self.live = live() if callable(live) and not hasattr(live, "observe") else live
             except Exception as e:  # noqa: BLE001 - live charts are optional
                 import logging
 
-                logging.getLogger(__name__).warning("live acceptance logging to MLflow is off: %s", e)
+                logging.getLogger(__name__).warning("live acceptance statistics are off: %s", e)
 
     def push(self, snapshot: dict) -> None:
         with self._lock:

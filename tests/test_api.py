@@ -250,6 +250,40 @@ def test_bad_chat_messages_and_unknown_model(client):
     assert_error(complete(client, model="gpt-4"), 404, param="model", code="model_not_found")
 
 
+def test_the_service_raises_domain_errors_that_only_the_api_maps_to_http(server):
+    """Service (serving/service.py) checks every limit itself and raises its own errors, never HTTP ones;
+    serving/api.py maps them (400 / 404 / 408 / 409 / 429)."""
+    import ast
+    from pathlib import Path
+
+    from serving import api
+    from serving.service import Busy, Conflict, InvalidRequest, ServiceError, TimedOut, UnknownModel
+
+    svc = server.service
+    with pytest.raises(UnknownModel) as e:
+        svc.prepare(model="gpt-4", prompt="x")
+    assert (e.value.param, e.value.code) == ("model", "model_not_found")
+    with pytest.raises(InvalidRequest, match="outside"):
+        svc.prepare(model=None, prompt=[1, 10 ** 9])
+    with pytest.raises(InvalidRequest) as e:
+        svc.prepare(model=None, prompt="x", max_tokens=svc.settings.max_tokens_limit + 1)
+    assert e.value.param == "max_tokens"
+    ids, max_tokens = svc.prepare(model=None, prompt="x")
+    assert ids and max_tokens == 16
+    with pytest.raises(Conflict) as e:
+        svc.reload()                                       # an explicit draft folder: no registry
+    assert e.value.code == "no_registry"
+    statuses = {cls: api.service_error(cls("m")).status for cls in (InvalidRequest, UnknownModel, TimedOut,
+                                                                     Conflict, Busy)}
+    assert statuses == {InvalidRequest: 400, UnknownModel: 404, TimedOut: 408, Conflict: 409, Busy: 429}
+    assert api.service_error(Busy("m")).headers == {"Retry-After": "1"}
+    assert all(issubclass(c, ServiceError) for c in statuses)
+    tree = ast.parse(Path(__import__("serving.service").service.__file__).read_text())
+    imported = {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not {m for m in imported if m.split(".")[0] in ("fastapi", "starlette") or m == "serving.protocol"}
+
+
 def test_malformed_json_oversized_body_and_unknown_routes(client):
     for raw in (b"{bad json", b"", b"[1, 2", b"\xff\xfe", b"null", b"[]", b'{"prompt": "x", "temperature": NaN}',
                 b'{"prompt": "x", "top_p": Infinity}'):

@@ -27,7 +27,7 @@ def stack(tmp_path_factory):
     from ray import serve
 
     from deploy.registry import Registry
-    from serving.app import APP_NAME, build, start_hub
+    from deploy.app import APP_NAME, build, start_hub
     from serving.metrics import HUB_NAMESPACE
     from serving.service import ServiceSettings
 

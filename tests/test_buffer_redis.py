@@ -420,3 +420,55 @@ def test_embedded_server_reports_a_missing_binary(tmp_path, monkeypatch):
     monkeypatch.delenv("DRAFTSMITH_REDIS_SERVER")
     assert os.access(embedded.find_redis_server(), os.X_OK)
     assert Path(embedded.find_redis_server()).name == "redis-server"
+
+
+# ----------------------------------------------------------------------------- paths and defaults
+def test_paths_and_defaults_have_one_home(tmp_path, monkeypatch):
+    """buffer/paths.py: an empty DRAFTSMITH_DATA / DRAFTSMITH_CACHE means the default (the two copies of
+    data_dir this replaced disagreed there); every package reads these values from it."""
+    from buffer import paths
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DRAFTSMITH_DATA", "")
+    monkeypatch.setenv("DRAFTSMITH_CACHE", "")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert paths.data_dir() == (tmp_path / "data").resolve()
+    assert paths.cache_dir() == Path.home() / ".cache" / "draftsmith"
+    assert paths.default_tracking_uri() == f"sqlite:///{(tmp_path / 'data').resolve() / 'mlflow.db'}"
+    monkeypatch.setenv("DRAFTSMITH_DATA", str(tmp_path / "d"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow:5000")
+    assert paths.data_dir() == tmp_path / "d" and paths.default_tracking_uri() == "http://mlflow:5000"
+    assert embedded.data_dir is paths.data_dir
+    assert all(paths.is_default_target(t) for t in (None, "", "default", paths.DEFAULT_TARGET))
+    assert not paths.is_default_target("/models/other")
+
+
+def test_count_after_and_newest_steps_page_the_stream_in_redis(redis_url):
+    """The stream windows and counts trainers use live here: counts after a cursor (Lua over XRANGE pages),
+    the newest steps matching a predicate / older than an id, with their sequences."""
+    from buffer.redis_store import count_after, stream_id_key
+
+    cfg = BufferConfig(prefix=f"test:count:{uuid.uuid4().hex[:8]}")
+    client = connect(redis_url)
+    try:
+        ids = []
+        for i in range(25):
+            rid = f"r{i % 5}"
+            ids.append(client.xadd(cfg.steps_key, {b"d": encode_step(make_step(i, request_id=rid))}).decode())
+        for i in range(4):                                          # r4 has no stored sequence
+            client.set(cfg.seq_key(f"r{i}"), encode_sequence(SequenceRecord(f"r{i}", list(range(40)), 3, "v1",
+                                                                            source="a" if i % 2 else "b")))
+        assert count_after(client, cfg.steps_key) == 25
+        assert count_after(client, cfg.steps_key, ids[9], page=4) == 15
+        assert count_after(client, cfg.steps_key, ids[-1], page=4) == 0
+        with pytest.raises(ValueError):
+            count_after(client, cfg.steps_key, "not-an-id")
+        reader = ReplayBufferReader(client, cfg)
+        got, seqs = reader.newest_steps(6, where=lambda r: r.request_id != "r0", before_id=ids[20])
+        assert all(stream_id_key(e.stream_id) < stream_id_key(ids[20]) for e in got)
+        assert all(e.record.request_id not in ("r0", "r4") for e in got) and len(got) == 6
+        assert set(seqs) == {e.record.request_id for e in got}
+        only_a, seqs_a = reader.newest_steps(100, source="a")
+        assert {e.record.request_id for e in only_a} == {"r1", "r3"} and set(seqs_a) == {"r1", "r3"}
+    finally:
+        client.close()

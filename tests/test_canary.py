@@ -183,7 +183,7 @@ def registry(store, tmp_path):
 
 def log_live(registry, version, rates, start, *, drafted=1000, every_s=15.0, tokens_per_s=20.0, requests=5):
     """One live interval per rate for `version`, through the real LiveStatsLogger (as the MetricsHub does)."""
-    from deploy.registry import LiveStatsLogger
+    from deploy.live_stats import LiveStatsLogger
 
     clock = [start]
     live = LiveStatsLogger(registry=registry, interval_s=60, clock=lambda: clock[0])
@@ -372,6 +372,7 @@ def test_a_degraded_champion_is_rolled_back_automatically_under_4_client_load(pa
     every 0.5 s) serves 4 clients with a good champion (v1: the target's own weights); a degraded draft
     (v2: large perturbation) is registered and promoted over it; a real LiveWatchdog with short windows
     rolls it back with the reason recorded, the replica follows, and no request fails."""
+    from deploy.live_stats import live_stats_factory
     from deploy.registry import Registry
     from deploy.scheduler import LiveWatchdog, WatchdogPolicy
     from deploy_helpers import make_degraded_draft, make_target_clone
@@ -383,7 +384,7 @@ def test_a_degraded_champion_is_rolled_back_automatically_under_4_client_load(pa
     reg.register_base(make_target_clone(tmp_path / "good", target))
     reg.promote("1")
     eng = Engine.from_paths(str(target), None, dtype=torch.float32, device="cpu")
-    hub = MetricsHub(store, str(target), live_interval_s=0.5)
+    hub = MetricsHub(live_stats_factory(store, str(target), interval_s=0.5))
     svc = Service(ServiceSettings(target=str(target), watch_interval_s=0.2, buffer=False), engine=eng, registry=reg,
                   sink=None, hub=hub)
     dog = LiveWatchdog(reg, WatchdogPolicy(min_draft_tokens=150, min_intervals=2, window_s=2.0, previous_window_s=60),

@@ -223,9 +223,9 @@ def test_distill_runs_one_job_through_the_gate(env, capsys, tmp_path, monkeypatc
 
 def test_serve_delegates(env, capsys, monkeypatch):
     seen = {}
-    fake = types.ModuleType("serving.app")
+    fake = types.ModuleType("deploy.app")
     fake.serve_forever = lambda **kw: seen.update(kw)
-    monkeypatch.setitem(sys.modules, "serving.app", fake)
+    monkeypatch.setitem(sys.modules, "deploy.app", fake)
     spawned = []
 
     class FakePopen:        # no draft registered: serve starts `draftsmith bootstrap` in the background

@@ -1,5 +1,5 @@
 """Engine tests on tiny fp32 models (exactness needs fp32: bf16 multi-token and one-token forwards
-round differently, see shared/reference/measurements.md). DRAFTSMITH_TEST_DEVICE=cuda runs them on a GPU."""
+round differently). DRAFTSMITH_TEST_DEVICE=cuda runs them on a GPU."""
 from __future__ import annotations
 
 import json

@@ -182,7 +182,7 @@ def test_beam_step_returns_distinct_supported_pairs_with_joint_scores():
 
 def test_beam_step_from_a_single_beam_has_no_duplicates():
     """Starting from one live beam (score 0), step 1 draws distinct tokens - the published code's
-    num_beams identical copies could draw the same token twice (algorithms.md 2.1a)."""
+    num_beams identical copies could draw the same token twice (serving/decoding/mjsd.py)."""
     step_logprobs = warp_logprobs(torch.tensor([[3.0, 2.9, 2.8, -5.0, -6.0]]), 1.0, 0, 1.0)
     for seed in range(50):
         parent, token, _ = beam_sample_step(torch.zeros(1), step_logprobs, 4, torch.Generator().manual_seed(seed))

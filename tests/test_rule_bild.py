@@ -1,7 +1,7 @@
 """serving/decoding/bild.py: BiLD fallback predicate and rollback rule (lossy).
 
-Exact tests: the threshold limits of algorithms.md 3.2, a hand-computed rollback, and the documented
-use of the generator (one `sample` from the target row at the rollback or bonus position), which
+Exact tests: the threshold limits of the two policies (serving/decoding/bild.py), a hand-computed rollback,
+and the documented use of the generator (one `sample` from the target row at the rollback or bonus position), which
 makes "output = target sample" an equality rather than a statistical statement.
 """
 from __future__ import annotations

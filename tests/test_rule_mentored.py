@@ -5,7 +5,7 @@ Evidence, all exact or against an independent optimiser:
 2. The realised output distribution q min(1, pi/q) + (1 - A) norm(max(0, pi - q)), computed with the
    speculative pieces the verifier uses, equals pi; KL(target || pi) <= D and is tight when the budget
    binds; the acceptance A = sum min(q, pi) is >= speculative's and non-decreasing in D.
-3. pi is the optimum: it matches SLSQP over the simplex (as verify_oracles.py does), also in the
+3. pi is the optimum: it matches SLSQP over the simplex, also in the
    target-has-zeros regime where the blog's alpha-form is not optimal.
 4. Wiring: mentored_verify is those pieces plus the documented use of the generator.
 """
@@ -131,7 +131,7 @@ def test_acceptance_beats_speculative_and_grows_with_budget():
 
 
 def numerical_optimum(draft: np.ndarray, target: np.ndarray, budget: float, rng: np.random.Generator) -> float:
-    """max sum min(q, x) s.t. KL(p || x) <= D on the simplex, SLSQP from 20 random starts (verify_oracles.py)."""
+    """max sum min(q, x) s.t. KL(p || x) <= D on the simplex, SLSQP from 20 random starts."""
     support = target > 0
 
     def divergence(x):

@@ -3,7 +3,7 @@
 1. One position, exact: the output distribution, enumerated over all k-tuples of candidates with the
    rule's own pieces (`kseq_acceptance`, `kseq_residual`), equals the target for k in {1, 2, 4}; the
    same enumeration rejects K-SEQ with rho = 1 (a broken variant). rho* solves its equation to 1e-10
-   and agrees with scipy's brentq (verify_oracles.py). P(accept) is non-decreasing in k.
+   and agrees with scipy's brentq. P(accept) is non-decreasing in k.
 2. Wiring: `kseq_select` is those pieces plus the documented use of the generator; with k = 1 it makes
    speculative_verify's decision and draw.
 3. Monte Carlo: chi-square of `kseq_select` (k = 4) against the target, and of `spectr_verify`'s first
@@ -257,7 +257,7 @@ def bigram_tables(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def longest_of_independent_drafts(draft_tokens, draft_probs, target_probs, generator):
-    """Negative control (biased, algorithms.md 3.3): speculative sampling on each chain separately, keep
+    """Negative control (biased, as the SpecTr paper notes): speculative sampling on each chain separately, keep
     the first chain with the longest accepted prefix and its recovered / bonus token."""
     results = [speculative_verify(draft_tokens[r], draft_probs[r], target_probs[r], generator)
                for r in range(draft_tokens.shape[0])]

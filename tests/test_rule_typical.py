@@ -1,7 +1,7 @@
 """serving/decoding/typical.py: Medusa typical acceptance (lossy, deterministic).
 
 The rule has no randomness, so every test is exact: hand-computed thresholds, the limits of the two
-knobs (algorithms.md 6.1), greedy equivalence for a one-hot target, and monotonicity in epsilon.
+knobs (serving/decoding/typical.py), greedy equivalence for a one-hot target, and monotonicity in epsilon.
 """
 from __future__ import annotations
 

@@ -151,7 +151,7 @@ def test_an_open_probe_does_not_see_exception_text_but_an_admin_does(pair):
 
 # ----------------------------------------------------------------------------- config and command line
 def test_cluster_config_takes_keys_from_the_environment(monkeypatch):
-    from serving.app import settings_from_args
+    from deploy.app import settings_from_args
 
     text = (ROOT / "deploy" / "serve_config.yaml").read_text()
     cfg = yaml.safe_load(text)
@@ -191,9 +191,9 @@ def test_serve_admin_key_flag_and_env(monkeypatch, capsys):
     from deploy import cli
 
     seen = []
-    fake = types.ModuleType("serving.app")
+    fake = types.ModuleType("deploy.app")
     fake.serve_forever = lambda **kw: seen.append(kw)
-    monkeypatch.setitem(sys.modules, "serving.app", fake)
+    monkeypatch.setitem(sys.modules, "deploy.app", fake)
     monkeypatch.delenv("DRAFTSMITH_ADMIN_KEY", raising=False)
     monkeypatch.delenv("DRAFTSMITH_API_KEY", raising=False)
     base = ["serve", "--no-bootstrap", "--draft", "/tmp/d"]
@@ -364,7 +364,7 @@ def test_a_failed_conversion_leaves_nothing_behind(tmp_path):
 # ----------------------------------------------------------------------------- stopping a process tree
 REAPER = textwrap.dedent("""
     import subprocess, sys
-    from serving.app import become_subreaper, descendants, stop_descendants
+    from deploy.app import become_subreaper, descendants, stop_descendants
 
     assert become_subreaper()
     # children that start a sleeper in a new session and exit: the sleepers are orphaned, the way Ray's

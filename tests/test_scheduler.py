@@ -445,7 +445,7 @@ def test_an_accepted_candidate_held_by_a_pause_is_promoted_after_resume(registry
 def log_live(registry, version, rates, start, *, drafted=1000, every_s=15.0):
     """Log one live interval per rate for `version` through the real LiveStatsLogger (as the MetricsHub
     does), with timestamps start, start + every_s, ..."""
-    from deploy.registry import LiveStatsLogger
+    from deploy.live_stats import LiveStatsLogger
 
     clock = [start]
     live = LiveStatsLogger(registry=registry, interval_s=60, clock=lambda: clock[0])

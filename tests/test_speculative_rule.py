@@ -2,8 +2,8 @@
 
 Three layers of evidence:
 1. exact: the distribution of the first N emitted tokens, computed by enumeration from the rule's own
-   pieces (`acceptance_probs`, `recovery_probs`), equals the target's (algorithms.md 1.4.1, ported from
-   verify_oracles.py `spec_step_blocks` / `spec_prefix_dist`);
+   pieces (`acceptance_probs`, `recovery_probs`), equals the target's (the losslessness theorem of
+   Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding");
 2. wiring: `speculative_verify` is exactly those pieces plus the documented use of the generator
    (same seed -> same uniforms -> same token), so (1) is a statement about the function itself;
 3. Monte Carlo: seeded chi-square of 1e5 vectorised generations against the (warped) target, with a

@@ -42,9 +42,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from buffer.codec import DecodeError, decode_step
 from buffer.records import SequenceRecord, StepRecord
-from buffer.redis_store import FIELD, BufferEntry, ReplayBufferReader
+from buffer.redis_store import BufferEntry, ReplayBufferReader, stream_id_key  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -58,15 +57,6 @@ def is_heldout(request_id: str, fraction: float) -> bool:
         raise ValueError(f"heldout_fraction must be in [0, 1), got {fraction!r}")
     h = int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "big")
     return h / 2.0 ** 64 < fraction
-
-
-def stream_id_key(stream_id: str) -> tuple[int, int]:
-    """'<ms>-<seq>' -> (ms, seq), for ordering Redis stream ids; ValueError on anything else."""
-    try:
-        ms, _, seq = str(stream_id).partition("-")
-        return int(ms), int(seq or 0)
-    except ValueError:
-        raise ValueError(f"not a Redis stream id: {stream_id!r} (expected '<ms>-<seq>')") from None
 
 
 # ----------------------------------------------------------------------------- units
@@ -333,42 +323,8 @@ def newest_steps(reader: ReplayBufferReader, n: int, *, heldout: bool, heldout_f
                  max_scan: int = 100_000) -> tuple[list[BufferEntry], dict[str, SequenceRecord]]:
     """The newest `n` steps (newest first) whose request is (`heldout=True`) or is not held out, older
     than `before_id` if given, of `source` if given, with their SequenceRecords; steps without a
-    stored sequence are left out. Read-only XREVRANGE pages, at most `max_scan` entries scanned."""
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be an integer >= 1, got {n!r}")
-    if before_id is not None:
-        stream_id_key(before_id)
-    key = reader.config.steps_key
-    out: list[BufferEntry] = []
-    sequences: dict[str, SequenceRecord] = {}
-    missing: set[str] = set()
-    hi, scanned = ("(" + before_id) if before_id else "+", 0
-    while len(out) < n and scanned < max_scan:
-        page = reader.client.xrevrange(key, max=hi, min="-", count=min(1000, max_scan - scanned))
-        if not page:
-            break
-        scanned += len(page)
-        hi = "(" + _s(page[-1][0])
-        batch = []
-        for sid, fields in page:
-            try:
-                rec = decode_step((fields or {}).get(FIELD))
-            except DecodeError as exc:
-                log.warning("skipping an undecodable step %s: %s", _s(sid), exc)
-                continue
-            if is_heldout(rec.request_id, heldout_fraction) == heldout:
-                batch.append(BufferEntry(_s(sid), rec))
-        need = {e.record.request_id for e in batch} - sequences.keys() - missing
-        found = reader.get_sequences(need)
-        sequences.update(found)
-        missing |= need - found.keys()
-        for e in batch:
-            seq = sequences.get(e.record.request_id)
-            if seq is not None and (source is None or seq.source == source) and len(out) < n:
-                out.append(e)
-    used = {e.record.request_id for e in out}
-    return out, {r: s for r, s in sequences.items() if r in used}
-
-
-def _s(value) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+    stored sequence are left out. Read-only (`ReplayBufferReader.newest_steps`), at most `max_scan`
+    entries scanned."""
+    is_heldout("", heldout_fraction)                          # validates the fraction before any read
+    return reader.newest_steps(n, where=lambda r: is_heldout(r.request_id, heldout_fraction) == heldout,
+                               before_id=before_id, source=source, max_scan=max_scan)

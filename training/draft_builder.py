@@ -1,6 +1,6 @@
 """Build the default draft on a fresh machine (the bootstrap), in a fixed time budget on a CPU.
 
-Recipe (see shared/reference/measurements.md for why each lever matters on a 2-core CPU):
+Recipe (docs/benchmarks.md and scripts/bench_teacher.py measure why each lever matters on a 2-core CPU):
 1. Teacher data: the target's greedy answers to broad prompts (`prompts_source="general"`): requests
    the target writes itself from its chat template's user prefix (Magpie; some with a generic seed
    word), follow-up turns it writes for finished conversations (multi-turn), and packaged GSM8K, GPQA,

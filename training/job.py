@@ -70,11 +70,6 @@ log = logging.getLogger(__name__)
 
 EXPERIMENT = "draftsmith-distill"
 ROOT = Path(__file__).resolve().parent.parent
-_COUNT_SCRIPT = """
-local r = redis.call('XRANGE', KEYS[1], ARGV[1], '+', 'COUNT', ARGV[2])
-if #r == 0 then return {0, ''} end
-return {#r, r[#r][1]}
-"""
 
 
 VOCABULARY_FILE = "vocabulary.json"      # deploy/registry.py reads it under the same name
@@ -122,7 +117,7 @@ class JobConfig:
         if not (Path(self.base_draft_path) / "config.json").is_file():
             raise ValueError(f"base_draft_path {self.base_draft_path!r} is not a model folder (no config.json)")
         if self.since_id is not None:
-            from training.data import stream_id_key
+            from buffer.redis_store import stream_id_key
 
             stream_id_key(self.since_id)
         for name in ("max_records", "min_records", "eval_records", "max_len", "min_heldout"):
@@ -167,37 +162,20 @@ def parse_config(cfg: dict):
 
 # ----------------------------------------------------------------------------- buffer helpers
 def _redis_url(url: str | None) -> str:
-    from buffer.embedded import ensure_embedded
-    from buffer.redis_store import redis_url_from_env
+    from buffer.redis_store import resolve_redis_url
 
-    return url or redis_url_from_env() or ensure_embedded()
+    return resolve_redis_url(url)
 
 
 def pending_records(since_id: str | None = None, *, redis_url: str | None = None,
                     buffer_prefix: str = "draftsmith:buf", page: int = 10_000) -> int:
     """Number of step records with a stream id after `since_id` (all of them when None).
 
-    Counted inside Redis (a Lua script over XRANGE pages of `page` ids), so no record is transferred.
+    Counted inside Redis (`buffer.redis_store.count_after`), so no record is transferred.
     """
-    from buffer.redis_store import BufferConfig, connect
-    from training.data import stream_id_key
+    from buffer.redis_store import BufferConfig, count_after
 
-    key = BufferConfig(prefix=buffer_prefix).steps_key
-    client = connect(_redis_url(redis_url))
-    try:
-        if since_id is None:
-            return int(client.xlen(key))
-        stream_id_key(since_id)
-        script = client.register_script(_COUNT_SCRIPT)
-        total, start = 0, f"({since_id}"
-        while True:
-            n, last = script(keys=[key], args=[start, page])
-            total += int(n)
-            if int(n) < page:
-                return total
-            start = "(" + (last.decode() if isinstance(last, bytes) else str(last))
-    finally:
-        client.close()
+    return count_after(_redis_url(redis_url), BufferConfig(prefix=buffer_prefix).steps_key, since_id, page=page)
 
 
 # ----------------------------------------------------------------------------- MLflow
@@ -324,7 +302,7 @@ def choose_job_vocabulary(draft, units, *, vocab_size: int | None, prior_weight:
 
 # ----------------------------------------------------------------------------- the job
 def _default_out_dir(parent_version: str | None) -> Path:
-    from buffer.embedded import data_dir
+    from buffer.paths import data_dir
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
     return data_dir() / "candidates" / f"{stamp}-from-v{parent_version or 'none'}-{uuid.uuid4().hex[:6]}"
@@ -342,7 +320,7 @@ def run_distillation(cfg: dict, progress: Callable[[str], None] = print) -> Path
                                 start_id=job.since_id or "0")
     tracking = None
     if job.mlflow:
-        from deploy.registry import default_tracking_uri   # one definition of the default store
+        from buffer.paths import default_tracking_uri
 
         params = _flat("", {**{k: v for k, v in asdict(job).items() if k != "redis_url"}, **asdict(tcfg)}, {})
         tracking = _Tracking(job.tracking_uri or default_tracking_uri(), f"distill-from-v{job.parent_version}",
@@ -517,7 +495,7 @@ def resolve_for_remote(cfg: dict) -> dict:
            "base_draft_path": str(Path(job.base_draft_path).resolve()),
            "out_dir": str(Path(job.out_dir).resolve() if job.out_dir else _default_out_dir(job.parent_version))}
     if job.mlflow:
-        from deploy.registry import default_tracking_uri
+        from buffer.paths import default_tracking_uri
 
         cfg["tracking_uri"] = job.tracking_uri or default_tracking_uri()
     return cfg
@@ -527,7 +505,7 @@ def run_in_ray(cfg: dict, num_cpus: float = 2, num_gpus: float = 0) -> Path:
     """Run `run_distillation(cfg)` as a Ray task with `num_cpus` CPUs and `num_gpus` GPUs (module docstring)."""
     import ray
 
-    from buffer.embedded import data_dir
+    from buffer.paths import data_dir
 
     cfg = resolve_for_remote(cfg)                    # fail fast, in the driver
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),

@@ -1,7 +1,8 @@
 """Distillation losses between a draft and a target known only through its top-k (pure torch, fp32, masked).
 
-Notation: P = target distribution, Q = draft distribution (Leviathan et al.; see
-shared/reference/algorithms.md). Every loss takes
+Notation: P = target distribution, Q = draft distribution (Leviathan et al. 2023, "Fast Inference from
+Transformers via Speculative Decoding"; the divergences as in Agarwal et al. 2024, "On-Policy Distillation
+of Language Models"). Every loss takes
 
     draft_logits      [N, V]  draft logits (or log-probabilities: log_softmax is applied, which leaves
                               log-probabilities unchanged) over the draft's vocabulary: the full

@@ -2,7 +2,7 @@
 
 Convention: target = p (the "big" model), draft = q (the "little" model). Vocabulary as in `types.py`.
 
-Two policies (algorithms.md 3.2):
+Two policies (Kim et al. 2023, "Speculative Decoding with Big Little Decoder"):
 
 * Fallback (drafting side, the engine's job): the draft proposes one token at a time and hands over
   to the target as soon as its own confidence drops, max_v q(v) < fallback_threshold, or after gamma

@@ -1,4 +1,5 @@
-"""MJSD / MTAD verification and the draft's beam sampler (Qin et al., arXiv 2407.09722).
+"""MJSD / MTAD verification and the draft's beam sampler (Qin et al. 2024, "Multi-Token Joint Speculative
+Decoding for Accelerating Large Language Model Inference", arXiv 2407.09722).
 
 Convention: target = p, draft = q. Algorithm 1 (paper, Appendix A), one iteration:
 
@@ -28,12 +29,12 @@ Choices, where the paper and the published code (ZongyueQin/LLMSpeculativeSampli
 * q(x_1:i) is the true draft joint of the chosen beam, built from the draft's *warped* probabilities
   (same temperature/top-k/top-p as the target), in log space. The code instead uses a
   candidate-set-normalised beam probability that is not re-indexed by parent beam and carries a
-  1/num_beams factor at step 1 (algorithms.md 2.1b), and its draft ignores temperature (2.1c).
+  1/num_beams factor at step 1, and its draft ignores temperature.
   With draft == target our ratio is exactly 1, so every prefix passes for any tau < 1.
 * A draft probability of 0 on the beam makes that prefix (and, since the joint stays 0, every longer
   one) fail, instead of dividing by zero. A beam sampled from the draft never contains such a token.
 * Beam sampling starts from ONE live beam (score 0) rather than num_beams identical copies, which
-  avoids the code's duplicate-beam quirk at step 1 (algorithms.md 2.1a).
+  avoids the code's duplicate-beam quirk at step 1 (tests/test_mjsd_rule.py).
 
 Randomness: `mjsd_verify` makes exactly one categorical draw from `generator`; `beam_sample_step`
 draws one float64 uniform per finite candidate.

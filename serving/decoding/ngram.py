@@ -2,10 +2,10 @@
 
 Convention: target = p, draft = q. Vocabulary as in `types.py`.
 
-`ngram_propose` is HF transformers' `PromptLookupCandidateGenerator` (algorithms.md 6.2): for
-n = min(max_ngram, len(context) - 1) down to min_ngram, look for the last n tokens of the context
-among all earlier n-token windows of the context (prompt + generated text), take the LEFTMOST window
-whose continuation is non-empty and return up to num_tokens tokens of that continuation. A longer
+`ngram_propose` is HF transformers' `PromptLookupCandidateGenerator` (transformers/generation/
+candidate_generator.py): for n = min(max_ngram, len(context) - 1) down to min_ngram, look for the last
+n tokens of the context among all earlier n-token windows of the context (prompt + generated text), take
+the LEFTMOST window whose continuation is non-empty and return up to num_tokens tokens of that continuation. A longer
 n-gram is tried first, so it wins over a shorter one. No match -> [] (decode normally). Cropping at
 EOS or at tokens a logits processor forbids is left to the caller.
 

@@ -2,8 +2,8 @@
 
 Convention: target = p, draft = q in this docstring. SpecTr's paper uses the OPPOSITE letters
 (p = draft, q = target): its beta_pq(rho) = sum_x min(p(x), q(x) / rho) is sum_x min(q(x), p(x) / rho)
-here. In code: `draft_*` / `target_*`. Vocabulary as in `types.py`. Source: algorithms.md 3.3 and
-verify_oracles.py `kseq_dist` (checked exact there).
+here. In code: `draft_*` / `target_*`. Vocabulary as in `types.py`. Source: the paper's K-SEQ algorithm;
+tests/test_rule_spectr.py checks the emitted distribution exactly.
 
 One position, k candidates X_1..X_k drawn iid from the draft q:
 
@@ -21,9 +21,9 @@ For k = 1 every piece is the speculative-sampling one (rho* = 1, the residual is
 speculative.recovery_probs), so `kseq_select` with one candidate makes the same decision and the same
 draw as `speculative_verify` with gamma = 1 for the same generator state.
 
-Sequence level (`spectr_verify`, algorithms.md 3.3): k iid draft CHAINS of length gamma from the same
-prefix form a tree. At depth i the live chains (those equal to the accepted prefix so far) have next
-tokens that are iid draft samples given that prefix, so K-SEQ over them emits a token distributed as
+Sequence level (`spectr_verify`, the paper's draft-tree extension of K-SEQ): k iid draft CHAINS of length
+gamma from the same prefix form a tree. At depth i the live chains (those equal to the accepted prefix so
+far) have next tokens that are iid draft samples given that prefix, so K-SEQ over them emits a token distributed as
 the target given the prefix: if it accepts a candidate, keep only the chains whose next token equals
 it and go one deeper; if not, its residual sample is the recovered token and the step ends. If every
 depth accepts, the bonus token comes from the target at the end of a surviving chain. By induction

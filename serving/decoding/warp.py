@@ -2,7 +2,7 @@
 
 The same warp is applied to the target and to the draft, so speculative sampling reproduces the
 *warped* target distribution exactly. Order (as feifeibear/LLMSpeculativeSampling `norm_logits` and
-the MJSD paper, Appendix D):
+the MJSD paper named in serving/decoding/mjsd.py, Appendix D):
 
     1. z = logits / temperature                       (temperature == 0 -> greedy, see below)
     2. top-k: keep the k largest z (top_k == 0 -> off)

@@ -1,9 +1,14 @@
 """The Ray Serve application: N replicas of the FastAPI app (serving/api.py) over a Service each, plus
 one named MetricsHub actor that merges their metrics and logs live acceptance to MLflow.
 
+It lives in deploy/ because it wires serving to the outside systems: each replica's Service gets the
+registry (deploy/registry.py) as its draft source and the hub gets the live statistics logger
+(deploy/live_stats.py) as its statistics sink (the protocols of serving/sources.py); serving/ itself
+imports nothing from deploy/.
+
     draftsmith serve [--port 8000] [--replicas 1] [--draft DIR] [--api-key KEY] [--admin-key KEY]
                                                                                  -> serve_forever(...)
-    serve run serving.app:app_builder target=... replicas=2                       (an existing Ray)
+    serve run deploy.app:app_builder target=... replicas=2                        (an existing Ray)
     serve deploy deploy/serve_config.yaml                                          (a running cluster)
 
 `serve_forever` starts (or joins, with RAY_ADDRESS) Ray and writes its address to
@@ -57,7 +62,7 @@ class DraftsmithDeployment:
         except ValueError:
             log.warning("metrics hub %s not found; this replica keeps its own metrics", HUB_NAME)
         s = ServiceSettings(**settings)
-        self.service = Service(s, hub=hub if hub is not None else MetricsHub(live_stats=False))
+        self.service = Service(s, registry=draft_source(s), hub=hub if hub is not None else MetricsHub())
 
     def __serve_build_asgi_app__(self):
         from serving.api import build_app
@@ -76,14 +81,28 @@ class DraftsmithDeployment:
             pass
 
 
+def draft_source(settings: ServiceSettings):
+    """The replica's draft source: the registry of its target, or None with an explicit `draft` folder."""
+    if settings.draft is not None:
+        return None
+    from deploy.registry import Registry
+
+    return Registry(settings.target, name=settings.registry_model, tracking_uri=settings.tracking_uri)
+
+
 def start_hub(settings: ServiceSettings):
-    """The named, detached MetricsHub actor (created once; later calls return the existing one)."""
+    """The named, detached MetricsHub actor (created once; later calls return the existing one), logging
+    live statistics to MLflow (deploy/live_stats.py) unless the replicas serve an explicit draft folder."""
     import ray
 
+    from deploy.live_stats import live_stats_factory
+
+    live = None
+    if settings.draft is None:
+        live = live_stats_factory(settings.tracking_uri, settings.target, settings.registry_model,
+                                  settings.live_interval_s)
     Hub = ray.remote(num_cpus=0)(MetricsHub)
-    return Hub.options(name=HUB_NAME, namespace=HUB_NAMESPACE, get_if_exists=True, lifetime="detached").remote(
-        settings.tracking_uri, settings.target, settings.registry_model, settings.live_interval_s,
-        settings.draft is None)
+    return Hub.options(name=HUB_NAME, namespace=HUB_NAMESPACE, get_if_exists=True, lifetime="detached").remote(live)
 
 
 def build(settings: ServiceSettings, replicas: int = 1, num_cpus: float | None = None):
@@ -126,7 +145,7 @@ def check_keys(settings: ServiceSettings) -> None:
 
 
 def app_builder(args: dict):
-    """Entry point for `serve run serving.app:app_builder key=value ...` and serve_config.yaml.
+    """Entry point for `serve run deploy.app:app_builder key=value ...` and serve_config.yaml.
 
     args: any ServiceSettings field, plus `replicas` and `num_cpus` (see settings_from_args). The hub is
     started here, so the app has merged metrics and live MLflow charts however it was deployed."""
@@ -251,7 +270,7 @@ def serve_forever(host: str = "127.0.0.1", port: int = 8000, target: str | None 
     SIGINT or SIGTERM, then stop everything this process started (see the module docstring)."""
     import ray
 
-    from deploy.registry import default_tracking_uri
+    from buffer.paths import DEFAULT_TARGET, default_tracking_uri
 
     main_thread = threading.current_thread() is threading.main_thread()
     if main_thread:
@@ -279,7 +298,7 @@ def serve_forever(host: str = "127.0.0.1", port: int = 8000, target: str | None 
         serve.start(http_options={"host": host, "port": int(port)})
         serve.run(build(s, replicas), name=APP_NAME, route_prefix="/")
         admin = "admin key set" if s.admin_api_key else "admin endpoints: loopback callers only"
-        print(f"[serve] Draftsmith is up: http://{host}:{port}/v1 (model {target or 'smollm2-135m-instruct'}, "
+        print(f"[serve] Draftsmith is up: http://{host}:{port}/v1 (model {target or DEFAULT_TARGET}, "
               f"{replicas} replica(s), buffer {'on' if s.buffer else 'off'}, MLflow {s.tracking_uri}, {admin}); "
               "Ctrl-C or SIGTERM stops it", flush=True)
         while True:

@@ -1,0 +1,41 @@
+"""The project's paths and defaults, in one place: data folder, cache folder, MLflow tracking URI, default target.
+
+    data_dir()              $DRAFTSMITH_DATA, default ./data, made absolute (an empty value counts as unset)
+    cache_dir()             $DRAFTSMITH_CACHE, default ~/.cache/draftsmith (an empty value counts as unset)
+    default_tracking_uri()  $MLFLOW_TRACKING_URI, else sqlite:///<data dir>/mlflow.db
+    DEFAULT_TARGET          the name of the packaged default target model
+    is_default_target(t)    whether a target argument means the default target (None, "", "default", its name)
+
+Why this module lives in `buffer/`: every package needs these values (the embedded Redis keeps its files
+in the data folder, serving caches converted models, training and deploy find the MLflow store), and the
+allowed import directions (docs/architecture.md, "Package dependencies") make `buffer/` the one package
+that all others may import while it imports none of ours. A separate fifth package would need a rule of
+its own; this stdlib-only module does not, and it holds no Redis logic.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+DEFAULT_TARGET = "smollm2-135m-instruct"
+DEFAULT_TARGET_ALIASES = (None, "", "default", DEFAULT_TARGET)
+
+
+def data_dir() -> Path:
+    """`$DRAFTSMITH_DATA` (default ./data), made absolute; an empty value means the default."""
+    return Path(os.environ.get("DRAFTSMITH_DATA") or "data").expanduser().resolve()
+
+
+def cache_dir() -> Path:
+    """`$DRAFTSMITH_CACHE` (default ~/.cache/draftsmith): converted models, merged drafts, fingerprints."""
+    return Path(os.environ.get("DRAFTSMITH_CACHE") or Path.home() / ".cache" / "draftsmith").expanduser()
+
+
+def default_tracking_uri() -> str:
+    """`$MLFLOW_TRACKING_URI` if set, else the local SQLite file `<data dir>/mlflow.db`."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{data_dir() / 'mlflow.db'}"
+
+
+def is_default_target(target: str | os.PathLike | None) -> bool:
+    """True for the spellings of "the default target": None, "", "default" and its name."""
+    return target is None or str(target) in ("", "default", DEFAULT_TARGET)
