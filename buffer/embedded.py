@@ -165,7 +165,9 @@ class EmbeddedRedis:
             lines += ["port 0", f'unixsocket "{parsed.path}"', "unixsocketperm 700"]
         else:
             lines += ["bind 127.0.0.1", f"port {parsed.port}"]
-        lines.append("save 3600 1 300 100 60 10000" if self.persist else 'save ""')
+        # one save point per line: Redis 6.2 (the PyPI package's server) ignores a multi-pair `save` line,
+        # and then a SIGTERM shutdown writes no snapshot
+        lines += ["save 3600 1", "save 300 100", "save 60 10000"] if self.persist else ['save ""']
         return "\n".join(lines) + "\n"
 
     # ------------------------------------------------------------------ lifecycle
