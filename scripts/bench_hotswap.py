@@ -27,12 +27,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 
 def make_lora_candidate(folder: Path, base: Path, parent: str, target: str, seed: int) -> Path:
     """A candidate folder (docs/architecture.md layout) with a random small LoRA adapter on `base`."""
-    from deploy_helpers import make_candidate
+    from tests.deploy_helpers import make_candidate
 
     return make_candidate(folder, base, parent_version=parent, seed=seed, target=target)
 
@@ -74,9 +73,9 @@ def main() -> int:
     import ray
     from ray import serve
 
-    import deploy_helpers as dh
-    import tiny_models
-    from api_helpers import free_port
+    from tests import deploy_helpers as dh
+    from tests import tiny_models
+    from tests.api_helpers import free_port
 
     work = Path(tempfile.mkdtemp(prefix="hotswap-"))
     os.environ["DRAFTSMITH_DATA"] = str(work / "data")

@@ -23,7 +23,7 @@ as the response reports it), rolling over the last --window requests of a catego
 request's completion tokens over its latency as the client saw it (queueing included). The default
 request is the served default: mode mjsd, adaptive; temperature --temperature (0 unless given).
 
-CI runs a one-minute smoke of this script on tiny models (tests/test_bench_online.py). The real run
+CI runs a one-minute smoke of this script on tiny models (tests/deploy/test_bench_online.py). The real run
 takes --duration plus about 2 minutes of start-up on a 2-core CPU.
 """
 from __future__ import annotations

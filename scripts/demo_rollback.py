@@ -137,8 +137,7 @@ def degrade(src: Path, dst: Path, noise: float, seed: int = 0) -> Path:
 
 def tiny_pair(root: Path) -> tuple[Path, Path]:
     """A tiny target and a draft that is its copy (acceptance ~1), from tests/tiny_models.py."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    import tiny_models
+    from tests import tiny_models
 
     target = root / "tiny-target"
     tiny_models.make_model(0, layers=2, sharp=8.0).save_pretrained(target)

@@ -1,8 +1,9 @@
 import os
 from pathlib import Path
 
-# the helpers in tests/ (tiny_models, deploy_helpers, api_helpers) import as top-level modules through
-# pytest's `pythonpath` setting (pyproject.toml), not through sys.path edits here
+# tests/ is a package grouped like the code (tests/buffer, tests/serving, tests/training, tests/deploy); the
+# shared helpers import as `tests.tiny_models`, `tests.deploy_helpers`, `tests.api_helpers` (pytest puts the
+# repository root on the path because tests/ has an __init__.py; no sys.path edits)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

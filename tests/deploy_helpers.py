@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from tiny_models import make_model, make_tokenizer
+from tests.tiny_models import make_model, make_tokenizer
 
 _TEMPLATE: dict[str, Path] = {}
 
@@ -223,7 +223,7 @@ class MlflowServer:
 def synthetic_evidence(delta: float, n: int = 40, seed: int = 0):
     """A callable gate evidence source (champion folder, candidate folder) -> PairedEvidence in which every
     request gains `delta` (plus small noise): a stand-in for the scoring where a test is about something
-    else (scheduling, recording). The real scoring is tested in tests/test_gate.py."""
+    else (scheduling, recording). The real scoring is tested in tests/deploy/test_gate.py."""
     import numpy as np
 
     from deploy.gate import PairedEvidence

@@ -11,7 +11,7 @@ emits the pi that maximises A subject to KL(p || pi) = sum_i p_i log(p_i / pi_i)
 
     max_pi  sum_i min(q_i, pi_i)   s.t.  KL(p || pi) <= D,  pi in the simplex.
 
-Solution (KKT conditions of the problem above; tests/test_rule_mentored.py checks it against SLSQP), with
+Solution (KKT conditions of the problem above; tests/serving/test_rule_mentored.py checks it against SLSQP), with
 ratios rho_i = p_i / q_i:
 
     pi_i = p_i / alpha   if rho_i < alpha          (draft over-proposes i: accepted w.p. p_i / (alpha q_i))

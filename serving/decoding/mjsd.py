@@ -34,7 +34,7 @@ Choices, where the paper and the published code (ZongyueQin/LLMSpeculativeSampli
 * A draft probability of 0 on the beam makes that prefix (and, since the joint stays 0, every longer
   one) fail, instead of dividing by zero. A beam sampled from the draft never contains such a token.
 * Beam sampling starts from ONE live beam (score 0) rather than num_beams identical copies, which
-  avoids the code's duplicate-beam quirk at step 1 (tests/test_mjsd_rule.py).
+  avoids the code's duplicate-beam quirk at step 1 (tests/serving/test_mjsd_rule.py).
 
 Randomness: `mjsd_verify` makes exactly one categorical draw from `generator`; `beam_sample_step`
 draws one float64 uniform per finite candidate.

@@ -3,7 +3,7 @@
 Convention: target = p, draft = q in this docstring. SpecTr's paper uses the OPPOSITE letters
 (p = draft, q = target): its beta_pq(rho) = sum_x min(p(x), q(x) / rho) is sum_x min(q(x), p(x) / rho)
 here. In code: `draft_*` / `target_*`. Vocabulary as in `types.py`. Source: the paper's K-SEQ algorithm;
-tests/test_rule_spectr.py checks the emitted distribution exactly.
+tests/serving/test_rule_spectr.py checks the emitted distribution exactly.
 
 One position, k candidates X_1..X_k drawn iid from the draft q:
 

@@ -22,8 +22,8 @@ import os
 import pytest
 import torch
 
-import tiny_models
-from tiny_models import ListSink
+from tests import tiny_models
+from tests.tiny_models import ListSink
 from serving import engine as engine_module
 from serving.config import MODES, SamplingParams, SpecParams
 from serving.decoding.bild import bild_should_fallback, bild_verify

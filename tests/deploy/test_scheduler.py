@@ -19,11 +19,11 @@ import pytest
 from deploy.gate import GatePolicy
 from deploy.registry import CANDIDATE, CHAMPION, PREVIOUS, Registry
 from deploy.scheduler import (DistillScheduler, JobLock, JobRequest, ScheduleConfig, parse_duration, read_status)
-from deploy_helpers import fresh_store, make_base_draft, make_candidate, synthetic_evidence, template_db
+from tests.deploy_helpers import fresh_store, make_base_draft, make_candidate, synthetic_evidence, template_db
 
 SHA = "5" * 64            # the served target's fingerprint in these tests
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="session")
@@ -292,8 +292,8 @@ def buffer(tmp_path_factory, redis_url):
     """12 training requests and 4 held-out ones really served into real Redis (unique prefix)."""
     import uuid
 
-    from deploy_helpers import drop_prefix, serve_records
-    from tiny_models import save_pair
+    from tests.deploy_helpers import drop_prefix, serve_records
+    from tests.tiny_models import save_pair
 
     root = tmp_path_factory.mktemp("sched-buffer")
     target, draft = save_pair(root)

@@ -151,12 +151,12 @@ import numpy as np   # noqa: E402
 import torch   # noqa: E402
 from scipy import stats as scipy_stats   # noqa: E402
 
-import tiny_models   # noqa: E402
+from tests import tiny_models   # noqa: E402
 from serving import engine as engine_module   # noqa: E402
 from serving.config import ADAPTIVE_MODES, NGRAM_SWITCH_MODES, SamplingParams, SpecParams   # noqa: E402
 from serving.controller import Plan   # noqa: E402
 from serving.engine import Engine   # noqa: E402
-from tiny_models import ListSink   # noqa: E402
+from tests.tiny_models import ListSink   # noqa: E402
 
 PROMPT = "abc abc abd the cat sat on the mat the cat"   # repeats: the n-gram lookup finds matches
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40)

@@ -14,9 +14,9 @@ import uuid
 import httpx
 import pytest
 
-import deploy_helpers as dh
-import tiny_models
-from api_helpers import REDIS_URL, free_port
+from tests import deploy_helpers as dh
+from tests import tiny_models
+from tests.api_helpers import REDIS_URL, free_port
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import tiny_models
+from tests import tiny_models
 from training.teacher import (GROUPED_ATTENTION, attention_implementation, generate_teacher_data, grouped_attention,
                               left_pad)
 

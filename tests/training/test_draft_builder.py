@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-import tiny_models
+from tests import tiny_models
 from serving.config import SamplingParams, SpecParams
 from serving.engine import Engine
 from training.draft_builder import bootstrap, choose_output_vocabulary, make_draft_from_target, train_draft

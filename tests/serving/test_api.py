@@ -13,8 +13,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import tiny_models
-from api_helpers import REDIS_URL, LiveServer, sse_events, tiny_service
+from tests import tiny_models
+from tests.api_helpers import REDIS_URL, LiveServer, sse_events, tiny_service
 from serving.config import SamplingParams, SpecParams
 
 
@@ -400,7 +400,7 @@ def test_api_key_guards_inference_routes_but_not_admin_or_probes(pair):
     """The inference key guards /v1/models and the completion routes; it neither opens nor closes the
     admin routes, which (no admin key here) answer loopback callers only: this test's client is on
     127.0.0.1; a remote caller is simulated through X-Forwarded-For, which uvicorn honours from 127.0.0.1
-    only (tests/test_safe_defaults.py calls from a real non-loopback address)."""
+    only (tests/deploy/test_safe_defaults.py calls from a real non-loopback address)."""
     srv = LiveServer(tiny_service(*pair, api_key="s3cret")).start()
     try:
         with httpx.Client(base_url=srv.url, timeout=30) as c:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import tiny_models
+from tests import tiny_models
 from serving.config import SamplingParams, SpecParams
 from serving.engine import Engine, canary_bucket, routes_to_canary
 
@@ -153,7 +153,7 @@ SHA = "5" * 64
 
 @pytest.fixture(scope="session")
 def template(tmp_path_factory):
-    from deploy_helpers import template_db
+    from tests.deploy_helpers import template_db
 
     return template_db(tmp_path_factory.mktemp("mlflow-template"))
 
@@ -161,7 +161,7 @@ def template(tmp_path_factory):
 @pytest.fixture
 def store(template, tmp_path, monkeypatch):
     """A fresh MLflow SQLite store under tmp_path/data (DRAFTSMITH_DATA); its tracking URI."""
-    from deploy_helpers import fresh_store
+    from tests.deploy_helpers import fresh_store
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.setenv("DRAFTSMITH_DATA", str(tmp_path / "data"))
@@ -172,7 +172,7 @@ def store(template, tmp_path, monkeypatch):
 def registry(store, tmp_path):
     """v1 champion (a base), v2 a registered candidate on it."""
     from deploy.registry import Registry
-    from deploy_helpers import make_base_draft, make_candidate
+    from tests.deploy_helpers import make_base_draft, make_candidate
 
     reg = Registry("tiny-target", tracking_uri=store, cache_root=tmp_path / "cache")
     reg.register_base(make_base_draft(tmp_path / "base"), target_sha256=SHA)
@@ -285,7 +285,7 @@ def test_paused_promotions_hold_a_passing_canary_and_a_new_canary_is_refused(reg
 
 def test_the_scheduler_starts_a_canary_after_a_gate_pass_and_waits_for_it(registry, tmp_path):
     from deploy.scheduler import DistillScheduler, JobLock, ScheduleConfig
-    from deploy_helpers import make_candidate, synthetic_evidence
+    from tests.deploy_helpers import make_candidate, synthetic_evidence
 
     def distill(req):
         return make_candidate(tmp_path / "c3", req.parent_path, parent_version=req.parent_version, seed=3,
@@ -331,7 +331,7 @@ def test_the_replica_watcher_loads_serves_and_unloads_the_canary(pair, store, tm
     """A Service over a real engine follows the canary alias: loads it with its share, routes by request id,
     takes it over as champion on promotion (same model object), and unloads a dropped one."""
     from deploy.registry import Registry
-    from deploy_helpers import make_target_clone
+    from tests.deploy_helpers import make_target_clone
     from serving.metrics import MetricsHub
     from serving.service import Service, ServiceSettings
 
@@ -375,7 +375,7 @@ def test_a_degraded_champion_is_rolled_back_automatically_under_4_client_load(pa
     from deploy.live_stats import live_stats_factory
     from deploy.registry import Registry
     from deploy.scheduler import LiveWatchdog, WatchdogPolicy
-    from deploy_helpers import make_degraded_draft, make_target_clone
+    from tests.deploy_helpers import make_degraded_draft, make_target_clone
     from serving.metrics import MetricsHub
     from serving.service import Service, ServiceSettings
 

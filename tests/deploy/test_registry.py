@@ -15,9 +15,9 @@ import torch
 from deploy.live_stats import LiveAggregate, LiveStatsLogger
 from deploy.registry import (CANDIDATE, CHAMPION, PREVIOUS, AliasLock, ArtifactError, PromotionsPaused, Registry,
                              RegistryUnavailable, UsageError, model_name_for, target_fingerprint, vocabulary_digest)
-from deploy_helpers import artifact_dir, fresh_store, lora_model, make_base_draft, make_candidate, template_db
+from tests.deploy_helpers import artifact_dir, fresh_store, lora_model, make_base_draft, make_candidate, template_db
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="session")
@@ -525,7 +525,7 @@ def test_alias_moves_are_serialised_across_processes(registry, base, tmp_path):
 
 def test_target_fingerprint_is_computed_once_and_pins_versions(tmp_path, monkeypatch, registry, base):
     import deploy.artifacts as R
-    from tiny_models import save_pair
+    from tests.tiny_models import save_pair
 
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache-home"))
     target, _ = save_pair(tmp_path / "pair")

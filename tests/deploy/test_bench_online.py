@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-import tiny_models
-from api_helpers import free_port
+from tests import tiny_models
+from tests.api_helpers import free_port
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_online_smoke(tmp_path):

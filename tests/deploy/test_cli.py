@@ -13,11 +13,11 @@ import pytest
 
 from deploy import cli
 from deploy.registry import Registry
-from deploy_helpers import (artifact_dir, drop_prefix, fresh_store, make_base_draft, make_candidate,
+from tests.deploy_helpers import (artifact_dir, drop_prefix, fresh_store, make_base_draft, make_candidate,
                             make_degraded_draft, serve_records, template_db)
-from tiny_models import save_pair
+from tests.tiny_models import save_pair
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="session")

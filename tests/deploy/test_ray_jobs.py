@@ -27,9 +27,9 @@ import pytest
 
 from deploy.registry import CHAMPION, Registry
 from deploy.scheduler import DistillScheduler, JobLock, read_job_status, read_status
-from deploy_helpers import fresh_store, make_base_draft, synthetic_evidence, template_db
+from tests.deploy_helpers import fresh_store, make_base_draft, synthetic_evidence, template_db
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHA = "7" * 64
 HELD = 0.25
 
@@ -225,8 +225,8 @@ def cluster(data):
 @pytest.fixture(scope="module")
 def buffer(tmp_path_factory, redis_url):
     """12 training requests and 4 held-out ones really served into real Redis (unique prefix)."""
-    from deploy_helpers import drop_prefix, serve_records
-    from tiny_models import save_pair
+    from tests.deploy_helpers import drop_prefix, serve_records
+    from tests.tiny_models import save_pair
 
     root = tmp_path_factory.mktemp("rayjobs-buffer")
     target, draft = save_pair(root)

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-import tiny_models
+from tests import tiny_models
 from serving.protocol import TextStream
 
 TEXTS = ["plain ascii text, nothing special", "naïve café — ünïcödé ✓ 数学 😀 mixed", "😀😀 a 数 b", "x"]

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from buffer.redis_store import BufferConfig, ReplayBufferReader, ReplayBufferWriter, connect
-from deploy_helpers import artifact_dir, fresh_store, template_db
+from tests.deploy_helpers import artifact_dir, fresh_store, template_db
 from serving.config import SamplingParams, SpecParams
 from serving.engine import Engine
 from serving.runner import SequenceRunner
-from tiny_models import save_pair
+from tests.tiny_models import save_pair
 from training import data, distill
 from training.job import NotEnoughRecords, main, parse_config, pending_records, run_distillation
 

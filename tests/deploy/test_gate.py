@@ -13,9 +13,9 @@ import pytest
 from deploy.gate import (EvidenceSource, GatePolicy, PairedEvidence, engine_smoke_check, force_promote,
                          judge_evidence, run_gate)
 from deploy.registry import CANDIDATE, CHAMPION, PREVIOUS, PromotionsPaused, Registry, target_fingerprint
-from deploy_helpers import (artifact_dir, drop_prefix, fresh_store, make_base_draft, make_candidate,
+from tests.deploy_helpers import (artifact_dir, drop_prefix, fresh_store, make_base_draft, make_candidate,
                             make_target_clone, serve_records, synthetic_evidence, template_db)
-from tiny_models import save_pair
+from tests.tiny_models import save_pair
 
 FRACTION = 0.25
 

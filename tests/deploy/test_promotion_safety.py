@@ -14,9 +14,9 @@ import httpx
 import pytest
 
 from deploy.registry import Registry, target_fingerprint
-from deploy_helpers import (MlflowServer, artifact_dir, drop_prefix, fresh_store, lora_model, make_base_draft,
+from tests.deploy_helpers import (MlflowServer, artifact_dir, drop_prefix, fresh_store, lora_model, make_base_draft,
                             make_degraded_draft, template_db)
-from tiny_models import save_pair
+from tests.tiny_models import save_pair
 
 
 @pytest.fixture(scope="session")
@@ -58,7 +58,7 @@ def test_a_failed_swap_is_retried_with_backoff_until_it_loads(template, tmp_path
     """The champion's artifact folder is missing for a few seconds (an artifact store hiccup): the swap
     fails, the replica keeps serving target-only and retries with backoff (not on every 0.2 s poll),
     and loads the version by itself once the artifacts are back, without the alias moving."""
-    from api_helpers import tiny_service
+    from tests.api_helpers import tiny_service
 
     target, _, sha = pair
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -91,7 +91,7 @@ def test_a_failed_swap_is_retried_with_backoff_until_it_loads(template, tmp_path
 def test_a_replica_refuses_a_draft_built_for_another_target(template, tmp_path, monkeypatch, pair, caplog):
     """Version 1 records another target's fingerprint: the replica does not load it, logs an error, shows it
     in /health, and serves the target alone; a version pinned to this target is loaded when promoted."""
-    from api_helpers import LiveServer, tiny_service
+    from tests.api_helpers import LiveServer, tiny_service
 
     target, _, sha = pair
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -139,7 +139,7 @@ def test_mlflow_stopped_during_a_hot_swap_and_during_a_scheduled_job(template, t
     The job trains for real (training.job.run_distillation, `ack: registered`); its adapter is then
     replaced by the exact repair of the degraded champion, so the gate has a clearly better candidate:
     what is under test is the record flow and fail-closed promotion, not training quality."""
-    from api_helpers import LiveServer, tiny_service
+    from tests.api_helpers import LiveServer, tiny_service
     from buffer.redis_store import BufferConfig, ReplayBufferReader, connect
     from deploy import cli
     from deploy.gate import EvidenceSource, GatePolicy, engine_smoke_check
@@ -245,7 +245,10 @@ def test_mlflow_stopped_during_a_hot_swap_and_during_a_scheduled_job(template, t
         assert sched_reg.champion() == "2" and sched.cursor() is None   # nothing moved while it was down
         out = sched.tick()
         assert out is not None and out.status == "promoted" and out.version == "3", out
-        assert "records acked" in out.message and out.verdict["delta"] > 0.5 and out.verdict["requests"] >= 3
+        # the repair takes acceptance from ~0.06 to ~0.5 on the held-out sample; how much of that a 5-request sample
+        # shows varies with which requests landed in it (CI saw +0.457), so the check is a large, significant gain
+        assert "records acked" in out.message and out.verdict["delta"] > 0.25 and out.verdict["requests"] >= 3
+        assert "significant" in out.message
         everything = training_ids()
         assert first < everything and pending() == set()                 # none left pending
         window = sched_reg.last_data_window()

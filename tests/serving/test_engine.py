@@ -9,8 +9,8 @@ import threading
 import pytest
 import torch
 
-import tiny_models
-from tiny_models import ListSink
+from tests import tiny_models
+from tests.tiny_models import ListSink
 from serving.config import SamplingParams, SpecParams
 from serving.decoding.speculative import speculative_verify
 from serving.decoding.warp import sample, warp_logprobs

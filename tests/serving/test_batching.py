@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 
-import tiny_models
+from tests import tiny_models
 from serving.config import SamplingParams, SpecParams
 from serving.engine import Engine
 from serving.kvcache import BatchKV
@@ -365,7 +365,7 @@ def test_http_request_over_the_kv_budget_is_a_clear_400(pair):
     OpenAI-style body saying what to lower; a request within it is served."""
     import httpx
 
-    from api_helpers import LiveServer, tiny_service
+    from tests.api_helpers import LiveServer, tiny_service
 
     target, draft = pair
     eng = Engine.from_paths(str(target), str(draft), dtype=torch.float32, draft_version="local",

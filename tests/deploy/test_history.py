@@ -2,7 +2,7 @@
 every chain stays <= K and a cold materialisation reads at most K+1 versions, with the same weights as the
 unsquashed merge; retention (`gc`, `draftsmith gc`) deletes cached and candidate folders of versions neither
 aliased nor recent; `verify` hashes an ancestry once, a tampered unverified artifact is still caught.
-Real MLflow (SQLite in temp dirs) and tiny models, as tests/test_registry.py."""
+Real MLflow (SQLite in temp dirs) and tiny models, as tests/deploy/test_registry.py."""
 from __future__ import annotations
 
 import json
@@ -18,7 +18,7 @@ import torch
 from deploy import cli
 from deploy.registry import (CANDIDATE, CHAMPION, PREVIOUS, ArtifactError, Registry, UsageError,
                              vocabulary_digest)
-from deploy_helpers import artifact_dir, fresh_store, make_base_draft, make_candidate, synthetic_evidence, template_db
+from tests.deploy_helpers import artifact_dir, fresh_store, make_base_draft, make_candidate, synthetic_evidence, template_db
 
 SHA = "7" * 64
 IDS = [72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100]

@@ -24,12 +24,11 @@ import httpx
 import pytest
 import yaml
 
-import tiny_models
-from api_helpers import REDIS_URL, LiveServer, free_port, tiny_service
+from tests import tiny_models
+from tests.api_helpers import REDIS_URL, LiveServer, free_port, tiny_service
 from serving.api import is_loopback
 
-ROOT = Path(__file__).resolve().parents[1]
-TESTS = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -213,15 +212,14 @@ def test_serve_admin_key_flag_and_env(monkeypatch, capsys):
 CONVERT = textwrap.dedent("""
     import os, sys, time
     from pathlib import Path
-    sys.path.insert(0, {tests!r})
-    import tiny_models
+    from tests import tiny_models
     from serving.models import convert_once
 
     out, log, go = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
 
     def build(tmp):
         with open(log, "a") as f:
-            f.write(f"{{os.getpid()}} {{tmp}}\\n")
+            f.write(f"{os.getpid()} {tmp}\\n")
         tiny_models.make_model(0).save_pretrained(tmp)
         time.sleep(1.5)                  # a second converter in the same folder now would collide
         tiny_models.make_tokenizer().save_pretrained(tmp)
@@ -259,7 +257,7 @@ def _check_converted(out: Path, log: Path):
 
 def test_two_processes_converting_at_once_convert_once_into_one_folder(tmp_path):
     script = tmp_path / "convert.py"
-    script.write_text(CONVERT.format(tests=str(TESTS)))
+    script.write_text(CONVERT)
     out, log, go = tmp_path / "cache" / "models" / "tiny", tmp_path / "builds.log", tmp_path / "go"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     ready = [tmp_path / f"ready{i}" for i in range(2)]
