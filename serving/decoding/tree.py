@@ -1,0 +1,380 @@
+"""Tree verification: many draft continuations checked in ONE target pass (issue 19, step 2).
+
+Source: "Medusa: Simple LLM Inference Acceleration Framework with Multiple Decoding Heads" (Cai et al.
+2024, in ../shared/papers/), section "Tree attention": candidates of several positions are arranged as a
+tree, every node attends only to its ancestors (a tree attention mask) at the position id of its depth,
+and the longest accepted path is kept. The multi-candidate acceptance rule for sampled children is
+SpecInfer's multi-step speculative sampling (Miao et al. 2024, "SpecInfer: Accelerating Generative LLM
+Serving with Tree-based Speculative Inference and Verification").
+
+Layout. The committed sequence is `prefix + [root]`: the KV cache holds the `prefix_len` tokens before the
+root, the root (last committed token) is not cached yet. A verification pass feeds `[root] + tree nodes`
+(N + 1 query positions): row 0 (the root) attends to the prefix and itself, node i to the prefix, the root
+and its ancestors-or-self. Position ids: root `prefix_len`, node i `prefix_len + depth_i` (depth 1 =
+children of the root). Logit row 0 predicts the root's children, row 1 + i the children of node i. After
+acceptance `keep_path` keeps the root's and the accepted path's cache entries, in order, so the cache equals
+one built by a plain forward over the accepted sequence.
+
+Acceptance rules (target = p, draft = q, as in speculative.py), each returning the accepted path (node
+indices, root to leaf), its tokens, and one more token from the target:
+
+- `verify_greedy` (T = 0): descend into the child whose token is the target's argmax.
+- `verify_deterministic`: children proposed deterministically (top-k of any drafter). At a node with target
+  distribution p, try its children x_1, x_2, ... in order: accept x_j with probability p_j(x_j), where
+  p_1 = p and p_{j+1} = p_j with x_j zeroed, renormalised. If all are rejected, emit a sample of the last
+  residual. Proof of losslessness: the rejections up to j happen with probability 1 - sum_{i<j} p(x_i)
+  and p_j(x_j) = p(x_j) / (1 - sum_{i<j} p(x_i)), so x_j is emitted with probability p(x_j); a token y
+  outside the children with (1 - sum_i p(x_i)) * p(y) / (1 - sum_i p(x_i)) = p(y). An accepted child
+  continues with the target distribution at that child: the emitted sequence is distributed as the target.
+- `verify_sampled`: children drawn i.i.d. from q (the draft at their parent), possibly with repeats, given
+  in draw order. For each draw x: accept with probability min(1, p(x) / q(x)); on rejection
+  p <- norm(max(0, p - q)). All rejected: sample the residual. SpecInfer, Theorem 4.2: lossless.
+
+Numerics as speculative.py: fp32, a residual of mass <= RESIDUAL_MIN_MASS falls back to the target row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from serving.decoding.speculative import RESIDUAL_MIN_MASS, recovery_probs
+from serving.decoding.warp import sample, warp_probs
+
+ROOT = -1
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """Candidate tokens as a tree, nodes in topological order (a parent before its children)."""
+
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...]                     # ROOT (-1) = child of the root
+    depth: tuple[int, ...] = field(init=False)   # 1 = child of the root
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.parents):
+            raise ValueError(f"{len(self.tokens)} tokens but {len(self.parents)} parents")
+        depth = []
+        for i, (t, p) in enumerate(zip(self.tokens, self.parents)):
+            if not isinstance(t, int) or t < 0:
+                raise ValueError(f"node {i}: token must be a non-negative int, got {t!r}")
+            if not (p == ROOT or 0 <= p < i):
+                raise ValueError(f"node {i}: parent {p} must be -1 (the root) or an earlier node (0..{i - 1})")
+            depth.append(1 if p == ROOT else depth[p] + 1)
+        object.__setattr__(self, "depth", tuple(depth))
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_paths(cls, paths: Sequence[Sequence[int]]) -> "DraftTree":
+        """A trie of candidate continuations: shared prefixes become one node; order of first appearance."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        index: dict[tuple[int, int], int] = {}
+        for path in paths:
+            parent = ROOT
+            for t in path:
+                t = int(t)
+                key = (parent, t)
+                if key not in index:
+                    index[key] = len(tokens)
+                    tokens.append(t)
+                    parents.append(parent)
+                parent = index[key]
+        return cls(tuple(tokens), tuple(parents))
+
+    # ------------------------------------------------------------------ shape
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depth, default=0)
+
+    def children(self, node: int) -> list[int]:
+        """Children of `node` (ROOT for the root's), in node order."""
+        return [i for i, p in enumerate(self.parents) if p == node]
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the root's child down to `node`."""
+        path = []
+        while node != ROOT:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """[N, N] bool: mask[i, j] iff j is i or an ancestor of i."""
+        n = len(self)
+        mask = torch.zeros(n, n, dtype=torch.bool)
+        for i in range(n):
+            j = i
+            while j != ROOT:
+                mask[i, j] = True
+                j = self.parents[j]
+        return mask
+
+    def attention_inputs(self, prefix_len: int, fed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mask and position ids. fed=None: the verification pass, [root] + every node after a cache holding
+        the prefix (the first query row is the root). fed=k: nodes k..N-1 after a cache holding the prefix,
+        the root and nodes 0..k-1 (a drafter growing the tree depth by depth).
+
+        Returns (mask [q, kv] bool, position_ids [q])."""
+        n = len(self)
+        anc = self.ancestor_mask()
+        if fed is None:
+            q = n + 1
+            mask = torch.zeros(q, prefix_len + q, dtype=torch.bool)
+            mask[:, : prefix_len + 1] = True                      # prefix and root, for every row
+            mask[1:, prefix_len + 1:] = anc
+            pos = torch.tensor([prefix_len] + [prefix_len + d for d in self.depth])
+            return mask, pos
+        q = n - fed
+        mask = torch.zeros(q, prefix_len + 1 + n, dtype=torch.bool)
+        mask[:, : prefix_len + 1] = True
+        mask[:, prefix_len + 1:] = anc[fed:]
+        pos = torch.tensor([prefix_len + d for d in self.depth[fed:]])
+        return mask, pos
+
+
+def _float_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool [q, kv] -> additive [1, 1, q, kv] (0 = attend), the 4-D form transformers passes through as-is."""
+    out = torch.zeros(mask.shape, dtype=dtype)
+    out.masked_fill_(~mask, torch.finfo(dtype).min)
+    return out[None, None]
+
+
+def feed_masked(model, ids: Sequence[int], mask: torch.Tensor, positions: torch.Tensor, cache):
+    """One forward of `ids` (batch 1) with a custom [q, kv] bool mask; returns (fp32 logits [q, V], cache)."""
+    from transformers import DynamicCache
+
+    if cache is None:
+        cache = DynamicCache()
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    with torch.no_grad():
+        out = model(input_ids=torch.as_tensor([list(ids)], dtype=torch.long, device=device),
+                    attention_mask=_float_mask(mask, dtype).to(device),
+                    position_ids=positions[None].to(device), past_key_values=cache, use_cache=True)
+    return out.logits[0].float(), out.past_key_values
+
+
+def tree_forward(model, tree: DraftTree, root_token: int, cache, prefix_len: int):
+    """The verification pass: feed [root] + every node; fp32 logits [N + 1, V] (row 0: the root) and cache."""
+    mask, pos = tree.attention_inputs(prefix_len)
+    return feed_masked(model, [root_token, *tree.tokens], mask, pos, cache)
+
+
+def cache_length(cache) -> int:
+    return 0 if cache is None else int(cache.get_seq_length())
+
+
+def keep_path(cache, prefix_len: int, path: Sequence[int]):
+    """Keep the prefix, the root (slot prefix_len) and the slots of `path`'s nodes (slot prefix_len + 1 + i),
+    in that order; drop every other tree entry. Works in place on a transformers DynamicCache."""
+    keep = torch.tensor(list(range(prefix_len + 1)) + [prefix_len + 1 + i for i in path], dtype=torch.long)
+    for layer in cache.layers:
+        idx = keep.to(layer.keys.device)
+        layer.keys = layer.keys.index_select(-2, idx)
+        layer.values = layer.values.index_select(-2, idx)
+    return cache
+
+
+# ---------------------------------------------------------------------- acceptance rules
+@dataclass(frozen=True)
+class TreeVerifyResult:
+    path: list[int]        # accepted node indices, root to leaf
+    tokens: list[int]      # their tokens
+    next_token: int        # one token from the target after the path
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.path)
+
+
+def _check_rows(tree: DraftTree, rows: torch.Tensor, name: str) -> None:
+    if rows.dim() != 2 or rows.shape[0] != len(tree) + 1:
+        raise ValueError(f"{name} must be [N + 1, vocab] = [{len(tree) + 1}, vocab], got {tuple(rows.shape)}")
+    if len(tree) and max(tree.tokens) >= rows.shape[1]:
+        raise ValueError(f"tree token {max(tree.tokens)} outside the vocabulary of {name} ({rows.shape[1]})")
+
+
+def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> TreeVerifyResult:
+    """T = 0: follow the target's argmax (ties to the lowest id, as warp.py) through the tree."""
+    _check_rows(tree, target_logits, "target_logits")
+    best = target_logits.argmax(dim=-1).tolist()
+    node, path = ROOT, []
+    while True:
+        want = best[node + 1]
+        nxt = next((c for c in tree.children(node) if tree.tokens[c] == want), None)
+        if nxt is None:
+            return TreeVerifyResult(path, [tree.tokens[i] for i in path], want)
+        path.append(nxt)
+        node = nxt
+
+
+def verify_deterministic(tree: DraftTree, target_probs: torch.Tensor,
+                         generator: torch.Generator | None = None) -> TreeVerifyResult:
+    """Lossless rule for deterministic children (module docstring). target_probs [N + 1, V], warped."""
+    _check_rows(tree, target_probs, "target_probs")
+    node, path = ROOT, []
+    while True:
+        p = target_probs[node + 1].float()
+        accepted = None
+        for c in tree.children(node):
+            x = tree.tokens[c]
+            if float(torch.rand((), generator=generator)) < float(p[x]):
+                accepted = c
+                break
+            p = p.clone()
+            p[x] = 0.0
+            mass = p.sum()
+            if float(mass) <= RESIDUAL_MIN_MASS:
+                p = target_probs[node + 1].float()               # rounding only: fall back to the target
+            else:
+                p = p / mass
+        if accepted is None:
+            return TreeVerifyResult(path, [tree.tokens[i] for i in path], int(sample(p, generator)))
+        path.append(accepted)
+        node = accepted
+
+
+def verify_sampled(tree: DraftTree, target_probs: torch.Tensor, draft_probs: torch.Tensor,
+                   draws: dict[int, list[int]] | None = None,
+                   generator: torch.Generator | None = None) -> TreeVerifyResult:
+    """SpecInfer's multi-step rule for children drawn i.i.d. from the draft (module docstring).
+
+    draft_probs [N + 1, V]: row 1 + i is the distribution node i's children were drawn from (row 0: the
+    root's). draws: node (ROOT for the root) -> the child node of each draw in draw order, a child repeated
+    when its token was drawn more than once; default: each child once, in node order."""
+    _check_rows(tree, target_probs, "target_probs")
+    _check_rows(tree, draft_probs, "draft_probs")
+    node, path = ROOT, []
+    while True:
+        p = target_probs[node + 1].float()
+        q = draft_probs[node + 1].float()
+        order = draws.get(node, tree.children(node)) if draws is not None else tree.children(node)
+        accepted = None
+        for c in order:
+            x = tree.tokens[c]
+            qx = float(q[x])
+            ratio = 0.0 if qx <= 0 else min(1.0, float(p[x]) / qx)
+            if float(torch.rand((), generator=generator)) < ratio:
+                accepted = c
+                break
+            p = recovery_probs(q, p)
+        if accepted is None:
+            return TreeVerifyResult(path, [tree.tokens[i] for i in path], int(sample(p, generator)))
+        path.append(accepted)
+        node = accepted
+
+
+# ---------------------------------------------------------------------- a reference decode loop
+LogitsMap = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+@dataclass
+class TreeStats:
+    steps: int = 0
+    accepted: int = 0        # draft tokens accepted
+    nodes: int = 0           # tree nodes verified
+
+    @property
+    def tokens_per_step(self) -> float:
+        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+
+
+class TreeDrafter:
+    """Grows a top-k tree from a standalone draft model: `branching[d]` children per node at depth d + 1,
+    one draft forward per depth over that depth's new nodes (tree mask), the draft cache kept in step with
+    the committed sequence like the target's."""
+
+    def __init__(self, model, branching: Sequence[int], map_logits: LogitsMap = _identity) -> None:
+        if not branching or any(int(b) < 1 for b in branching):
+            raise ValueError(f"branching must be a non-empty list of positive ints, got {list(branching)}")
+        self.model = model
+        self.branching = [int(b) for b in branching]
+        self.map_logits = map_logits
+        self.cache = None
+
+    def propose(self, committed: list[int]) -> tuple[DraftTree, torch.Tensor]:
+        """A tree of continuations of `committed`; also the draft logits [fed nodes + 1, V] (row 0: root)."""
+        n_cached = cache_length(self.cache)
+        catch_up = committed[n_cached:]                           # always includes the root (last token)
+        pos = torch.arange(n_cached, len(committed))
+        causal = torch.ones(len(catch_up), n_cached + len(catch_up), dtype=torch.bool).tril(n_cached)
+        logits, self.cache = feed_masked(self.model, catch_up, causal, pos, self.cache)
+        self.prefix_len = len(committed) - 1
+        rows = [self.map_logits(logits[-1])]
+        tokens: list[int] = []
+        parents: list[int] = []
+        frontier = [ROOT]
+        for d, k in enumerate(self.branching):
+            new = []
+            for node in frontier:
+                top = torch.topk(rows[node + 1], k).indices.tolist()
+                for t in top:
+                    tokens.append(int(t))
+                    parents.append(node)
+                    new.append(len(tokens) - 1)
+            tree = DraftTree(tuple(tokens), tuple(parents))
+            frontier = new
+            if d + 1 < len(self.branching):                       # the leaves need no draft forward
+                fed = new[0]
+                mask, pos = tree.attention_inputs(self.prefix_len, fed=fed)
+                out, self.cache = feed_masked(self.model, tokens[fed:], mask, pos, self.cache)
+                rows.extend(self.map_logits(r) for r in out)
+        self.fed = len(rows) - 1
+        return DraftTree(tuple(tokens), tuple(parents)), torch.stack(rows)
+
+    def accept(self, path: list[int]) -> None:
+        """Keep the root and the accepted path's nodes the draft has cached (a prefix of the path)."""
+        keep_path(self.cache, self.prefix_len, [i for i in path if i < self.fed])
+
+
+def tree_generate(target, draft, prompt_ids: list[int], max_new_tokens: int, branching: Sequence[int],
+                  temperature: float = 0.0, generator: torch.Generator | None = None,
+                  eos_id: int | None = None, draft_map: LogitsMap = _identity,
+                  target_map: LogitsMap = _identity) -> tuple[list[int], TreeStats]:
+    """Decode with tree verification: per step the draft proposes a top-k tree, ONE target pass scores it,
+    the rule (greedy at T = 0, else `verify_deterministic`) keeps a path plus one target token, and both
+    caches keep the accepted path only. Returns (new tokens, stats)."""
+    if len(prompt_ids) < 1:
+        raise ValueError("prompt_ids must hold at least one token")
+    drafter = TreeDrafter(draft, branching, draft_map)
+    committed = list(prompt_ids)
+    cache = None
+    if len(committed) > 1:                                        # prefill all but the root
+        n = len(committed) - 1
+        _, cache = feed_masked(target, committed[:-1], torch.ones(n, n, dtype=torch.bool).tril(),
+                               torch.arange(n), None)
+    stats = TreeStats()
+    new: list[int] = []
+    while len(new) < max_new_tokens:
+        tree, _ = drafter.propose(committed)
+        prefix_len = len(committed) - 1
+        logits, cache = tree_forward(target, tree, committed[-1], cache, prefix_len)
+        logits = target_map(logits)
+        if temperature == 0:
+            res = verify_greedy(tree, logits)
+        else:
+            res = verify_deterministic(tree, warp_probs(logits, temperature, 0, 1.0), generator)
+        keep_path(cache, prefix_len, res.path)
+        drafter.accept(res.path)
+        stats.steps += 1
+        stats.accepted += res.num_accepted
+        stats.nodes += len(tree)
+        step = res.tokens + [res.next_token]
+        if eos_id is not None and eos_id in step:
+            step = step[: step.index(eos_id) + 1]
+        step = step[: max_new_tokens - len(new)]
+        new.extend(step)
+        committed.extend(step)
+        if eos_id is not None and step and step[-1] == eos_id:
+            break
+    return new, stats
