@@ -165,6 +165,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=2, help="prompts per traffic category")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                    help="model dtype (auto: what serving picks on this machine); T=0 equality holds in fp32")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -179,18 +181,21 @@ def main(argv=None) -> int:
     else:
         from scripts.traffic_prompts import prompt_ids
         from serving.models import (LoadedModel, ensure_default_target, load_causal_lm, load_tokenizer,
-                                    read_output_token_ids, resolve_model_path)
+                                    resolve_model_path)
         from serving.runner import full_vocab_logits
 
         target_path = resolve_model_path(args.target) if args.target else ensure_default_target()
         if not (args.draft / "config.json").is_file():
             ap.error(f"--draft {args.draft} is not a model folder (build one with `draftsmith bootstrap`)")
+        from serving.engine import Engine
+
         tok = load_tokenizer(target_path)
-        target = load_causal_lm(target_path)
-        draft = load_causal_lm(args.draft)
-        out_ids = read_output_token_ids(args.draft)
+        target = load_causal_lm(target_path, dtype=None if args.dtype == "auto" else getattr(torch, args.dtype))
         vocab = len(tok)
-        loaded = LoadedModel(draft, tok, args.draft, None if out_ids is None else torch.tensor(out_ids))
+        # the draft as the engine serves it: its output layer cut to the version's vocabulary rows
+        loaded = Engine._load_draft(args.draft, LoadedModel(target, tok, target_path), "cpu",
+                                    next(target.parameters()).dtype)
+        draft = loaded.model
         draft_map = lambda x: full_vocab_logits(x, loaded, vocab)          # noqa: E731
         prompts = prompt_ids(tok, n=args.prompts)
         eos = tok.eos_token_id

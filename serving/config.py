@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 
 # Decoding modes the engine understands. "target" is plain target-only decoding (the baseline);
 # "target" and "ngram" need no draft model (DRAFT_FREE_MODES).
-MODES = ("mjsd", "speculative", "target", "typical", "mentored", "spectr", "bild", "ngram", "staged")
+MODES = ("mjsd", "speculative", "target", "typical", "mentored", "spectr", "bild", "ngram", "staged", "tree")
 DRAFT_FREE_MODES = ("target", "ngram")
 # Modes whose draft length the adaptive controller chooses per step (the others keep gamma fixed: bild
 # has its own confidence stop, spectr / staged / ngram their own proposal structure).
@@ -30,6 +30,8 @@ DEFAULT_MODE = "mjsd"
 #             defaults (0.9, 3) for llama)
 #   ngram     max_ngram >= min_ngram >= 1: prompt-lookup suffix lengths tried, longest first
 #   staged    the same n-gram knobs, for the proposer that feeds the draft model
+#   tree      width: top-k children of the root, branch: top-k children of each depth-1 node, one child
+#             deeper, depth gamma; verified in one target pass with a tree mask (serving/decoding/tree.py)
 MODE_KNOBS: dict[str, dict[str, float | int]] = {
     "typical": {"posterior_threshold": 0.09, "posterior_alpha": 0.3},
     "mentored": {"kl_budget": 0.1},
@@ -37,7 +39,9 @@ MODE_KNOBS: dict[str, dict[str, float | int]] = {
     "bild": {"fallback_threshold": 0.9, "rollback_threshold": 3.0},
     "ngram": {"max_ngram": 3, "min_ngram": 1},
     "staged": {"max_ngram": 3, "min_ngram": 1},
+    "tree": {"width": 2, "branch": 1},
 }
+MAX_TREE_WIDTH = 8
 MAX_NUM_DRAFTS = 16
 MAX_NGRAM = 16
 
@@ -140,6 +144,9 @@ class SpecParams:
                 knobs[name] = _non_negative(name, knobs[name])
         if "num_drafts" in knobs:
             _int_in("num_drafts", knobs["num_drafts"], 1, MAX_NUM_DRAFTS)
+        if "width" in knobs:
+            _int_in("width", knobs["width"], 1, MAX_TREE_WIDTH)
+            _int_in("branch", knobs["branch"], 1, MAX_TREE_WIDTH)
         if "max_ngram" in knobs:
             _int_in("max_ngram", knobs["max_ngram"], 1, MAX_NGRAM)
             _int_in("min_ngram", knobs["min_ngram"], 1, knobs["max_ngram"])

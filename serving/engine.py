@@ -29,6 +29,9 @@ Modes (SpecParams.mode; rules in serving/decoding/, knobs in SpecParams.extra, s
   Decoding"): n-gram lookup proposes for the DRAFT model, which checks the proposal in one forward with
   the same one-hot speculative rule (`ngram.staged_accept`), so its gamma tokens are exact draft samples
   produced in fewer sequential draft forwards; the target then verifies them by speculative sampling (lossless).
+- tree: the draft grows a top-k tree, ONE target pass scores every node under a tree attention mask
+  (serving/decoding/tree.py, Medusa's tree attention), greedy at T=0 or the lossless rule for deterministic
+  children keeps the longest accepted path plus one target token; the caches keep that path only.
 
 Randomness: one torch.Generator per request, seeded from SamplingParams.seed, on the target's device
 (CPU or CUDA), so every rule draws where its probability rows live; a seed reproduces a run on the
@@ -61,6 +64,8 @@ from serving.controller import CostModel, ReplicaPriors, RequestController
 from serving.decoding.bild import bild_should_fallback
 from serving.decoding.ngram import ngram_propose, staged_accept
 from serving.decoding.spectr import spectr_verify
+from serving.decoding.tree import ROOT as TREE_ROOT
+from serving.decoding.tree import TreeDrafter, keep_path, tree_branching, tree_forward, tree_size, verify_deterministic, verify_greedy
 from serving.decoding.types import VerifyResult
 from serving.decoding.warp import sample, warp_logprobs
 from serving.energy import EnergyMeter
@@ -75,7 +80,7 @@ from serving.models import (
     read_output_token_ids,
     resolve_model_path,
 )
-from serving.runner import SequenceRunner
+from serving.runner import SequenceRunner, full_vocab_logits
 from serving.scheduler import BatchScheduler, Request
 
 log = logging.getLogger(__name__)
@@ -375,6 +380,8 @@ class Engine:
             fan = spec.beams
         elif spec.mode == "spectr":
             fan = spec.extra["num_drafts"]
+        elif spec.mode == "tree":
+            return context + tree_size(tree_branching(spec.gamma, spec.extra["width"], spec.extra["branch"]))
         return context * fan
 
     def generate(
@@ -469,6 +476,7 @@ class _RequestState:
         self.draft_model = engine.draft
         self.draft = SequenceRunner(engine.draft, engine.vocab_size) if engine.draft is not None else None
         self.recorded_steps = 0
+        self.tree_drafter: TreeDrafter | None = None
 
     # -- helpers -----------------------------------------------------------------
     def _sync_draft(self) -> None:
@@ -512,6 +520,8 @@ class _RequestState:
         version = self.engine.draft_version
         if mode == "spectr":
             draft_tokens, target_logits, res = self._spectr_step(spec, warp, gen, stats)
+        elif mode == "tree":
+            draft_tokens, target_logits, res = self._tree_step(spec, sampling, warp, gen, stats)
         else:
             if mode == "staged":
                 draft_tokens, draft_probs = self._propose_staged(spec, warp, gen, stats)
@@ -594,6 +604,45 @@ class _RequestState:
             probs.append(rows[: n + 1])
             pending = [nxt]
         return tokens, torch.cat(probs)
+
+    def _tree_step(self, spec: SpecParams, sampling: SamplingParams, warp, gen,
+                   stats) -> tuple[list[int], torch.Tensor, VerifyResult]:
+        """Tree verification (serving/decoding/tree.py, Medusa's tree attention): the draft grows a top-k tree
+        (`width` children of the root, `branch` of each depth-1 node, one child deeper, depth gamma) in its
+        own cache, ONE target pass scores every node under the tree mask, greedy (T=0) or the lossless rule
+        for deterministic children keeps a path plus one target token, and the target cache keeps that path
+        only. For the record (and the acceptance statistics) the step is the chain of the accepted path
+        continued through first children to a leaf, with the target's rows for it."""
+        eng = self.engine
+        draft = eng.draft
+        branching = tree_branching(spec.gamma, spec.extra["width"], spec.extra["branch"])
+        if self.tree_drafter is None or self.tree_drafter.model is not draft.model:
+            self.tree_drafter = TreeDrafter(draft.model, branching,
+                                            lambda x: full_vocab_logits(x, draft, eng.vocab_size))
+        t0 = time.perf_counter()
+        tree, _ = self.tree_drafter.propose(self.seq)
+        t1 = time.perf_counter()
+        stats.draft_time_s += t1 - t0
+        prefix = len(self.seq) - 1
+        if self.target.length < prefix:                                       # the prompt, on the first step
+            self.target.feed(self.seq[self.target.length: prefix], keep=1)
+        logits, self.target.cache = tree_forward(eng.target.model, tree, self.seq[-1], self.target.cache, prefix)
+        logits = full_vocab_logits(logits, eng.target, eng.vocab_size)      # [N + 1, vocab]
+        stats.target_time_s += time.perf_counter() - t1
+        if sampling.temperature == 0:
+            res = verify_greedy(tree, logits)
+        else:
+            res = verify_deterministic(tree, warp(logits).exp(), gen)
+        keep_path(self.target.cache, prefix, res.path)
+        self.target.length = prefix + 1 + len(res.path)
+        self.tree_drafter.accept(res.path)
+        chain = list(res.path)
+        kids = tree.children(chain[-1] if chain else TREE_ROOT)
+        while kids:
+            chain.append(kids[0])
+            kids = tree.children(kids[0])
+        rows = logits[[0] + [1 + i for i in chain]]
+        return [tree.tokens[i] for i in chain], rows, VerifyResult(len(res.path), res.next_token)
 
     def _spectr_step(self, spec: SpecParams, warp, gen, stats) -> tuple[list[int], torch.Tensor, VerifyResult]:
         """SpecTr: k i.i.d. draft chains, one batched target pass, K-SEQ over the tree.

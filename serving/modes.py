@@ -7,14 +7,14 @@ The engine and the batch scheduler look a mode up here instead of branching on i
   - "beams": MJSD's beam sampling with the draft model (at temperature 0 or with one beam, the chain:
     beam sampling can then keep only one beam, so the proposal distribution is the same);
   - "ngram": prompt lookup over the request's own context (no model);
-  - "staged" / "bild" / "spectr": the draft model in the mode's own pattern (see serving/engine.py);
+  - "staged" / "bild" / "spectr" / "tree": the draft model in the mode's own pattern (see serving/engine.py);
 - `rule`: the verification rule, a pure function of serving/decoding/ with the uniform signature
   (draft tokens, draft rows, target rows, generator, SpecParams) -> VerifyResult; "spectr" verifies a
-  tree of chains and has its own path; "target" verifies nothing;
+  tree of chains and has its own path, as has "tree" (serving/decoding/tree.py); "target" verifies nothing;
 - `knobs`: the mode's extra parameters with defaults (serving/config.py MODE_KNOBS);
 - `batched`: whether the batch scheduler (serving/scheduler.py) runs it together with other requests in
-  one forward per model. The others (staged, bild, spectr: their proposals need per-request control flow
-  or a tree of rows) run alone, one step per scheduler round, between the batched steps, so they never
+  one forward per model. The others (staged, bild, spectr, tree: their proposals need per-request control
+  flow, a tree of rows or a tree mask) run alone, one step per scheduler round, between the batched steps, so they never
   block the batch.
 """
 from __future__ import annotations
@@ -57,7 +57,8 @@ class Mode:
 
 
 _PROPOSERS = {"target": "none", "speculative": "chain", "mentored": "chain", "typical": "chain",
-              "mjsd": "beams", "ngram": "ngram", "staged": "staged", "bild": "bild", "spectr": "spectr"}
+              "mjsd": "beams", "ngram": "ngram", "staged": "staged", "bild": "bild", "spectr": "spectr",
+              "tree": "tree"}
 BATCHED_PROPOSERS = ("none", "chain", "beams", "ngram")
 
 MODE_TABLE: dict[str, Mode] = {

@@ -270,6 +270,23 @@ def verify_sampled(tree: DraftTree, target_probs: torch.Tensor, draft_probs: tor
         node = accepted
 
 
+def tree_branching(depth: int, width: int, branch: int) -> tuple[int, ...]:
+    """The served tree shape (mode `tree`): `width` children of the root, `branch` children of each depth-1
+    node, one child of every deeper node; `depth` levels."""
+    if depth < 1 or width < 1 or branch < 1:
+        raise ValueError(f"depth, width and branch must be >= 1, got {depth}, {width}, {branch}")
+    return ((width,) + (branch,) + (1,) * (depth - 2))[:depth]
+
+
+def tree_size(branching: Sequence[int]) -> int:
+    """Nodes of a tree with `branching[d]` children per node at depth d + 1."""
+    n, level = 0, 1
+    for b in branching:
+        level *= int(b)
+        n += level
+    return n
+
+
 # ---------------------------------------------------------------------- a reference decode loop
 LogitsMap = Callable[[torch.Tensor], torch.Tensor]
 

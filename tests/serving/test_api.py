@@ -129,7 +129,7 @@ def test_seeded_sampling_is_reproducible_over_http(client):
 
 
 def test_every_mode_answers(client):
-    for mode in ("mjsd", "speculative", "target", "typical", "mentored", "spectr", "bild", "ngram", "staged"):
+    for mode in ("mjsd", "speculative", "target", "typical", "mentored", "spectr", "bild", "ngram", "staged", "tree"):
         r = complete(client, max_tokens=8, temperature=0.7, seed=1, speculative={"mode": mode})
         assert r.status_code == 200, (mode, r.text)
         assert r.json()["usage"]["completion_tokens"] >= 1

@@ -269,12 +269,13 @@ def test_kv_budget_refuses_a_request_too_large_and_queues_the_rest(pair):
 
 
 def test_unbatched_modes_run_beside_the_batch(engine):
-    """A mode that cannot batch (spectr, staged, bild) runs alone between batched steps; both finish."""
-    assert set(UNBATCHED_MODES) == {"spectr", "staged", "bild"}
+    """A mode that cannot batch (spectr, staged, bild, tree) runs alone between batched steps; all finish."""
+    assert set(UNBATCHED_MODES) == {"spectr", "staged", "bild", "tree"}
     sampling = SamplingParams(temperature=0.0, max_tokens=30)
     jobs = [(ids(engine, PROMPTS[0]), sampling, SpecParams(mode="speculative", gamma=3, adaptive=False)),
             (ids(engine, PROMPTS[2]), sampling, SpecParams(mode="spectr", gamma=3, extra={"num_drafts": 2})),
-            (ids(engine, PROMPTS[3]), sampling, SpecParams(mode="staged", gamma=3))]
+            (ids(engine, PROMPTS[3]), sampling, SpecParams(mode="staged", gamma=3)),
+            (ids(engine, PROMPTS[1]), sampling, SpecParams(mode="tree", gamma=3, extra={"width": 2, "branch": 2}))]
     want = [engine.generate_all(p, s, SpecParams(mode="target")).token_ids for p, s, _ in jobs]
     got = run_concurrently(engine, jobs)
     assert [r.token_ids for r in got] == want

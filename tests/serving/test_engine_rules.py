@@ -37,7 +37,7 @@ from serving.decoding.warp import sample, warp_logprobs
 from serving.engine import Engine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40)
-NEW_MODES = ("typical", "mentored", "spectr", "bild", "ngram", "staged")
+NEW_MODES = ("typical", "mentored", "spectr", "bild", "ngram", "staged", "tree")
 PROMPT = "abc abc abd the cat sat on the mat the cat"   # repeats, so n-gram lookups find matches
 DEVICE = os.environ.get("DRAFTSMITH_TEST_DEVICE", "cpu")
 EOS = tiny_models.EOS_ID
@@ -114,7 +114,7 @@ def reference_greedy(model, prompt, n, eos=EOS):
 @pytest.mark.parametrize("mode,extra", [
     ("speculative", {}), ("spectr", {"num_drafts": 3}), ("mentored", {"kl_budget": 0.0}), ("staged", {}),
     ("ngram", {}), ("typical", {}), ("bild", {"fallback_threshold": 0.5, "rollback_threshold": 3.0}),
-    ("mjsd", {}),
+    ("mjsd", {}), ("tree", {"width": 3, "branch": 2}),
 ])
 def test_temperature_zero_equals_target_greedy(engine, self_engine, mode, extra):
     prompt = ids(engine)
@@ -493,6 +493,9 @@ def test_step_records_rebuild_the_sequence(pair, mode):
     ("bild", {"rollback_threshold": None}, "rollback_threshold"),
     ("ngram", {"max_ngram": 0}, "max_ngram"),
     ("staged", {"max_ngram": 2, "min_ngram": 3}, "min_ngram"),
+    ("tree", {"width": 0}, "width"),
+    ("tree", {"branch": 9}, "branch"),
+    ("tree", {"num_drafts": 2}, "unknown parameter.*width, branch"),
     ("spectr", {"kl_budget": 0.1}, "unknown parameter.*'kl_budget'.*num_drafts"),
     ("speculative", {"num_drafts": 2}, "unknown parameter"),
 ])
