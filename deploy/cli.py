@@ -371,14 +371,15 @@ def cmd_bootstrap(args) -> int:
 
 def _real_distill(args):
     """The injected distillation function (deploy.ray_jobs.DistillRunner, JobRequest -> candidate dir): the
-    job `training.job.run_distillation(cfg)` on Ray or in this process, as --runner says.
+    job `training.job.run_distillation(cfg)` with its MLflow run (deploy/distill_job.py) on Ray or in this
+    process, as --runner says.
 
     cfg is a plain dict: the --config YAML's keys, overridden by the job request
     (parent_version, base_draft_path = the materialised champion, target, since_id = buffer cursor,
     target_sha256) and `ack: registered` (the scheduler acks the records once the candidate is registered).
     """
     try:
-        from training.job import run_distillation
+        from deploy.distill_job import run_job
     except ImportError as e:
         raise CommandFailed(f"the distillation job (training.job.run_distillation) is not available: {e}") from None
     from deploy.ray_jobs import DistillRunner, RaySettings
@@ -390,7 +391,7 @@ def _real_distill(args):
     except ValueError as e:
         raise BadInput(str(e)) from None
     return DistillRunner(lambda request: job_config(request, args.target, overrides),
-                         getattr(args, "runner", "auto"), settings, in_process=run_distillation)
+                         getattr(args, "runner", "auto"), settings, in_process=run_job)
 
 
 def job_config(request, target: str | None, overrides: dict | None = None) -> dict:

@@ -18,7 +18,7 @@ only when it answers there (a Ray started without the dashboard still records an
 
 **How a job is submitted** (`submit`: "auto" picks the first that the cluster offers):
 - "job": Ray's job submission API (`JobSubmissionClient`, HTTP to the dashboard): entrypoint
-  `python -m training.job --config-json <cfg>` with `entrypoint_num_cpus` / `entrypoint_num_gpus` (Ray
+  `python -m deploy.distill_job --config-json <cfg>` with `entrypoint_num_cpus` / `entrypoint_num_gpus` (Ray
   places it on a node with those free), the job's environment in `runtime_env.env_vars`, and, for a cluster
   on another machine, this checkout as `runtime_env.working_dir`. Polled every `poll_s`; state from
   `get_job_info`, logs from `get_job_logs` (tail kept); stopped with `stop_job` when the scheduler is
@@ -26,9 +26,9 @@ only when it answers there (a Ray started without the dashboard still records an
 - "task": for a cluster without a dashboard, which is what `draftsmith serve` starts (measured on this
   2-core machine: Ray's start takes 9.0 s with the dashboard against 6.6 s without, and the dashboard is
   one more ~130 MB process beside serving; the job API itself then answers a trivial job in 2.3 s).
-  A child process `python -m training.job --ray --num-cpus N --num-gpus G --config-json <cfg>` with
+  A child process `python -m deploy.distill_job --ray --num-cpus N --num-gpus G --config-json <cfg>` with
   RAY_ADDRESS = the cluster's GCS connects as a Ray driver and runs the job as a Ray task with those
-  resource requests (training.job.run_in_ray); Ray forwards the task's output to it, so its output is the
+  resource requests (deploy/distill_job.py `run_in_ray`); Ray forwards the task's output to it, so its output is the
   job's log and its exit status the result. The driver is a child, not the scheduler itself: Ray ends a
   driver whose cluster goes away, and the scheduler must outlive the cluster.
 
@@ -483,7 +483,7 @@ def _submit_job(cfg: dict, cluster: RayCluster, st: RaySettings, job: _Job, pyth
     runtime_env: dict = {"env_vars": job_env(st.num_cpus, cluster.local)}
     if not cluster.local:
         runtime_env.update(working_dir=str(ROOT), excludes=_WORKING_DIR_EXCLUDES)
-    entrypoint = shlex.join([python, "-m", "training.job", "--config-json", json.dumps(cfg, default=str)])
+    entrypoint = shlex.join([python, "-m", "deploy.distill_job", "--config-json", json.dumps(cfg, default=str)])
     try:
         client.submit_job(entrypoint=entrypoint, submission_id=sid, runtime_env=runtime_env,
                           entrypoint_num_cpus=st.num_cpus, entrypoint_num_gpus=gpus or None,
@@ -538,7 +538,7 @@ def _submit_task(cfg: dict, cluster: RayCluster, st: RaySettings, job: _Job, gpu
     logfile = logdir / f"{job.info['id']}.log"
     job.info["log_file"] = str(logfile)
     # the driver runs here, beside the scheduler (its task runs wherever Ray places it): this interpreter
-    cmd = [sys.executable, "-m", "training.job", "--ray", "--num-cpus", f"{st.num_cpus:g}", "--num-gpus", f"{gpus:g}",
+    cmd = [sys.executable, "-m", "deploy.distill_job", "--ray", "--num-cpus", f"{st.num_cpus:g}", "--num-gpus", f"{gpus:g}",
            "--config-json", json.dumps(cfg, default=str)]
     env = {**os.environ, **job_env(st.num_cpus, True), "RAY_ADDRESS": cluster.address}
     for k in _ENV_SECRETS:
@@ -623,7 +623,7 @@ class DistillRunner:
     `make_cfg(request)` and runs it by `runner`:
     - "auto" (default): on Ray when `find_cluster()` finds one, else in this process (said once per change);
     - "ray": on Ray; no cluster -> RayUnavailable (a failed job, records pending);
-    - "process": `in_process(cfg)` (training.job.run_distillation) in this process.
+    - "process": `in_process(cfg)` (deploy/distill_job.py `run_job`, with its MLflow run) in this process.
     `on_state(info)` receives the job state on every change; `last_job` is the last job's final state."""
 
     def __init__(self, make_cfg: Callable, runner: str = "auto", settings: RaySettings | None = None, *,
@@ -686,7 +686,7 @@ class DistillRunner:
     def _run_here(self, cfg: dict) -> Path:
         run = self.in_process
         if run is None:
-            from training.job import run_distillation as run
+            from deploy.distill_job import run_job as run
         info = {"runner": "process", "id": f"pid-{os.getpid()}", "state": "running", "submitted": _now(),
                 "started": _now(), "candidate": cfg.get("out_dir")}
         self._record(dict(info))

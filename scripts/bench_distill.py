@@ -18,7 +18,7 @@
 4. With --real-acceptance: merge the adapter and decode the held-out prompts of both sources at
    temperature 0, gamma 4, speculative sampling, with the base and the merged draft (real acceptance
    = accepted / proposed draft tokens).
-Each job runs in its own process through the job's local entry point (`python -m training.job
+Each job runs in its own process through the job's entry point (`python -m deploy.distill_job
 --config ...`), so its peak memory (the candidate's `peak_rss_mb`, ru_maxrss of the job process) is
 the job's alone, not the serving engine's. Prints a markdown table (also written to
 bench_distill.md) with the issue's targets (+0.10 on the second source, >= -0.05 on the first);
@@ -46,9 +46,9 @@ TARGET_GAIN, MAX_LOSS = 0.10, 0.05        # issue 5: +0.10 on the new source, at
 
 
 def run_job(cfg: dict, config_path: Path) -> Path:
-    """One distillation job in a child process (`python -m training.job --config`), output streamed."""
+    """One distillation job in a child process (`python -m deploy.distill_job --config`), output streamed."""
     config_path.write_text(json.dumps(cfg))              # JSON is YAML: no re-typing of string values
-    argv = [sys.executable, "-m", "training.job", "--base-draft-path", cfg["base_draft_path"],
+    argv = [sys.executable, "-m", "deploy.distill_job", "--base-draft-path", cfg["base_draft_path"],
             "--config", str(config_path)]
     if cfg.get("since_id"):
         argv += ["--since-id", cfg["since_id"]]

@@ -148,3 +148,28 @@ def documented_edges() -> dict[str, set[str]]:
 
 def test_the_documented_diagram_matches_the_imports():
     assert documented_edges() == edges()
+
+
+# Each outside system enters through its doors (docs/architecture.md): Redis through buffer/redis_store.py;
+# MLflow only in deploy (the client is deploy/registry.py's; live_stats and distill_job log through it and
+# import MLflow's entity classes only); Ray only where deploy builds the Serve app and runs jobs.
+DOORS = {
+    "redis": {"buffer/redis_store.py"},
+    "mlflow": {"deploy/registry.py", "deploy/live_stats.py", "deploy/distill_job.py"},
+    "ray": {"deploy/app.py", "deploy/ray_jobs.py", "deploy/distill_job.py"},
+}
+
+
+def test_outside_systems_enter_through_their_doors():
+    found: dict[str, set[str]] = {system: set() for system in DOORS}
+    for pkg in PACKAGES:
+        for path in source_files(pkg):
+            for _, mod in imported_modules(path):
+                top = mod.split(".")[0]
+                if top in found:
+                    found[top].add(str(path.relative_to(ROOT)))
+    assert found == DOORS
+    # only the registry creates MLflow clients
+    clients = {str(p.relative_to(ROOT)) for pkg in PACKAGES for p in source_files(pkg)
+               if "MlflowClient(" in p.read_text()}
+    assert clients == {"deploy/registry.py"}

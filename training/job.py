@@ -1,12 +1,11 @@
-"""The distillation job: buffer window -> LoRA training -> candidate folder, logged to MLflow.
+"""The distillation job: buffer window -> LoRA training -> candidate folder.
 
-    run_distillation(cfg: dict) -> Path        # what `draftsmith distill` (deploy/cli.py) calls
-    pending_records(since_id) -> int           # step records after the scheduler's cursor
+    run_distillation(cfg: dict, tracker=None) -> Path   # deploy/distill_job.py runs it with its MLflow run
+    pending_records(since_id) -> int                    # step records after the scheduler's cursor
     python -m training.job --parent-version 3 --base-draft-path DIR [--since-id ID] [--config cfg.yaml]
                            [--config-json '{...}'] [--set loss=reverse_kl --set steps=200]
-                           [--ray [--num-cpus 2] [--num-gpus 1]]
-    ray job submit --working-dir . -- python -m training.job ... --ray
-    (scheduled jobs on Ray: deploy/ray_jobs.py submits `python -m training.job --config-json ...`)
+    (the same flags, plus --ray and an MLflow run: `python -m deploy.distill_job`, which is what
+    `draftsmith distill` and deploy/ray_jobs.py run)
 
 One job:
 1. consume up to `max_records` step records from the consumer group `group` (default "distill";
@@ -45,9 +44,10 @@ and left are metrics of the job's MLflow run (`vocab_entered`, `vocab_left`, `vo
 Too few usable records or held-out records -> NotEnoughRecords (nothing acked that was not used);
 the scheduler then leaves the champion as it is.
 
-Ray: `--ray` runs `run_distillation` as a Ray task with `num_cpus` CPUs, on the cluster of
-RAY_ADDRESS (set by `ray job submit`) or on a local Ray started for it. Redis URL, tracking URI and
-output folder are resolved in the driver, so the task does not depend on its working directory.
+**Tracking.** The job reports its run (params, progress metrics per optimizer step, final metrics,
+FINISHED / FAILED) through a `JobTracker` it is given; training/ has no MLflow client of its own: the
+MLflow one is deploy/distill_job.py's `MlflowJobRun`, through the registry's door. No tracker (or
+`mlflow: false`): no run is logged. Ray tasks are deploy's too (deploy/distill_job.py `run_in_ray`).
 
 Importing this module does not import torch, peft, MLflow or Ray.
 """
@@ -64,12 +64,11 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 log = logging.getLogger(__name__)
 
-EXPERIMENT = "draftsmith-distill"
-ROOT = Path(__file__).resolve().parent.parent
+EXPERIMENT = "draftsmith-distill"      # the MLflow experiment of job runs (deploy/distill_job.py)
 
 
 VOCABULARY_FILE = "vocabulary.json"      # deploy/registry.py reads it under the same name
@@ -178,48 +177,19 @@ def pending_records(since_id: str | None = None, *, redis_url: str | None = None
     return count_after(_redis_url(redis_url), BufferConfig(prefix=buffer_prefix).steps_key, since_id, page=page)
 
 
-# ----------------------------------------------------------------------------- MLflow
-class _Tracking:
-    """One MLflow run in experiment `draftsmith-distill` (params, progress metrics, final metrics).
+# ----------------------------------------------------------------------------- tracking
+class JobTracker(Protocol):
+    """One logged run of a job (deploy/distill_job.py `MlflowJobRun` is the MLflow one)."""
 
-    Progress logging never fails the job (a warning instead); creating the run does."""
+    run_id: str
 
-    def __init__(self, uri: str, run_name: str, params: dict, tags: dict) -> None:
-        from mlflow.entities import Param
-        from mlflow.tracking import MlflowClient
+    def log(self, step: int, metrics: dict) -> None: ...
 
-        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-        self.client = MlflowClient(tracking_uri=uri)
-        exp = self.client.get_experiment_by_name(EXPERIMENT)
-        if exp is None:
-            location = None
-            if uri.startswith("sqlite:///"):
-                location = (Path(uri[len("sqlite:///"):]).resolve().parent / "mlartifacts" / EXPERIMENT).as_uri()
-            try:
-                exp_id = self.client.create_experiment(EXPERIMENT, artifact_location=location)
-            except Exception:  # noqa: BLE001 - created concurrently
-                exp_id = self.client.get_experiment_by_name(EXPERIMENT).experiment_id
-        else:
-            exp_id = exp.experiment_id
-        self.run_id = self.client.create_run(exp_id, run_name=run_name, tags=tags).info.run_id
-        items = [Param(k[:250], str(v)[:6000]) for k, v in params.items()]
-        for i in range(0, len(items), 100):
-            self.client.log_batch(self.run_id, params=items[i:i + 100])
+    def finish(self, status: str, tags: dict | None = None) -> None: ...
 
-    def log(self, step: int, metrics: dict) -> None:
-        from mlflow.entities import Metric
 
-        now = int(time.time() * 1000)
-        try:
-            self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()
-                                                        if isinstance(v, (int, float)) and not isinstance(v, bool)])
-        except Exception as e:  # noqa: BLE001
-            log.warning("MLflow progress not logged: %s", e)
-
-    def finish(self, status: str, tags: dict | None = None) -> None:
-        for k, v in (tags or {}).items():
-            self.client.set_tag(self.run_id, k, str(v)[:5000])
-        self.client.set_terminated(self.run_id, status=status)
+# (run name, params, tags) -> a started run; raising fails the job before anything is consumed
+TrackerFactory = Callable[[str, dict, dict], JobTracker]
 
 
 def _flat(prefix: str, obj, out: dict) -> dict:
@@ -308,8 +278,10 @@ def _default_out_dir(parent_version: str | None) -> Path:
     return data_dir() / "candidates" / f"{stamp}-from-v{parent_version or 'none'}-{uuid.uuid4().hex[:6]}"
 
 
-def run_distillation(cfg: dict, progress: Callable[[str], None] = print) -> Path:
-    """One distillation job (module docstring); returns the candidate folder."""
+def run_distillation(cfg: dict, progress: Callable[[str], None] = print,
+                     tracker: TrackerFactory | None = None) -> Path:
+    """One distillation job (module docstring); returns the candidate folder. `tracker` starts the job's
+    logged run (module docstring, "Tracking"); None or `mlflow: false` logs none."""
     from buffer.redis_store import BufferConfig, ReplayBufferReader
     from training import data, distill
 
@@ -319,13 +291,10 @@ def run_distillation(cfg: dict, progress: Callable[[str], None] = print) -> Path
     reader = ReplayBufferReader(url, bcfg, group=job.group, consumer=job.consumer, min_idle_ms=job.claim_idle_ms,
                                 start_id=job.since_id or "0")
     tracking = None
-    if job.mlflow:
-        from buffer.paths import default_tracking_uri
-
+    if job.mlflow and tracker is not None:
         params = _flat("", {**{k: v for k, v in asdict(job).items() if k != "redis_url"}, **asdict(tcfg)}, {})
-        tracking = _Tracking(job.tracking_uri or default_tracking_uri(), f"distill-from-v{job.parent_version}",
-                             params, {"draftsmith.parent_version": str(job.parent_version),
-                                      "draftsmith.target": str(job.target)})
+        tracking = tracker(f"distill-from-v{job.parent_version}", params,
+                           {"draftsmith.parent_version": str(job.parent_version), "draftsmith.target": str(job.target)})
     window = None
     try:
         t0 = time.time()
@@ -480,12 +449,7 @@ def ack_candidate_records(candidate_dir: str | os.PathLike, *, redis_url: str | 
     return n
 
 
-# ----------------------------------------------------------------------------- Ray
-def _ray_task(cfg: dict) -> str:
-    logging.basicConfig(level=logging.INFO)
-    return str(run_distillation(cfg))
-
-
+# ----------------------------------------------------------------------------- remote runs
 def resolve_for_remote(cfg: dict) -> dict:
     """`cfg` validated (ValueError early, in the driver) with what a job running elsewhere (a Ray task, a
     Ray job's entrypoint) must not resolve on its own: the Redis URL, absolute parent and output folders,
@@ -501,24 +465,6 @@ def resolve_for_remote(cfg: dict) -> dict:
     return cfg
 
 
-def run_in_ray(cfg: dict, num_cpus: float = 2, num_gpus: float = 0) -> Path:
-    """Run `run_distillation(cfg)` as a Ray task with `num_cpus` CPUs and `num_gpus` GPUs (module docstring)."""
-    import ray
-
-    from buffer.paths import data_dir
-
-    cfg = resolve_for_remote(cfg)                    # fail fast, in the driver
-    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
-           "DRAFTSMITH_DATA": str(data_dir())}
-    if not ray.is_initialized():
-        address = os.environ.get("RAY_ADDRESS")
-        ray.init(address=address or None, num_cpus=None if address else max(1, int(num_cpus)),
-                 include_dashboard=False, runtime_env={"env_vars": env})
-    task = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_retries=0)(_ray_task).options(
-        runtime_env={"env_vars": env})
-    return Path(ray.get(task.remote(cfg)))
-
-
 # ----------------------------------------------------------------------------- CLI
 def _parse_value(text: str):
     import yaml
@@ -526,8 +472,9 @@ def _parse_value(text: str):
     return yaml.safe_load(text)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m training.job", description=__doc__.split("\n\n")[0])
+def build_parser(prog: str = "python -m training.job") -> argparse.ArgumentParser:
+    """The job's command line (also deploy/distill_job.py's, which adds --ray)."""
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--base-draft-path", default=None, help="parent draft model folder (required unless the "
                    "config sets base_draft_path)")
     p.add_argument("--parent-version", default=None, help="registry version of the parent draft")
@@ -540,10 +487,11 @@ def main(argv: list[str] | None = None) -> int:
                         "--config, then --config-json, then --set and the flags above override one another")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override one setting (YAML value), e.g. --set loss=reverse_kl --set steps=200")
-    p.add_argument("--ray", action="store_true", help="run as a Ray task (RAY_ADDRESS or a local Ray)")
-    p.add_argument("--num-cpus", type=float, default=2, help="CPUs of the Ray task (default 2)")
-    p.add_argument("--num-gpus", type=float, default=0, help="GPUs of the Ray task (default 0)")
-    args = p.parse_args(argv)
+    return p
+
+
+def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
+    """The job cfg the parsed flags describe; `p.error` (exit 2, a message that says what to fix) on bad input."""
     cfg: dict = {}
     if args.config is not None:
         import yaml
@@ -570,14 +518,33 @@ def main(argv: list[str] | None = None) -> int:
         p.error("the parent draft is required: --base-draft-path, or base_draft_path in the config")
     if cfg.get("target") is None and os.environ.get("DRAFTSMITH_TARGET"):
         cfg["target"] = os.environ["DRAFTSMITH_TARGET"]
+    return cfg
+
+
+def run_cli(run: Callable[[], Path]) -> int:
+    """Run a job for a command line: print its candidate folder (exit 0), or a message that says what is wrong
+    (exit 2) when the config is bad or the buffer holds too few records."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        out = run_in_ray(cfg, args.num_cpus, args.num_gpus) if args.ray else run_distillation(cfg)
+        out = run()
     except (ValueError, NotEnoughRecords) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(out)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    cfg = config_from_args(p, p.parse_args(argv))
+
+    def run() -> Path:
+        if parse_config(cfg)[0].mlflow:
+            print("note: no MLflow run is logged by `python -m training.job` (training/ has no MLflow client); "
+                  "`python -m deploy.distill_job` takes the same flags and logs one", file=sys.stderr)
+        return run_distillation(cfg)
+
+    return run_cli(run)
 
 
 if __name__ == "__main__":

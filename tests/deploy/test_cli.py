@@ -262,14 +262,18 @@ def test_distill_wiring_errors_are_clear(env, capsys, tmp_path, monkeypatch):
     reg = Registry(str(target))
     reg.register_base(make_base_draft(tmp_path / "base"))
     reg.promote("1")
-    monkeypatch.setitem(sys.modules, "training.job", None)          # the job module cannot be imported
+    import training.job as real_job
+
+    monkeypatch.setitem(sys.modules, "deploy.distill_job", None)    # the job modules cannot be imported
+    monkeypatch.setitem(sys.modules, "training.job", None)
     code, _, err = run(capsys, "distill")
     assert code == 1 and "training.job.run_distillation) is not available" in err
     bad = tmp_path / "cfg.yaml"
     bad.write_text("- just\n- a list\n")
-    fake = types.ModuleType("training.job")
-    fake.run_distillation = lambda cfg: None
+    fake = types.ModuleType("training.job")                          # a job module without pending_records
+    fake.__dict__.update({k: v for k, v in vars(real_job).items() if k != "pending_records" and k[:2] != "__"})
     monkeypatch.setitem(sys.modules, "training.job", fake)
+    monkeypatch.delitem(sys.modules, "deploy.distill_job")          # re-imported against the fake
     code, _, err = run(capsys, "distill", "--config", str(bad))
     assert code == 2 and "must hold a YAML mapping" in err
     code, _, err = run(capsys, "distill", "--every", "1s", "--min-records", "5")

@@ -194,7 +194,7 @@ def _kill_jobs(data: Path, wait_s: float = 10.0) -> None:
     """Job entrypoints of this module (their config names its data dir) still running once their Ray is gone:
     Ray's fate-sharing watcher does not always outlive a SIGKILLed node here, so they are ended by pid."""
     deadline = time.time() + wait_s
-    while (pids := _session_pids("training.job", str(data))) and time.time() < deadline:
+    while (pids := _session_pids("deploy.distill_job", str(data))) and time.time() < deadline:
         time.sleep(0.5)
     for pid in pids:
         try:
@@ -219,7 +219,7 @@ def cluster(data):
         _kill_jobs(data, wait_s=0)
         time.sleep(0.5)
         assert c.session is None or _session_pids(c.session) == [], "processes of the test's Ray were left running"
-        assert _session_pids("training.job", str(data)) == [], "job processes were left running"
+        assert _session_pids("deploy.distill_job", str(data)) == [], "job processes were left running"
 
 
 @pytest.fixture(scope="module")

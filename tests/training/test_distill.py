@@ -23,6 +23,7 @@ from serving.engine import Engine
 from serving.runner import SequenceRunner
 from tests.tiny_models import save_pair
 from training import data, distill
+from deploy.distill_job import run_job
 from training.job import NotEnoughRecords, main, parse_config, pending_records, run_distillation
 
 
@@ -268,7 +269,7 @@ def test_job_candidate_registers_and_materializes_to_a_loadable_draft(served, te
     registry = Registry("tiny-target", tracking_uri=uri, cache_root=tmp_path / "cache")
     assert registry.register_base(served.draft) == "1"
     cfg = job_cfg(served, tmp_path, mlflow=True, tracking_uri=uri)
-    out = run_distillation(cfg, progress=lambda s: None)
+    out = run_job(cfg, progress=lambda s: None)                   # the job with its MLflow run, as deploy runs it
     assert seen.trained == served.train_ids and seen.evaluated == served.heldout_ids   # held out: never trained on
 
     assert sorted(p.name for p in out.iterdir()) == ["adapter", "candidate.json", "vocabulary.json"]
@@ -316,6 +317,37 @@ def test_job_candidate_registers_and_materializes_to_a_loadable_draft(served, te
     assert [h.step for h in history][:2] == [20, 40]
 
 
+def test_job_reports_its_run_through_the_tracker_it_is_given(served, tmp_path):
+    """training/ has no MLflow client: the job starts, logs and finishes its run through the JobTracker factory
+    it is handed (deploy/distill_job.py hands it the MLflow one). A failed job finishes its run FAILED with the
+    error; `mlflow: false` starts no run."""
+    calls = []
+
+    class Recorder:
+        run_id = "run-1"
+
+        def log(self, step, metrics):
+            calls.append(("log", step))
+
+        def finish(self, status, tags=None):
+            calls.append(("finish", status, dict(tags or {})))
+
+    def factory(name, params, tags):
+        calls.append(("start", name, params["loss"], tags["draftsmith.parent_version"]))
+        return Recorder()
+
+    cfg = job_cfg(served, tmp_path, mlflow=True, min_records=10 ** 6)
+    with pytest.raises(NotEnoughRecords):
+        run_distillation(cfg, progress=lambda s: None, tracker=factory)
+    assert calls[0] == ("start", "distill-from-v1", "jsd", "1")
+    assert calls[-1][:2] == ("finish", "FAILED") and "NotEnoughRecords" in calls[-1][2]["draftsmith.error"]
+    calls.clear()
+    with pytest.raises(NotEnoughRecords):
+        run_distillation({**cfg, "mlflow": False, "group": f"g-{uuid.uuid4().hex[:8]}"}, progress=lambda s: None,
+                         tracker=factory)
+    assert calls == []
+
+
 def test_job_vocabulary_round_trips_through_registry_engine_trainer_and_gate(served, template, tmp_path,
                                                                             monkeypatch):
     """A job re-chooses the output vocabulary from its window: the tokens the window's target top-k
@@ -350,7 +382,7 @@ def test_job_vocabulary_round_trips_through_registry_engine_trainer_and_gate(ser
     v1_dir = registry.materialize("1")                                    # what the scheduler hands the job
     assert read_output_token_ids(v1_dir) == parent_ids
     cfg = job_cfg(served, tmp_path, base_draft_path=str(v1_dir), mlflow=True, tracking_uri=uri)
-    out = run_distillation(cfg, progress=lambda s: None)
+    out = run_job(cfg, progress=lambda s: None)
 
     vocab_file = json.loads((out / "vocabulary.json").read_text())
     chosen = vocab_file["output_token_ids"]
@@ -549,7 +581,9 @@ def test_config_is_validated(served):
 
 
 def test_cli_trains_through_a_local_ray_task(served, tmp_path, capsys):
-    """`python -m training.job --ray`: the job runs as a Ray task (local Ray, 1 CPU)."""
+    """`python -m deploy.distill_job --ray`: the job runs as a Ray task (local Ray, 1 CPU)."""
+    from deploy.distill_job import main as job_main
+
     ray = pytest.importorskip("ray")
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
@@ -558,7 +592,7 @@ def test_cli_trains_through_a_local_ray_task(served, tmp_path, capsys):
         for key in ("redis_url", "buffer_prefix", "group", "heldout_fraction", "steps", "batch_tokens", "out_dir",
                     "mlflow", "min_records"):
             argv += ["--set", f"{key}={cfg[key]}"]
-        assert main(argv) == 0
+        assert job_main(argv) == 0
     finally:
         ray.shutdown()
     out = capsys.readouterr().out.strip().splitlines()[-1]

@@ -1,0 +1,125 @@
+"""A distillation job as deploy runs it: training/job.py's `run_distillation`, with its MLflow run logged
+through the registry's MLflow door (deploy/registry.py) and, on request, as a Ray task.
+
+    run_job(cfg) -> Path                       # what `draftsmith distill --runner process` calls
+    run_in_ray(cfg, num_cpus, num_gpus) -> Path
+    python -m deploy.distill_job [the flags of `python -m training.job`] [--ray [--num-cpus 2] [--num-gpus 1]]
+    (scheduled jobs on Ray: deploy/ray_jobs.py submits `python -m deploy.distill_job --config-json ...`)
+
+training/ imports neither MLflow nor deploy: the job reports its run through the `JobTracker` protocol of
+training/job.py, and `MlflowJobRun` below implements it: one MLflow run in experiment `draftsmith-distill`
+(params, progress metrics per optimizer step, final metrics, FINISHED / FAILED with the error), created
+through `Registry.experiment_id`, the one place experiments are created. A job with `mlflow: false` logs
+no run. Creating the run fails the job (MLflow unreachable: nothing trained, nothing acked); progress
+logging never does (a warning instead).
+
+Ray: `--ray` runs the job as a Ray task with `num_cpus` CPUs, on the cluster of RAY_ADDRESS (set by `ray job
+submit`) or on a local Ray started for it. Redis URL, tracking URI and output folder are resolved in the
+driver (training.job.resolve_for_remote), so the task does not depend on its working directory.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from training.job import (
+    EXPERIMENT,
+    build_parser,
+    config_from_args,
+    parse_config,
+    resolve_for_remote,
+    run_cli,
+    run_distillation,
+)
+
+log = logging.getLogger(__name__)
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class MlflowJobRun:
+    """One MLflow run of a distillation job (training.job.JobTracker)."""
+
+    def __init__(self, tracking_uri: str, run_name: str, params: dict, tags: dict) -> None:
+        from mlflow.entities import Param
+
+        from deploy.registry import Registry
+
+        reg = Registry(None, tracking_uri=tracking_uri, auto_gc=False)        # only its MLflow client and experiments
+        self.client = reg.client
+        self.run_id = self.client.create_run(reg.experiment_id(EXPERIMENT), run_name=run_name,
+                                             tags=tags).info.run_id
+        items = [Param(k[:250], str(v)[:6000]) for k, v in params.items()]
+        for i in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, params=items[i:i + 100])
+
+    def log(self, step: int, metrics: dict) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        try:
+            self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()
+                                                        if isinstance(v, (int, float)) and not isinstance(v, bool)])
+        except Exception as e:  # noqa: BLE001 - progress logging never fails the job
+            log.warning("MLflow progress not logged: %s", e)
+
+    def finish(self, status: str, tags: dict | None = None) -> None:
+        for k, v in (tags or {}).items():
+            self.client.set_tag(self.run_id, k, str(v)[:5000])
+        self.client.set_terminated(self.run_id, status=status)
+
+
+def tracker_for(cfg: dict) -> Callable[[str, dict, dict], MlflowJobRun] | None:
+    """The run factory for a job config: None when the job logs no MLflow run (`mlflow: false`)."""
+    job, _ = parse_config(cfg)
+    if not job.mlflow:
+        return None
+    from buffer.paths import default_tracking_uri
+
+    uri = job.tracking_uri or default_tracking_uri()
+    return lambda run_name, params, tags: MlflowJobRun(uri, run_name, params, tags)
+
+
+def run_job(cfg: dict, progress: Callable[[str], None] = print) -> Path:
+    """`training.job.run_distillation(cfg)` with its MLflow run (module docstring); the candidate folder."""
+    return run_distillation(cfg, progress=progress, tracker=tracker_for(cfg))
+
+
+def _ray_task(cfg: dict) -> str:
+    logging.basicConfig(level=logging.INFO)
+    return str(run_job(cfg))
+
+
+def run_in_ray(cfg: dict, num_cpus: float = 2, num_gpus: float = 0) -> Path:
+    """Run `run_job(cfg)` as a Ray task with `num_cpus` CPUs and `num_gpus` GPUs (module docstring)."""
+    import ray
+
+    from buffer.paths import data_dir
+
+    cfg = resolve_for_remote(cfg)                    # fail fast, in the driver
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+           "DRAFTSMITH_DATA": str(data_dir())}
+    if not ray.is_initialized():
+        address = os.environ.get("RAY_ADDRESS")
+        ray.init(address=address or None, num_cpus=None if address else max(1, int(num_cpus)),
+                 include_dashboard=False, runtime_env={"env_vars": env})
+    task = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_retries=0)(_ray_task).options(
+        runtime_env={"env_vars": env})
+    return Path(ray.get(task.remote(cfg)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser("python -m deploy.distill_job")
+    p.add_argument("--ray", action="store_true", help="run as a Ray task (RAY_ADDRESS or a local Ray)")
+    p.add_argument("--num-cpus", type=float, default=2, help="CPUs of the Ray task (default 2)")
+    p.add_argument("--num-gpus", type=float, default=0, help="GPUs of the Ray task (default 0)")
+    args = p.parse_args(argv)
+    cfg = config_from_args(p, args)
+    return run_cli(lambda: run_in_ray(cfg, args.num_cpus, args.num_gpus) if args.ray else run_job(cfg))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
