@@ -196,6 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--force", action="store_true", help="skip the gate (artifacts are still verified)")
     pr.add_argument("--ignore-pause", action="store_true",
                     help="promote although promotions are paused after a rollback (default: refuse)")
+    pr.add_argument("--canary-share", type=_canary_fraction, default=0.0, metavar="S",
+                    help="instead of promoting at once, make the version the canary on this share of requests "
+                         "(0 < S < 1) once it passes the gate (or at once with --force); `draftsmith watch` or a "
+                         "running `draftsmith distill --every` judges it on live acceptance (default 0: promote)")
     _gate_options(pr)
     pr.add_argument("--config", type=Path, default=None,
                     help="distillation config YAML: redis_url / buffer_prefix / heldout_fraction of the gate sample")
@@ -503,12 +507,21 @@ def cmd_register(args) -> int:
 
 
 def cmd_promote(args) -> int:
-    from deploy.gate import engine_smoke_check, force_promote, run_gate
+    from deploy.gate import engine_smoke_check, force_promote, run_gate, start_canary_after_gate
 
     from deploy.registry import PromotionsPaused
 
     reg = _registry(args)
+    canary = args.canary_share > 0
+    if canary and reg.champion() is None:
+        raise BadInput("--canary-share needs a champion to compare the canary with; promote the first version "
+                       "without it")
     try:
+        if args.force and canary:
+            move = reg.start_canary(args.version, args.canary_share, reason="operator --force",
+                                    ignore_pause=args.ignore_pause)
+            print(move.message + _CANARY_HINT)
+            return EXIT_OK
         if args.force:
             move = force_promote(reg, args.version, ignore_pause=args.ignore_pause)
             print(move.message + ("" if move.changed else " (nothing changed)"))
@@ -518,7 +531,11 @@ def cmd_promote(args) -> int:
                                    "`draftsmith resume` first, or pass --ignore-pause")
         verdict = run_gate(reg, args.version, engine_smoke_check(args.target), policy=_gate_policy(args),
                            evidence=_evidence(args, _read_config(args.config)), target_sha256=_target_sha(args),
-                           promote=not args.ignore_pause)
+                           promote=not (args.ignore_pause or canary))
+        if verdict.accepted and canary and verdict.candidate_version != verdict.champion_version:
+            move = start_canary_after_gate(reg, verdict, args.canary_share, ignore_pause=args.ignore_pause)
+            print(f"version {args.version} passed the gate ({verdict.reason}); {move.message}" + _CANARY_HINT)
+            return EXIT_OK
         if verdict.accepted and args.ignore_pause:
             reg.promote(args.version, reason=f"gate: {verdict.reason}", ignore_pause=True)
             verdict.promoted = True
@@ -532,6 +549,21 @@ def cmd_promote(args) -> int:
     print(f"version {args.version} is the champion: {verdict.reason}"
           + (f"; smoke: {verdict.smoke_detail}" if verdict.smoke_detail else ""))
     return EXIT_OK
+
+
+_CANARY_HINT = ("; `draftsmith watch` (or a running `draftsmith distill --every`) promotes or drops it on live "
+                "acceptance, `draftsmith status` shows it")
+
+
+def _canary_fraction(text: str) -> float:
+    """--canary-share of promote: 0 (promote at once) or a share in (0, 1)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
+    if not 0.0 <= v < 1.0:
+        raise argparse.ArgumentTypeError(f"the canary share must be in [0, 1) (0 = promote at once), got {text}")
+    return v
 
 
 def cmd_rollback(args) -> int:

@@ -546,6 +546,16 @@ def force_promote(registry: Registry, version: str, *, reason: str = "operator -
     return move
 
 
+def start_canary_after_gate(registry: Registry, verdict: GateVerdict, share: float, *, ignore_pause: bool = False):
+    """Start the canary (`Registry.start_canary`) for a version that passed the gate (`run_gate(...,
+    promote=False)`), carrying the gate's figures; the scheduler's path, and `draftsmith promote
+    --canary-share`. PromotionsPaused / ArtifactError / UsageError as `start_canary`."""
+    return registry.start_canary(
+        verdict.candidate_version, share, reason=f"gate: {verdict.reason}", ignore_pause=ignore_pause,
+        gate={k: v for k, v in verdict.to_dict().items()
+              if k in ("candidate_acceptance", "champion_acceptance", "delta", "delta_lower", "requests")})
+
+
 def engine_smoke_check(target: str | None, *, prompts: tuple[str, ...] = DEFAULT_SMOKE_PROMPTS,
                        max_tokens: int = 24, gamma: int = 4, device: str = "cpu") -> SmokeCheck:
     """The real smoke check: for each prompt, greedy (temperature 0) decoding with lossless

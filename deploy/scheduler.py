@@ -77,7 +77,7 @@ from statistics import NormalDist
 from typing import Callable
 
 from buffer.paths import data_dir
-from deploy.gate import GatePolicy, GateVerdict, SmokeCheck, run_gate
+from deploy.gate import GatePolicy, GateVerdict, SmokeCheck, run_gate, start_canary_after_gate
 from deploy.registry import CANDIDATE, PREVIOUS, TAG, PromotionsPaused, Registry, RegistryError
 
 GATE_PENDING_TAG = TAG + "gate_pending"
@@ -297,10 +297,7 @@ class DistillScheduler:
                            target_sha256=self.target_sha256, promote=not canary)
         if canary and verdict.accepted and verdict.candidate_version != verdict.champion_version:
             try:
-                move = self.registry.start_canary(
-                    version, self.canary_share, reason=f"gate: {verdict.reason}",
-                    gate={k: v for k, v in verdict.to_dict().items()
-                          if k in ("candidate_acceptance", "champion_acceptance", "delta", "delta_lower", "requests")})
+                move = start_canary_after_gate(self.registry, verdict, self.canary_share)
                 verdict.promotion = f"canary: {move.message}"
             except PromotionsPaused as e:
                 verdict.promotion = f"paused: {e}"

@@ -309,3 +309,31 @@ def test_serve_does_not_start_a_bootstrap_while_the_registry_is_unreachable(monk
     cli._bootstrap_in_background(types.SimpleNamespace(target=None, model_name=None, tracking_uri=None))
     assert started == []
     assert "registry is unreachable" in capsys.readouterr().out
+
+
+def test_promote_with_a_canary_share_starts_a_canary(env, capsys, tmp_path, gate_config):
+    """`draftsmith promote V --canary-share S`: a version that passes the real gate becomes the canary on S of
+    requests instead of the champion (the watchdog's canary judge decides later); with --force it skips the
+    gate; a share outside [0, 1) or no champion to compare with is a clear exit 2."""
+    target, _ = env
+    base = make_degraded_draft(tmp_path / "base", target)
+    run(capsys, "register", str(base))
+    code, _, err = run(capsys, "promote", "1", "--canary-share", "0.5", *GATE)
+    assert code == 2 and "needs a champion" in err
+    code, err = argparse_error(capsys, "promote", "1", "--canary-share", "1.5")
+    assert code == 2 and "canary share must be in [0, 1)" in err
+    assert run(capsys, "promote", "1", *GATE)[0] == 0
+    cand = make_candidate(tmp_path / "c2", base, parent_version="1", target=str(target), before=0.40, after=0.55,
+                          seed=5, scale=0.6, sign=-1)
+    run(capsys, "register", str(cand))
+    code, out, _ = run(capsys, "promote", "2", "--canary-share", "0.5", "--config", str(gate_config), *GATE)
+    assert code == 0 and "passed the gate" in out and "version 2 is the canary on 50% of requests" in out, out
+    reg = Registry(str(target))
+    assert reg.champion() == "1" and reg.canary()["version"] == "2" and reg.canary()["share"] == 0.5
+    code, out, _ = run(capsys, "status")
+    assert code == 0 and "canary" in out and "2" in out
+    third = make_candidate(tmp_path / "c3", reg.materialize("1"), parent_version="1", target=str(target), seed=9)
+    run(capsys, "register", str(third))
+    code, out, _ = run(capsys, "promote", "3", "--force", "--canary-share", "0.25")
+    assert code == 0 and "version 3 is the canary on 25% of requests" in out
+    assert reg.champion() == "1" and reg.canary()["version"] == "3"        # replaced the running canary
