@@ -47,7 +47,7 @@ def make_model(seed: int = 0, layers: int = 2, hidden: int = 32, vocab_size: int
     cfg = LlamaConfig(
         vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 2,
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=512, eos_token_id=258, pad_token_id=256, bos_token_id=None,
+        max_position_embeddings=512, eos_token_id=258, pad_token_id=min(256, vocab_size - 1), bos_token_id=None,
         tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(cfg)

@@ -147,6 +147,14 @@ def _float_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def feed_masked(model, ids: Sequence[int], mask: torch.Tensor, positions: torch.Tensor, cache):
     """One forward of `ids` (batch 1) with a custom [q, kv] bool mask; returns (fp32 logits [q, V], cache)."""
+    logits, _, cache = feed_masked_hidden(model, ids, mask, positions, cache)
+    return logits, cache
+
+
+def feed_masked_hidden(model, ids: Sequence[int], mask: torch.Tensor, positions: torch.Tensor, cache):
+    """As `feed_masked`, also returning the last hidden states (after the final norm, what the output layer
+    reads): (fp32 logits [q, V], hidden [q, d], cache). For drafts that read the target's features
+    (serving/decoding/medusa.py)."""
     from transformers import DynamicCache
 
     if cache is None:
@@ -154,16 +162,24 @@ def feed_masked(model, ids: Sequence[int], mask: torch.Tensor, positions: torch.
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     with torch.no_grad():
-        out = model(input_ids=torch.as_tensor([list(ids)], dtype=torch.long, device=device),
-                    attention_mask=_float_mask(mask, dtype).to(device),
-                    position_ids=positions[None].to(device), past_key_values=cache, use_cache=True)
-    return out.logits[0].float(), out.past_key_values
+        out = model.get_decoder()(input_ids=torch.as_tensor([list(ids)], dtype=torch.long, device=device),
+                                  attention_mask=_float_mask(mask, dtype).to(device),
+                                  position_ids=positions[None].to(device), past_key_values=cache, use_cache=True)
+        h = out.last_hidden_state[0]
+        logits = model.get_output_embeddings()(h)
+    return logits.float(), h, out.past_key_values
 
 
 def tree_forward(model, tree: DraftTree, root_token: int, cache, prefix_len: int):
     """The verification pass: feed [root] + every node; fp32 logits [N + 1, V] (row 0: the root) and cache."""
     mask, pos = tree.attention_inputs(prefix_len)
     return feed_masked(model, [root_token, *tree.tokens], mask, pos, cache)
+
+
+def tree_forward_hidden(model, tree: DraftTree, root_token: int, cache, prefix_len: int):
+    """`tree_forward` that also returns the hidden states: (logits [N + 1, V], hidden [N + 1, d], cache)."""
+    mask, pos = tree.attention_inputs(prefix_len)
+    return feed_masked_hidden(model, [root_token, *tree.tokens], mask, pos, cache)
 
 
 def cache_length(cache) -> int:

@@ -1,0 +1,286 @@
+"""Train Medusa heads (serving/decoding/medusa.py) from the bootstrap's teacher data (issue 19, steps 1 and 3).
+
+The heads read the target's last hidden state, which the teacher data does not store. Measured choice for
+the bootstrap: recompute it with ONE teacher-forced target pass over each stored sequence (prompt +
+answer) and keep it in memory for the whole training ([answer tokens, d] fp32: about 140 MB for 60k
+tokens), so training itself never runs the target again and makes many passes over the data cheaply.
+The target's opinion of each position comes from the same stored top-20 log-probabilities the standalone
+draft learns from, so the loss is training/draft_builder.py's `distill_loss` (0.5 soft cross-entropy
+against the renormalised top-20 + 0.5 hard cross-entropy on the target's greedy token, over the kept
+vocabulary), averaged over heads with Medusa's decaying weights (0.8^(k-1)).
+
+Rows. For an example with prompt length P and A answer tokens, hidden state h_t at position t and the
+committed token x_{t+1}: head k's label is answer token j = t + k - (P - 1) (the token at position
+t + k + 1, distribution = the teacher's top-20 at answer index j). Rows run from t = P - 2 (h of the
+prompt's second-to-last token: what decoding has right after the prefill) while head 1's label exists.
+
+    .venv/bin/python -m training.heads --out data/medusa-heads            # teacher data of the bootstrap
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from serving.decoding.medusa import HeadsConfig, MedusaHeads
+from training.draft_builder import distill_loss
+
+log = logging.getLogger(__name__)
+HEAD_DECAY = 0.8
+
+
+def target_hidden_rows(target, examples: list[dict], *, batch_size: int = 16, progress=print) -> list[torch.Tensor]:
+    """Per example, the target's last hidden states at positions P - 2 .. P + A - 2 (fp32 [A + 1, d], the
+    first row is missing (zeros) when P < 2). One teacher-forced pass per batch, right-padded."""
+    out: list[torch.Tensor | None] = [None] * len(examples)
+    order = sorted(range(len(examples)), key=lambda i: len(examples[i]["tokens"]))
+    decoder = target.get_decoder()
+    device = next(target.parameters()).device
+    t0 = time.time()
+    done_tokens = 0
+    for s in range(0, len(order), batch_size):
+        idx = order[s: s + batch_size]
+        L = max(len(examples[i]["tokens"]) for i in idx)
+        ids = torch.zeros(len(idx), L, dtype=torch.long)
+        attn = torch.zeros(len(idx), L, dtype=torch.long)
+        for b, i in enumerate(idx):
+            n = len(examples[i]["tokens"])
+            ids[b, :n] = torch.tensor(examples[i]["tokens"])
+            attn[b, :n] = 1
+        with torch.no_grad():
+            h = decoder(input_ids=ids.to(device), attention_mask=attn.to(device)).last_hidden_state.float().cpu()
+        for b, i in enumerate(idx):
+            e = examples[i]
+            P, A = e["prompt_len"], len(e["topk_ids"])
+            rows = torch.zeros(A + 1, h.shape[-1])
+            lo = P - 2
+            src = h[b, max(lo, 0): P + A - 1]
+            rows[max(0, -lo):] = src
+            out[i] = rows
+            done_tokens += len(e["tokens"])
+        if (s // batch_size) % 20 == 0:
+            progress(f"[heads] target hidden states: {min(s + batch_size, len(order))}/{len(order)} sequences, "
+                     f"{done_tokens / max(1e-9, time.time() - t0):.0f} tokens/s")
+    return out  # type: ignore[return-value]
+
+
+class HeadData:
+    """Flat training rows for K heads: hidden state, committed token, and per head the label index into the
+    concatenated answer arrays (-1 where the sequence has ended)."""
+
+    def __init__(self, examples: list[dict], hidden: list[torch.Tensor], num_heads: int, vocab_index: torch.Tensor):
+        hs, roots, labels = [], [], []
+        tk_ids, tk_lp, hard = [], [], []
+        offset = 0
+        for e, H in zip(examples, hidden):
+            P, A = e["prompt_len"], len(e["topk_ids"])
+            toks = e["tokens"]
+            first = 0 if P >= 2 else 1                       # row r = position P - 2 + r
+            r = np.arange(first, A)                          # head 1's label (answer index r) exists
+            hs.append(H[r])
+            roots.append(torch.tensor([toks[P - 1 + int(i)] for i in r], dtype=torch.long))
+            lab = np.stack([r + k for k in range(num_heads)], axis=1)            # answer index per head
+            lab = np.where(lab < A, lab + offset, -1)
+            labels.append(torch.as_tensor(lab, dtype=torch.long))
+            tk_ids.append(torch.as_tensor(e["topk_ids"], dtype=torch.long))
+            tk_lp.append(torch.as_tensor(np.asarray(e["topk_logprobs"], dtype=np.float32)))
+            hard.append(torch.tensor(toks[P: P + A], dtype=torch.long))
+            offset += A
+        self.h = torch.cat(hs)
+        self.root = torch.cat(roots)
+        self.labels = torch.cat(labels)                                         # [R, K]
+        self.topk = vocab_index[torch.cat(tk_ids)]
+        self.topk_lp = torch.cat(tk_lp)
+        self.hard = vocab_index[torch.cat(hard)]
+        self.sources = None
+
+    def __len__(self) -> int:
+        return len(self.h)
+
+    def head_batch(self, rows: torch.Tensor, k: int) -> tuple[torch.Tensor, dict]:
+        """Rows of `rows` with a label for head k (0-based) and distill_loss's batch for them."""
+        lab = self.labels[rows, k]
+        ok = lab >= 0
+        lab = lab[ok]
+        return ok, {"topk": self.topk[lab], "topk_lp": self.topk_lp[lab], "hard": self.hard[lab]}
+
+
+def head_agreement(heads: MedusaHeads, data: HeadData, batch: int = 2048) -> list[float]:
+    """Per head, top-1 agreement with the target's greedy token (= its T=0 acceptance given the earlier
+    depths were right)."""
+    heads.eval()
+    K = heads.config.num_heads
+    hit, tot = [0] * K, [0] * K
+    with torch.no_grad():
+        for s in range(0, len(data), batch):
+            rows = torch.arange(s, min(s + batch, len(data)))
+            logits = heads(data.h[rows], data.root[rows])
+            for k in range(K):
+                ok, b = data.head_batch(rows, k)
+                hit[k] += int((logits[k][ok].argmax(-1) == b["hard"]).sum())
+                tot[k] += int(ok.sum())
+    heads.train()
+    return [round(h / max(1, t), 4) for h, t in zip(hit, tot)]
+
+
+def chain_acceptance(heads: MedusaHeads, data: HeadData, batch: int = 2048) -> list[float]:
+    """Share of rows where heads 1..k are ALL right (k = 1..K): the chance a greedy chain of depth k is
+    accepted whole; their sum is the expected accepted tokens per step of a chain (width 1)."""
+    heads.eval()
+    K = heads.config.num_heads
+    counts = [0] * K
+    n = 0
+    with torch.no_grad():
+        for s in range(0, len(data), batch):
+            rows = torch.arange(s, min(s + batch, len(data)))
+            logits = heads(data.h[rows], data.root[rows])
+            alive = torch.ones(len(rows), dtype=torch.bool)
+            for k in range(K):
+                lab = data.labels[rows, k]
+                right = torch.zeros(len(rows), dtype=torch.bool)
+                ok = lab >= 0
+                right[ok] = logits[k][ok].argmax(-1) == data.hard[lab[ok]]
+                alive &= right
+                counts[k] += int(alive.sum())
+            n += len(rows)
+    heads.train()
+    return [round(c / max(1, n), 4) for c in counts]
+
+
+def train_heads(heads: MedusaHeads, train: HeadData, held: HeadData, *, deadline: float, batch_size: int = 256,
+                lr: float = 1e-3, max_epochs: int = 50, progress=print) -> dict:
+    """AdamW on the heads' own weights until `deadline` (time.time()) or `max_epochs`."""
+    params = [p for p in heads.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    K = heads.config.num_heads
+    weights = [HEAD_DECAY ** k for k in range(K)]
+    steps = 0
+    t0 = time.time()
+    epoch = 0
+    heads.train()
+    while epoch < max_epochs and time.time() < deadline:
+        perm = torch.randperm(len(train))
+        for s in range(0, len(perm), batch_size):
+            rows = perm[s: s + batch_size]
+            states = heads.head_states(train.h[rows], train.root[rows])
+            loss = 0.0
+            for k in range(K):
+                ok, b = train.head_batch(rows, k)
+                if int(ok.sum()) == 0:
+                    continue
+                lk, _ = distill_loss(states[k][ok], heads.out_rows, b)
+                loss = loss + weights[k] * lk
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            steps += 1
+            if steps % 200 == 0:
+                progress(f"[heads] epoch {epoch} step {steps}: loss {float(loss.detach()) / sum(weights):.3f}, "
+                         f"{steps / (time.time() - t0):.1f} steps/s")
+            if time.time() >= deadline:
+                break
+        epoch += 1
+        progress(f"[heads] epoch {epoch} done after {time.time() - t0:.0f} s; held-out agreement per head "
+                 f"{head_agreement(heads, held)}")
+    return {"steps": steps, "epochs": epoch, "train_seconds": round(time.time() - t0, 1),
+            "train_head_agreement": head_agreement(heads, train),
+            "heldout_head_agreement": head_agreement(heads, held),
+            "heldout_chain_acceptance": chain_acceptance(heads, held)}
+
+
+def per_source(heads: MedusaHeads, examples: list[dict], hidden: list[torch.Tensor],
+               vocab_index: torch.Tensor) -> dict[str, list[float]]:
+    out = {}
+    for src in sorted({e.get("source", "") for e in examples}):
+        idx = [i for i, e in enumerate(examples) if e.get("source", "") == src]
+        data = HeadData([examples[i] for i in idx], [hidden[i] for i in idx], heads.config.num_heads, vocab_index)
+        out[src or "unlabelled"] = head_agreement(heads, data)
+    return out
+
+
+def build_heads(target, tok, train_ex: list[dict], held_ex: list[dict], out_dir: str | Path, *,
+                num_heads: int = 3, num_layers: int = 1, use_token: bool = True, vocab_size: int | None = None,
+                budget_s: float = 300, batch_size: int = 256, lr: float = 1e-3, max_epochs: int = 50,
+                seed: int = 0, hidden: tuple[list, list] | None = None, progress=print) -> dict:
+    """Heads for `target` trained on teacher examples within about `budget_s` seconds (hidden-state pass
+    included unless `hidden` gives them); saved into `out_dir`; returns the figures (also in the json)."""
+    from training.draft_builder import choose_output_vocabulary
+    from training.vocab import DEFAULT_VOCAB_SIZE
+
+    t_start = time.time()
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if hidden is None:
+        hidden = (target_hidden_rows(target, train_ex, progress=progress),
+                  target_hidden_rows(target, held_ex, progress=progress))
+    hid_s = time.time() - t_start
+    subset, _ = choose_output_vocabulary(train_ex, tok, vocab_size or DEFAULT_VOCAB_SIZE)
+    vocab = target.get_output_embeddings().weight.shape[0]
+    vocab_index = torch.full((vocab + 1,), -1, dtype=torch.long)
+    vocab_index[subset] = torch.arange(len(subset))
+    train = HeadData(train_ex, hidden[0], num_heads, vocab_index)
+    held = HeadData(held_ex, hidden[1], num_heads, vocab_index)
+    config = HeadsConfig(target.config.hidden_size, num_heads, num_layers, use_token)
+    heads = MedusaHeads.for_target(target, config, subset.tolist())
+    progress(f"[heads] {len(train)} training rows, {len(held)} held-out rows, {num_heads} heads x {num_layers} "
+             f"blocks, use_token={use_token}, vocabulary {len(subset)}; before training: held-out agreement "
+             f"{head_agreement(heads, held)}")
+    figures = train_heads(heads, train, held, deadline=t_start + budget_s, batch_size=batch_size, lr=lr,
+                          max_epochs=max_epochs, progress=progress)
+    figures["heldout_head_agreement_by_source"] = per_source(heads, held_ex, hidden[1], vocab_index)
+    figures.update(hidden_state_seconds=round(hid_s, 1), seconds=round(time.time() - t_start, 1),
+                   training_rows=len(train), heldout_rows=len(held))
+    heads.save(out_dir, built_by="training.heads.build_heads", **figures)
+    progress(f"[heads] held-out agreement per head {figures['heldout_head_agreement']}, chain acceptance "
+             f"{figures['heldout_chain_acceptance']}; wrote {out_dir} in {time.time() - t_start:.0f} s")
+    return figures
+
+
+def main(argv=None) -> int:
+    from buffer.paths import data_dir
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=None, help="target model folder (default: the served default)")
+    ap.add_argument("--teacher", type=Path, default=None,
+                    help="teacher data (default: the bootstrap's, <data dir>/bootstrap/teacher.safetensors)")
+    ap.add_argument("--out", type=Path, default=None, help="heads folder (default: <data dir>/medusa-heads)")
+    ap.add_argument("--heads", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=1, help="residual blocks per head")
+    ap.add_argument("--no-token", action="store_true", help="plain Medusa heads (hidden state only)")
+    ap.add_argument("--vocab-size", type=int, default=None)
+    ap.add_argument("--budget", type=float, default=300, help="seconds, hidden-state pass included")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from serving.models import ensure_default_target, load_causal_lm, load_tokenizer, resolve_model_path
+    from training.teacher import load_examples
+
+    teacher = args.teacher or data_dir() / "bootstrap" / "teacher.safetensors"
+    held_file = teacher.with_suffix(".heldout.safetensors")
+    if not teacher.is_file() or not held_file.is_file():
+        print(f"error: no teacher data at {teacher} (and {held_file.name}); run `draftsmith bootstrap` first, "
+              "or pass --teacher", file=sys.stderr)
+        return 2
+    if args.heads < 1 or args.layers < 1 or not math.isfinite(args.budget) or args.budget <= 0:
+        print("error: --heads and --layers must be >= 1 and --budget > 0", file=sys.stderr)
+        return 2
+    tpath = resolve_model_path(args.target) if args.target else ensure_default_target()
+    target = load_causal_lm(tpath, "cpu", torch.float32)
+    build_heads(target, load_tokenizer(tpath), load_examples(teacher), load_examples(held_file),
+                args.out or data_dir() / "medusa-heads", num_heads=args.heads, num_layers=args.layers,
+                use_token=not args.no_token, vocab_size=args.vocab_size, budget_s=args.budget, lr=args.lr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
