@@ -138,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default=os.environ.get("DRAFTSMITH_HOST", "127.0.0.1"))
     s.add_argument("--port", type=_port, default=int(os.environ.get("DRAFTSMITH_PORT", "8000")))
     s.add_argument("--draft", default=None, help="draft folder or registry version (default: the champion)")
+    s.add_argument("--medusa-heads", default=os.environ.get("DRAFTSMITH_MEDUSA_HEADS"), metavar="PATH",
+                   help="Medusa heads folder (built by `python -m training.heads`) for requests with "
+                        "speculative.mode 'medusa' (default $DRAFTSMITH_MEDUSA_HEADS; none: that mode answers 400)")
     s.add_argument("--replicas", type=_positive_int, default=1)
     s.add_argument("--api-key", default=os.environ.get("DRAFTSMITH_API_KEY"),
                    help="require this bearer token on the inference routes (default $DRAFTSMITH_API_KEY; "
@@ -298,6 +301,8 @@ def cmd_serve(args) -> int:
     if args.draft is None and not args.no_bootstrap:
         _bootstrap_in_background(args)
     keys = {"admin_api_key": args.admin_key} if args.admin_key else {}   # else serve_forever reads the env
+    if args.medusa_heads:
+        keys["medusa_heads"] = str(Path(args.medusa_heads).resolve())
     serve_forever(host=args.host, port=args.port, target=args.target, draft=args.draft,
                   replicas=args.replicas, api_key=args.api_key, **keys)
     return EXIT_OK

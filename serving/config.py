@@ -10,9 +10,11 @@ import math
 from dataclasses import asdict, dataclass, field
 
 # Decoding modes the engine understands. "target" is plain target-only decoding (the baseline);
-# "target" and "ngram" need no draft model (DRAFT_FREE_MODES).
-MODES = ("mjsd", "speculative", "target", "typical", "mentored", "spectr", "bild", "ngram", "staged", "tree")
-DRAFT_FREE_MODES = ("target", "ngram")
+# "target", "ngram" and "medusa" need no draft model (DRAFT_FREE_MODES); "medusa" needs the replica's Medusa
+# heads instead (serving/decoding/medusa.py, ServiceSettings.medusa_heads).
+MODES = ("mjsd", "speculative", "target", "typical", "mentored", "spectr", "bild", "ngram", "staged", "tree",
+         "medusa")
+DRAFT_FREE_MODES = ("target", "ngram", "medusa")
 # Modes whose draft length the adaptive controller chooses per step (the others keep gamma fixed: bild
 # has its own confidence stop, spectr / staged / ngram their own proposal structure).
 ADAPTIVE_MODES = ("mjsd", "speculative", "typical", "mentored")
@@ -32,6 +34,7 @@ DEFAULT_MODE = "mjsd"
 #   staged    the same n-gram knobs, for the proposer that feeds the draft model
 #   tree      width: top-k children of the root, branch: top-k children of each depth-1 node, one child
 #             deeper, depth gamma; verified in one target pass with a tree mask (serving/decoding/tree.py)
+#   medusa    the same width / branch, the tree read off the Medusa heads (depth min(gamma, heads))
 MODE_KNOBS: dict[str, dict[str, float | int]] = {
     "typical": {"posterior_threshold": 0.09, "posterior_alpha": 0.3},
     "mentored": {"kl_budget": 0.1},
@@ -40,6 +43,7 @@ MODE_KNOBS: dict[str, dict[str, float | int]] = {
     "ngram": {"max_ngram": 3, "min_ngram": 1},
     "staged": {"max_ngram": 3, "min_ngram": 1},
     "tree": {"width": 2, "branch": 1},
+    "medusa": {"width": 2, "branch": 1},
 }
 MAX_TREE_WIDTH = 8
 MAX_NUM_DRAFTS = 16

@@ -32,6 +32,9 @@ Modes (SpecParams.mode; rules in serving/decoding/, knobs in SpecParams.extra, s
 - tree: the draft grows a top-k tree, ONE target pass scores every node under a tree attention mask
   (serving/decoding/tree.py, Medusa's tree attention), greedy at T=0 or the lossless rule for deterministic
   children keeps the longest accepted path plus one target token; the caches keep that path only.
+- medusa: the same tree verification, the tree read off the replica's Medusa heads
+  (serving/decoding/medusa.py) from the target's hidden state that the previous verification pass left: no
+  draft model and no draft forward. Needs heads (`Engine(heads=...)`, `--medusa-heads`).
 
 Randomness: one torch.Generator per request, seeded from SamplingParams.seed, on the target's device
 (CPU or CUDA), so every rule draws where its probability rows live; a seed reproduces a run on the
@@ -65,7 +68,9 @@ from serving.decoding.bild import bild_should_fallback
 from serving.decoding.ngram import ngram_propose, staged_accept
 from serving.decoding.spectr import spectr_verify
 from serving.decoding.tree import ROOT as TREE_ROOT
-from serving.decoding.tree import TreeDrafter, keep_path, tree_branching, tree_forward, tree_size, verify_deterministic, verify_greedy
+from serving.decoding.tree import (DraftTree, TreeDrafter, TreeVerifyResult, feed_masked_hidden, keep_path,
+                                   tree_branching, tree_forward, tree_forward_hidden, tree_size, verify_deterministic,
+                                   verify_greedy)
 from serving.decoding.types import VerifyResult
 from serving.decoding.warp import sample, warp_logprobs
 from serving.energy import EnergyMeter
@@ -84,6 +89,9 @@ from serving.runner import SequenceRunner, full_vocab_logits
 from serving.scheduler import BatchScheduler, Request
 
 log = logging.getLogger(__name__)
+
+MEDUSA_NEEDS_HEADS = ("mode 'medusa' needs Medusa heads and this replica has none; start it with --medusa-heads "
+                      "PATH (heads built by `python -m training.heads`)")
 
 # KV tokens a replica's running requests may reserve together (prompt + max_tokens + gamma, times the rows
 # a request fans out to: MJSD beams, SpecTr drafts). A request alone above it is refused (400); below it,
@@ -210,8 +218,14 @@ class Engine:
         target_name: str = "target",
         max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
         prefill_chunk: int = 512,
+        heads=None,
+        heads_version: str = "none",
     ) -> None:
         self.target = target
+        # Medusa heads (mode "medusa", serving/decoding/medusa.py): fixed for the replica's life, named
+        # "medusa:<folder>" in statistics and records
+        self.heads = heads
+        self.heads_version = heads_version if heads is not None else "none"
         self.tokenizer = target.tokenizer
         self.vocab_size = len(self.tokenizer)
         self.draft = draft
@@ -259,13 +273,33 @@ class Engine:
         dtype: torch.dtype | None = None,
         sink: RecordSink | None = None,
         draft_version: str = "none",
+        heads: str | Path | None = None,
         **kwargs,
     ) -> "Engine":
         target_path = resolve_model_path(target)
         tgt = LoadedModel(load_causal_lm(target_path, device, dtype), load_tokenizer(target_path), target_path)
         drf = cls._load_draft(draft, tgt, device, dtype) if draft else None
         kwargs.setdefault("target_name", DEFAULT_TARGET if target is None else str(target))
-        return cls(tgt, drf, draft_version=draft_version if drf else "none", sink=sink, device=device, **kwargs)
+        engine = cls(tgt, drf, draft_version=draft_version if drf else "none", sink=sink, device=device, **kwargs)
+        if heads:
+            engine.load_heads(heads)
+        return engine
+
+    def load_heads(self, path: str | Path) -> str:
+        """Load Medusa heads for mode "medusa", bound to this target's rows; returns their version name
+        ("medusa:<folder>"). ModelLoadError saying what is wrong (the old heads, if any, stay)."""
+        from serving.decoding.medusa import MedusaHeads
+
+        try:
+            heads = MedusaHeads.load(path, self.target.model).to(self.target_device)
+        except (OSError, ValueError, RuntimeError, KeyError) as e:   # not a heads folder, other target, corrupt
+            raise ModelLoadError(f"cannot load Medusa heads from {path}: {e}") from e
+        if max(heads.output_token_ids) >= self.vocab_size:
+            raise ModelLoadError(f"Medusa heads in {path} propose token ids outside the target's tokenizer")
+        with self._lock:
+            self.heads, self.heads_version = heads, f"medusa:{Path(path).name}"
+        log.info("Medusa heads loaded from %s (%d heads)", path, heads.config.num_heads)
+        return self.heads_version
 
     @staticmethod
     def _load_draft(draft: str | Path, target: LoadedModel, device: str, dtype) -> LoadedModel:
@@ -380,7 +414,7 @@ class Engine:
             fan = spec.beams
         elif spec.mode == "spectr":
             fan = spec.extra["num_drafts"]
-        elif spec.mode == "tree":
+        elif spec.mode in ("tree", "medusa"):
             return context + tree_size(tree_branching(spec.gamma, spec.extra["width"], spec.extra["branch"]))
         return context * fan
 
@@ -407,6 +441,8 @@ class Engine:
         mode = spec.mode
         if spec.needs_draft and self.draft is None:
             raise ValueError(f"mode {mode!r} needs a draft model and none is loaded; use mode 'target' or 'ngram'")
+        if mode == "medusa" and self.heads is None:
+            raise ValueError(MEDUSA_NEEDS_HEADS)
         footprint = self.footprint(len(prompt), sampling, spec)
         if footprint > self.max_batch_tokens:
             raise ValueError(
@@ -421,7 +457,9 @@ class Engine:
         arm = "canary" if (self.canary is not None and spec.needs_draft and MODE_TABLE[mode].batched
                            and routes_to_canary(request_id, self.canary_share)) else "champion"
         version = self.canary_version if arm == "canary" else self.draft_version
-        stats = GenerationStats(mode=mode, draft_version=version if spec.needs_draft else "none",
+        if mode == "medusa":
+            version = self.heads_version
+        stats = GenerationStats(mode=mode, draft_version=version if spec.needs_draft or mode == "medusa" else "none",
                                 gamma=gamma, accepted_per_position=[0] * gamma, adaptive=adaptive)
         req = Request(id=request_id, prompt=prompt, sampling=sampling, spec=spec, gen=gen, stats=stats,
                       stop_ids=self.eos_token_ids | set(sampling.stop_token_ids), footprint=footprint,
@@ -477,6 +515,8 @@ class _RequestState:
         self.draft = SequenceRunner(engine.draft, engine.vocab_size) if engine.draft is not None else None
         self.recorded_steps = 0
         self.tree_drafter: TreeDrafter | None = None
+        self.hidden: torch.Tensor | None = None    # medusa: the target's hidden state at seq[-2]
+        self.hidden_for = -1                       # ... valid while len(seq) equals this
 
     # -- helpers -----------------------------------------------------------------
     def _sync_draft(self) -> None:
@@ -517,11 +557,13 @@ class _RequestState:
         self._sync_draft()
         warp = lambda lg: warp_logprobs(lg, sampling.temperature, sampling.top_k, sampling.top_p)
         start = len(self.seq)
-        version = self.engine.draft_version
+        version = self.engine.draft_version if mode != "medusa" else self.engine.heads_version
         if mode == "spectr":
             draft_tokens, target_logits, res = self._spectr_step(spec, warp, gen, stats)
         elif mode == "tree":
             draft_tokens, target_logits, res = self._tree_step(spec, sampling, warp, gen, stats)
+        elif mode == "medusa":
+            draft_tokens, target_logits, res = self._medusa_step(spec, sampling, warp, gen, stats)
         else:
             if mode == "staged":
                 draft_tokens, draft_probs = self._propose_staged(spec, warp, gen, stats)
@@ -629,13 +671,27 @@ class _RequestState:
         logits, self.target.cache = tree_forward(eng.target.model, tree, self.seq[-1], self.target.cache, prefix)
         logits = full_vocab_logits(logits, eng.target, eng.vocab_size)      # [N + 1, vocab]
         stats.target_time_s += time.perf_counter() - t1
+        res = self._tree_accept(tree, logits, prefix, sampling, warp, gen)
+        self.tree_drafter.accept(res.path)
+        return self._tree_record(tree, logits, res)
+
+    def _tree_accept(self, tree: DraftTree, logits: torch.Tensor, prefix: int, sampling: SamplingParams, warp,
+                     gen) -> TreeVerifyResult:
+        """The tree rule (greedy at T=0, else the lossless deterministic-children rule); the target cache then
+        keeps the accepted path only."""
         if sampling.temperature == 0:
             res = verify_greedy(tree, logits)
         else:
             res = verify_deterministic(tree, warp(logits).exp(), gen)
         keep_path(self.target.cache, prefix, res.path)
         self.target.length = prefix + 1 + len(res.path)
-        self.tree_drafter.accept(res.path)
+        return res
+
+    @staticmethod
+    def _tree_record(tree: DraftTree, logits: torch.Tensor,
+                     res: TreeVerifyResult) -> tuple[list[int], torch.Tensor, VerifyResult]:
+        """For the record (and the acceptance statistics) a tree step is the chain of the accepted path
+        continued through first children to a leaf, with the target's rows for it."""
         chain = list(res.path)
         kids = tree.children(chain[-1] if chain else TREE_ROOT)
         while kids:
@@ -643,6 +699,43 @@ class _RequestState:
             kids = tree.children(kids[0])
         rows = logits[[0] + [1 + i for i in chain]]
         return [tree.tokens[i] for i in chain], rows, VerifyResult(len(res.path), res.next_token)
+
+    def _medusa_step(self, spec: SpecParams, sampling: SamplingParams, warp, gen,
+                     stats) -> tuple[list[int], torch.Tensor, VerifyResult]:
+        """Medusa heads (serving/decoding/medusa.py): the heads read the target's hidden state at seq[-2]
+        (left by the previous verification pass; recomputed with the prompt's prefill, or by re-feeding one
+        token when another step left none) and propose a tree under seq[-1] (`width`, `branch`, depth
+        min(gamma, heads)); then as `_tree_step`: one target pass with the tree mask, the rule, the path kept."""
+        eng = self.engine
+        heads = eng.heads
+        prefix = len(self.seq) - 1
+        t0 = time.perf_counter()
+        if self.hidden_for != len(self.seq) and prefix >= 1:
+            keep = min(self.target.length, prefix - 1)               # re-feed at least seq[prefix - 1]
+            self.target.truncate(keep)
+            feed = self.seq[keep:prefix]
+            mask = torch.ones(len(feed), keep + len(feed), dtype=torch.bool).tril(keep)
+            _, hid, self.target.cache = feed_masked_hidden(eng.target.model, feed, mask,
+                                                           torch.arange(keep, prefix), self.target.cache)
+            self.target.length = prefix
+            self.hidden, self.hidden_for = hid[-1], len(self.seq)
+        t1 = time.perf_counter()
+        if self.hidden_for == len(self.seq):
+            depth = min(spec.gamma, heads.config.num_heads)
+            tree = heads.propose(self.hidden, self.seq[-1], tree_branching(depth, spec.extra["width"],
+                                                                          spec.extra["branch"]))
+        else:
+            tree = DraftTree((), ())                                  # a one-token prompt: nothing to read yet
+        t2 = time.perf_counter()
+        stats.draft_time_s += t2 - t1
+        logits, hid, self.target.cache = tree_forward_hidden(eng.target.model, tree, self.seq[-1],
+                                                             self.target.cache, prefix)
+        logits = full_vocab_logits(logits, eng.target, eng.vocab_size)      # [N + 1, vocab]
+        stats.target_time_s += time.perf_counter() - t2 + (t1 - t0)
+        res = self._tree_accept(tree, logits, prefix, sampling, warp, gen)
+        self.hidden = hid[res.path[-1] + 1 if res.path else 0]
+        self.hidden_for = prefix + 2 + len(res.path)                        # len(seq) once the step is emitted
+        return self._tree_record(tree, logits, res)
 
     def _spectr_step(self, spec: SpecParams, warp, gen, stats) -> tuple[list[int], torch.Tensor, VerifyResult]:
         """SpecTr: k i.i.d. draft chains, one batched target pass, K-SEQ over the tree.

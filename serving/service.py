@@ -94,6 +94,7 @@ class ServiceSettings:
 
     target: str | None = None               # model id or local HF folder (default: SmolLM2-135M-Instruct)
     draft: str | None = None                # explicit draft folder: served as version "local", no watching
+    medusa_heads: str | None = None         # Medusa heads folder for mode "medusa" (python -m training.heads)
     served_model_name: str | None = None    # the `model` clients send (default: the target's name)
     registry_model: str | None = None       # registered model name (default draftsmith-<target>-draft)
     tracking_uri: str | None = None         # MLflow (default MLFLOW_TRACKING_URI or the local SQLite store)
@@ -186,6 +187,7 @@ class Service:
         self.registry = registry
         self.sink = sink if sink is not None else self._make_sink()
         self.swap_error: str | None = None
+        self.heads_error: str | None = None     # why the configured Medusa heads did not load
         self._failed_version: str | None = None
         self._swap_lock = threading.Lock()
         self.engine = engine if engine is not None else self._make_engine()
@@ -228,6 +230,12 @@ class Service:
         device = self.s.device or ("cuda" if torch.cuda.is_available() else "cpu")
         engine = Engine.from_paths(self.s.target, None, device=device, sink=self.sink,
                                    max_batch_tokens=self.s.max_batch_tokens)
+        if self.s.medusa_heads:
+            try:
+                engine.load_heads(self.s.medusa_heads)
+            except Exception as e:  # noqa: BLE001 - bad heads cost mode "medusa" only, never the endpoint
+                log.error("serving without Medusa heads: %s", e)
+                self.heads_error = str(e)
         if self.s.draft is not None:
             engine.swap_draft(self.s.draft, "local")
         else:
@@ -531,8 +539,14 @@ class Service:
         return ids
 
     def check_fits(self, prompt_len: int, sampling, spec) -> None:
-        """InvalidRequest when the request could never fit this replica's KV budget (the engine would refuse
-        it inside decoding, where the client would only see an internal error)."""
+        """InvalidRequest when the request could never fit this replica's KV budget, or asks for mode "medusa"
+        on a replica without heads (the engine would refuse it inside decoding, where the client would only
+        see an internal error)."""
+        if spec.mode == "medusa" and self.engine.heads is None:
+            from serving.engine import MEDUSA_NEEDS_HEADS
+
+            why = f" (loading them failed: {self.heads_error})" if self.heads_error else ""
+            raise InvalidRequest(MEDUSA_NEEDS_HEADS + why, param="speculative.mode", code="medusa_heads_unavailable")
         footprint, budget = self.engine.footprint(prompt_len, sampling, spec), self.engine.max_batch_tokens
         if footprint > budget:
             raise InvalidRequest(f"this request may hold {footprint} KV tokens (prompt + max_tokens + gamma, times "
@@ -665,6 +679,8 @@ def settings_from_env(**overrides) -> ServiceSettings:
     """ServiceSettings from DRAFTSMITH_* environment variables, then `overrides` (None values ignored)."""
     env = os.environ
     kw: dict = {}
+    if env.get("DRAFTSMITH_MEDUSA_HEADS"):
+        kw["medusa_heads"] = env["DRAFTSMITH_MEDUSA_HEADS"]
     for name, conv in (("max_running", int), ("max_waiting", int), ("max_batch_tokens", int), ("request_timeout_s", float),
                        ("max_tokens_limit", int), ("watch_interval_s", float), ("torch_threads", int),
                        ("live_interval_s", float)):

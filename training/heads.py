@@ -156,7 +156,9 @@ def chain_acceptance(heads: MedusaHeads, data: HeadData, batch: int = 2048) -> l
 
 def train_heads(heads: MedusaHeads, train: HeadData, held: HeadData, *, deadline: float, batch_size: int = 256,
                 lr: float = 1e-3, max_epochs: int = 50, progress=print) -> dict:
-    """AdamW on the heads' own weights until `deadline` (time.time()) or `max_epochs`."""
+    """AdamW on the heads' own weights until `deadline` (time.time()) or `max_epochs`; the heads end with the
+    weights of the epoch of best held-out agreement (weighted like the loss): the first run on the bootstrap's
+    data peaked at epoch 4 of 14 (head 1: 0.445, then 0.439-0.44 while the training loss kept falling)."""
     params = [p for p in heads.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     K = heads.config.num_heads
@@ -164,6 +166,7 @@ def train_heads(heads: MedusaHeads, train: HeadData, held: HeadData, *, deadline
     steps = 0
     t0 = time.time()
     epoch = 0
+    best, best_state, best_epoch = -1.0, None, 0
     heads.train()
     while epoch < max_epochs and time.time() < deadline:
         perm = torch.randperm(len(train))
@@ -187,9 +190,16 @@ def train_heads(heads: MedusaHeads, train: HeadData, held: HeadData, *, deadline
             if time.time() >= deadline:
                 break
         epoch += 1
+        agree = head_agreement(heads, held)
+        score = sum(w * a for w, a in zip(weights, agree))
+        if score > best:
+            best, best_epoch = score, epoch
+            best_state = {k: v.detach().clone() for k, v in heads.state_dict().items()}
         progress(f"[heads] epoch {epoch} done after {time.time() - t0:.0f} s; held-out agreement per head "
-                 f"{head_agreement(heads, held)}")
-    return {"steps": steps, "epochs": epoch, "train_seconds": round(time.time() - t0, 1),
+                 f"{agree}{' (best so far)' if best_epoch == epoch else ''}")
+    if best_state is not None:
+        heads.load_state_dict(best_state)
+    return {"steps": steps, "epochs": epoch, "best_epoch": best_epoch, "train_seconds": round(time.time() - t0, 1),
             "train_head_agreement": head_agreement(heads, train),
             "heldout_head_agreement": head_agreement(heads, held),
             "heldout_chain_acceptance": chain_acceptance(heads, held)}
@@ -262,7 +272,8 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from serving.models import ensure_default_target, load_causal_lm, load_tokenizer, resolve_model_path
+    from serving.models import (default_dtype, ensure_default_target, load_causal_lm, load_tokenizer,
+                                resolve_model_path)
     from training.teacher import load_examples
 
     teacher = args.teacher or data_dir() / "bootstrap" / "teacher.safetensors"
@@ -275,7 +286,7 @@ def main(argv=None) -> int:
         print("error: --heads and --layers must be >= 1 and --budget > 0", file=sys.stderr)
         return 2
     tpath = resolve_model_path(args.target) if args.target else ensure_default_target()
-    target = load_causal_lm(tpath, "cpu", torch.float32)
+    target = load_causal_lm(tpath, "cpu", default_dtype("cpu"))     # the hidden states serving will see
     build_heads(target, load_tokenizer(tpath), load_examples(teacher), load_examples(held_file),
                 args.out or data_dir() / "medusa-heads", num_heads=args.heads, num_layers=args.layers,
                 use_token=not args.no_token, vocab_size=args.vocab_size, budget_s=args.budget, lr=args.lr)

@@ -38,9 +38,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from serving.decoding.tree import (ROOT, DraftTree, TreeStats, feed_masked_hidden, keep_path,
-                                   tree_forward_hidden, verify_deterministic, verify_greedy)
-from serving.decoding.warp import warp_probs
+from serving.decoding.tree import (ROOT, DraftTree, TreeStats, commit_tree_step, feed_masked_hidden, keep_path,
+                                   tree_forward_hidden, tree_rule)
 
 CONFIG_FILE = "medusa_heads.json"
 WEIGHTS_FILE = "medusa_heads.safetensors"
@@ -212,22 +211,10 @@ def medusa_generate(target, heads: MedusaHeads, prompt_ids: list[int], max_new_t
         tree = heads.propose(h, committed[-1], branching) if h is not None else DraftTree((), ())
         prefix_len = len(committed) - 1
         logits, hid, cache = tree_forward_hidden(target, tree, committed[-1], cache, prefix_len)
-        if temperature == 0:
-            res = verify_greedy(tree, logits)
-        else:
-            res = verify_deterministic(tree, warp_probs(logits, temperature, 0, 1.0), generator)
+        res = tree_rule(tree, logits, temperature, generator)
         keep_path(cache, prefix_len, res.path)
         h = hid[res.path[-1] + 1 if res.path else 0]
-        stats.steps += 1
-        stats.accepted += res.num_accepted
-        stats.nodes += len(tree)
-        step = res.tokens + [res.next_token]
-        if eos_id is not None and eos_id in step:
-            step = step[: step.index(eos_id) + 1]
-        step = step[: max_new_tokens - len(new)]
-        new.extend(step)
-        committed.extend(step)
-        if eos_id is not None and step and step[-1] == eos_id:
+        if commit_tree_step(res, tree, stats, new, committed, max_new_tokens, eos_id):
             break
     return new, stats
 

@@ -370,6 +370,30 @@ class TreeDrafter:
         keep_path(self.cache, self.prefix_len, [i for i in path if i < self.fed])
 
 
+def tree_rule(tree: DraftTree, logits: torch.Tensor, temperature: float,
+              generator: torch.Generator | None = None) -> TreeVerifyResult:
+    """The reference loops' rule: greedy at T = 0, else `verify_deterministic` on the warped target rows."""
+    if temperature == 0:
+        return verify_greedy(tree, logits)
+    return verify_deterministic(tree, warp_probs(logits, temperature, 0, 1.0), generator)
+
+
+def commit_tree_step(res: TreeVerifyResult, tree: DraftTree, stats: TreeStats, new: list[int],
+                     committed: list[int], max_new_tokens: int, eos_id: int | None) -> bool:
+    """Count the step and append its tokens (accepted path + the target's token, cut at EOS and at the
+    budget) to `new` and `committed`; True when decoding is over (EOS emitted)."""
+    stats.steps += 1
+    stats.accepted += res.num_accepted
+    stats.nodes += len(tree)
+    step = res.tokens + [res.next_token]
+    if eos_id is not None and eos_id in step:
+        step = step[: step.index(eos_id) + 1]
+    step = step[: max_new_tokens - len(new)]
+    new.extend(step)
+    committed.extend(step)
+    return eos_id is not None and bool(step) and step[-1] == eos_id
+
+
 def tree_generate(target, draft, prompt_ids: list[int], max_new_tokens: int, branching: Sequence[int],
                   temperature: float = 0.0, generator: torch.Generator | None = None,
                   eos_id: int | None = None, draft_map: LogitsMap = _identity,
@@ -392,22 +416,9 @@ def tree_generate(target, draft, prompt_ids: list[int], max_new_tokens: int, bra
         tree, _ = drafter.propose(committed)
         prefix_len = len(committed) - 1
         logits, cache = tree_forward(target, tree, committed[-1], cache, prefix_len)
-        logits = target_map(logits)
-        if temperature == 0:
-            res = verify_greedy(tree, logits)
-        else:
-            res = verify_deterministic(tree, warp_probs(logits, temperature, 0, 1.0), generator)
+        res = tree_rule(tree, target_map(logits), temperature, generator)
         keep_path(cache, prefix_len, res.path)
         drafter.accept(res.path)
-        stats.steps += 1
-        stats.accepted += res.num_accepted
-        stats.nodes += len(tree)
-        step = res.tokens + [res.next_token]
-        if eos_id is not None and eos_id in step:
-            step = step[: step.index(eos_id) + 1]
-        step = step[: max_new_tokens - len(new)]
-        new.extend(step)
-        committed.extend(step)
-        if eos_id is not None and step and step[-1] == eos_id:
+        if commit_tree_step(res, tree, stats, new, committed, max_new_tokens, eos_id):
             break
     return new, stats

@@ -1,0 +1,150 @@
+"""Mode "medusa" served by the engine and the HTTP API: T=0 equal to target greedy for each tree shape,
+records that rebuild the sequence under the heads' version, beside the batch, hidden state recomputed
+when a step left none, clear errors without heads (engine, HTTP 400) and for a bad heads folder (the
+replica still serves)."""
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from serving.config import SamplingParams, SpecParams
+from serving.decoding.medusa import HeadsConfig, MedusaHeads
+from serving.engine import MEDUSA_NEEDS_HEADS, Engine
+from serving.models import ModelLoadError
+from serving.service import Service, ServiceSettings
+from tests import tiny_models
+from tests.api_helpers import LiveServer
+from tests.serving.test_batching import run_concurrently
+from tests.serving.test_engine_rules import GREEDY, ids, make_engine, one_thread, reference_greedy  # noqa: F401
+from serving.metrics import MetricsHub
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return tiny_models.save_pair(tmp_path_factory.mktemp("pair"))
+
+
+@pytest.fixture(scope="module")
+def heads_dir(pair, tmp_path_factory):
+    """Heads for the tiny target with random (not zero) weights, so proposals differ from its own argmax."""
+    target = Engine.from_paths(str(pair[0]), None, dtype=torch.float32).target.model
+    torch.manual_seed(3)
+    heads = MedusaHeads.for_target(target, HeadsConfig(target.config.hidden_size, 3, 1, True), list(range(259)))
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.2)
+    return heads.save(tmp_path_factory.mktemp("heads") / "tiny-heads")
+
+
+@pytest.fixture(scope="module")
+def medusa_engine(pair, heads_dir):
+    return make_engine(pair[0], pair[1], draft_version="v1", heads=heads_dir)
+
+
+@pytest.mark.parametrize("gamma,extra", [(3, {}), (2, {"width": 3, "branch": 2}), (5, {"width": 1, "branch": 1})])
+def test_temperature_zero_equals_target_greedy(medusa_engine, gamma, extra):
+    prompt = ids(medusa_engine)
+    expected = reference_greedy(medusa_engine.target.model, prompt, GREEDY.max_tokens)
+    res = medusa_engine.generate_all(prompt, GREEDY, SpecParams(mode="medusa", gamma=gamma, extra=extra))
+    assert res.token_ids == expected
+    assert res.stats.mode == "medusa" and res.stats.draft_version == "medusa:tiny-heads"
+    assert res.stats.steps < len(expected) or res.stats.accepted_tokens == 0
+    assert res.stats.draft_tokens > 0
+
+
+def test_records_rebuild_the_sequence_under_the_heads_version(pair, heads_dir):
+    sink = tiny_models.ListSink()
+    eng = make_engine(pair[0], pair[1], draft_version="v7", sink=sink, record_top_k=5, heads=heads_dir)
+    prompt = ids(eng)
+    res = eng.generate_all(prompt, SamplingParams(temperature=1.0, max_tokens=30, seed=2),
+                           SpecParams(mode="medusa", gamma=3), request_id="r1", source="unit")
+    assert len(sink.seqs) == 1 and 0 < len(sink.steps) <= res.stats.steps
+    seq = sink.seqs[0]
+    assert list(seq.token_ids) == prompt + res.token_ids
+    for rec in sink.steps:
+        g, n = len(rec.draft_tokens), rec.num_accepted
+        assert rec.algorithm == "medusa" and rec.draft_version == "medusa:tiny-heads"
+        assert 1 <= g <= 3 and rec.target_topk_ids.shape == (g + 1, 5)
+        got = list(seq.token_ids[rec.position: rec.position + n + 1])
+        want = list(rec.draft_tokens[:n]) + [rec.next_token]
+        assert got[: len(want)] == want[: len(got)]
+
+
+def test_runs_beside_the_batch_and_from_a_one_token_prompt(medusa_engine):
+    sampling = SamplingParams(temperature=0.0, max_tokens=20)
+    p = ids(medusa_engine)
+    jobs = [(p, sampling, SpecParams(mode="speculative", gamma=3, adaptive=False)),
+            (p[:7], sampling, SpecParams(mode="medusa", gamma=3)),
+            (p[:1], sampling, SpecParams(mode="medusa", gamma=2, extra={"width": 2, "branch": 2}))]
+    want = [reference_greedy(medusa_engine.target.model, prompt, 20) for prompt, _, _ in jobs]
+    got = run_concurrently(medusa_engine, jobs)
+    assert [r.token_ids for r in got] == want
+
+
+def test_hidden_state_is_recomputed_after_a_step_that_left_none(medusa_engine):
+    """Near the context limit the engine takes plain target steps; a medusa step after one re-feeds a token
+    for the hidden state instead of reading a stale one (output still equal to greedy)."""
+    from serving.engine import _RequestState
+
+    prompt = ids(medusa_engine)
+    state = _RequestState(medusa_engine, prompt)
+    gen = torch.Generator().manual_seed(0)
+    stats = medusa_engine.generate_all(prompt, GREEDY, SpecParams(mode="target")).stats
+    out = []
+    out += state.spec_step(GREEDY, SpecParams(mode="medusa", gamma=3), gen, stats, "r", None)
+    out += state.target_step(GREEDY, gen, stats)
+    assert state.hidden_for != len(state.seq)
+    out += state.spec_step(GREEDY, SpecParams(mode="medusa", gamma=3), gen, stats, "r", None)
+    assert state.hidden_for == len(state.seq)
+    assert out == reference_greedy(medusa_engine.target.model, prompt, len(out))
+
+
+def test_without_heads_the_engine_refuses_and_a_bad_folder_keeps_the_old_heads(medusa_engine, pair, tmp_path):
+    lonely = make_engine(pair[0], pair[1])
+    assert lonely.heads is None and lonely.heads_version == "none"
+    with pytest.raises(ValueError, match="needs Medusa heads"):
+        lonely.generate_all(ids(lonely), GREEDY, SpecParams(mode="medusa"))
+    with pytest.raises(ModelLoadError, match="not a Medusa heads folder"):
+        medusa_engine.load_heads(tmp_path)
+    other = MedusaHeads.for_target(tiny_models.make_model(hidden=64), HeadsConfig(64, 2), [1, 2])
+    other.save(tmp_path / "wide")
+    with pytest.raises(ModelLoadError, match="hidden size 64"):
+        medusa_engine.load_heads(tmp_path / "wide")
+    assert medusa_engine.heads_version == "medusa:tiny-heads"
+    # a request's footprint counts the tree's nodes, as mode tree's does
+    spec = SpecParams(mode="medusa", gamma=3, extra={"width": 2, "branch": 2})
+    assert medusa_engine.footprint(10, GREEDY, spec) == 10 + 40 + 3 + 1 + (2 + 4 + 4)
+
+
+def _service(target, **settings) -> Service:
+    s = ServiceSettings(target=str(target), buffer=False, served_model_name="tiny", **settings)
+    return Service(s, hub=MetricsHub(live_stats=False))
+
+
+def test_http_medusa_with_heads_and_a_clear_400_without(pair, heads_dir, tmp_path):
+    """Heads configured in the settings are loaded by the replica; a replica without heads (or whose heads
+    failed to load) answers mode medusa with an OpenAI-style 400 naming the fix, and still serves."""
+    bad = tmp_path / "broken"
+    bad.mkdir()
+    (bad / "medusa_heads.json").write_text("{not json")
+    (bad / "medusa_heads.safetensors").write_bytes(b"junk")
+    body = {"prompt": "the cat sat", "max_tokens": 8, "temperature": 0, "speculative": {"mode": "medusa"}}
+    for heads, ok in ((str(heads_dir), True), (None, False), (str(bad), False)):
+        srv = LiveServer(_service(pair[0], medusa_heads=heads)).start()
+        try:
+            with httpx.Client(base_url=srv.url, timeout=60) as c:
+                r = c.post("/v1/completions", json=body)
+                if ok:
+                    assert r.status_code == 200, r.text
+                    assert r.json()["usage"]["completion_tokens"] == 8
+                else:
+                    assert r.status_code == 400, r.text
+                    err = r.json()["error"]
+                    assert err["code"] == "medusa_heads_unavailable" and err["param"] == "speculative.mode"
+                    assert MEDUSA_NEEDS_HEADS in err["message"]
+                    assert ("loading them failed" in err["message"]) == (heads is not None)
+                    r2 = c.post("/v1/completions", json={**body, "speculative": {"mode": "target"}})
+                    assert r2.status_code == 200
+        finally:
+            srv.stop()
