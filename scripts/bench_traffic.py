@@ -235,7 +235,7 @@ def run_engine(args) -> int:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     t_load = time.perf_counter()
-    engine = Engine.from_paths(args.target, args.draft, device=args.device, dtype=dtype)
+    engine = Engine.from_paths(args.target, args.draft, device=args.device, dtype=dtype, heads=args.medusa_heads)
     progress(f"[traffic] models loaded in {time.perf_counter() - t_load:.1f} s")
     labels = row_labels(args)
     specs = {label: make_spec(label, args) for label in labels}
@@ -467,6 +467,7 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--draft", required=True, help="draft model folder (same tokenizer as the target)")
     ap.add_argument("--target", default=None, help="target model folder (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--medusa-heads", default=None, help="Medusa heads folder, for a `medusa` row in --modes")
     ap.add_argument("--n", type=int, default=12, help="prompts per category (at most 12)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--modes", default=DEFAULT_MODES,
@@ -491,6 +492,8 @@ def main(argv=None) -> int:
         ap.error("--n must be in 1..12")
     if not Path(args.draft).is_dir():
         ap.error(f"--draft {args.draft}: no such folder")
+    if "medusa" in [m.strip() for m in args.modes.split(",")] and not args.medusa_heads:
+        ap.error("a `medusa` row needs --medusa-heads PATH (heads from `python -m training.heads`)")
     return run_http(args) if args.http else run_engine(args)
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.nn import functional as nn_f
 
 from serving.decoding.medusa import HeadsConfig, MedusaHeads
 from training.draft_builder import distill_loss
@@ -36,9 +37,10 @@ log = logging.getLogger(__name__)
 HEAD_DECAY = 0.8
 
 
-def target_hidden_rows(target, examples: list[dict], *, batch_size: int = 16, progress=print) -> list[torch.Tensor]:
-    """Per example, the target's last hidden states at positions P - 2 .. P + A - 2 (fp32 [A + 1, d], the
-    first row is missing (zeros) when P < 2). One teacher-forced pass per batch, right-padded."""
+def target_hidden_states(target, examples: list[dict], *, batch_size: int = 16, select=None,
+                         progress=print) -> list[torch.Tensor]:
+    """Per example, the target's last hidden states (fp32 [len(tokens), d]) from one teacher-forced pass per
+    batch (right-padded), or `select(example, states)` of them."""
     out: list[torch.Tensor | None] = [None] * len(examples)
     order = sorted(range(len(examples)), key=lambda i: len(examples[i]["tokens"]))
     decoder = target.get_decoder()
@@ -57,18 +59,29 @@ def target_hidden_rows(target, examples: list[dict], *, batch_size: int = 16, pr
         with torch.no_grad():
             h = decoder(input_ids=ids.to(device), attention_mask=attn.to(device)).last_hidden_state.float().cpu()
         for b, i in enumerate(idx):
-            e = examples[i]
-            P, A = e["prompt_len"], len(e["topk_ids"])
-            rows = torch.zeros(A + 1, h.shape[-1])
-            lo = P - 2
-            src = h[b, max(lo, 0): P + A - 1]
-            rows[max(0, -lo):] = src
-            out[i] = rows
-            done_tokens += len(e["tokens"])
+            states = h[b, : len(examples[i]["tokens"])].clone()
+            out[i] = states if select is None else select(examples[i], states)
+            done_tokens += len(examples[i]["tokens"])
         if (s // batch_size) % 20 == 0:
             progress(f"[heads] target hidden states: {min(s + batch_size, len(order))}/{len(order)} sequences, "
                      f"{done_tokens / max(1e-9, time.time() - t0):.0f} tokens/s")
     return out  # type: ignore[return-value]
+
+
+def _medusa_rows(e: dict, states: torch.Tensor) -> torch.Tensor:
+    """Rows P - 2 .. P + A - 2 of an example's states ([A + 1, d]; the first is zeros when P < 2)."""
+    P, A = e["prompt_len"], len(e["topk_ids"])
+    rows = torch.zeros(A + 1, states.shape[-1])
+    lo = P - 2
+    src = states[max(lo, 0): P + A - 1]
+    rows[max(0, -lo):] = src
+    return rows
+
+
+def target_hidden_rows(target, examples: list[dict], *, batch_size: int = 16, progress=print) -> list[torch.Tensor]:
+    """Per example, the target's last hidden states at positions P - 2 .. P + A - 2 (fp32 [A + 1, d], the
+    first row is missing (zeros) when P < 2): the Medusa heads' rows."""
+    return target_hidden_states(target, examples, batch_size=batch_size, select=_medusa_rows, progress=progress)
 
 
 class HeadData:
@@ -154,6 +167,32 @@ def chain_acceptance(heads: MedusaHeads, data: HeadData, batch: int = 2048) -> l
     return [round(c / max(1, n), 4) for c in counts]
 
 
+class BestEpoch:
+    """Keeps the weights of the epoch with the best held-out score (restored at the end of training)."""
+
+    def __init__(self) -> None:
+        self.score, self.epoch, self.state = -1.0, 0, None
+
+    def update(self, score: float, epoch: int, module: torch.nn.Module) -> bool:
+        if score <= self.score:
+            return False
+        self.score, self.epoch = score, epoch
+        self.state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        return True
+
+    def restore(self, module: torch.nn.Module) -> None:
+        if self.state is not None:
+            module.load_state_dict(self.state)
+
+
+def _optimizer_step(opt, loss, params, clip: float | None = None) -> None:
+    opt.zero_grad()
+    loss.backward()
+    if clip:
+        torch.nn.utils.clip_grad_norm_(params, clip)
+    opt.step()
+
+
 def train_heads(heads: MedusaHeads, train: HeadData, held: HeadData, *, deadline: float, batch_size: int = 256,
                 lr: float = 1e-3, max_epochs: int = 50, progress=print) -> dict:
     """AdamW on the heads' own weights until `deadline` (time.time()) or `max_epochs`; the heads end with the
@@ -166,7 +205,7 @@ def train_heads(heads: MedusaHeads, train: HeadData, held: HeadData, *, deadline
     steps = 0
     t0 = time.time()
     epoch = 0
-    best, best_state, best_epoch = -1.0, None, 0
+    best = BestEpoch()
     heads.train()
     while epoch < max_epochs and time.time() < deadline:
         perm = torch.randperm(len(train))
@@ -180,9 +219,7 @@ def train_heads(heads: MedusaHeads, train: HeadData, held: HeadData, *, deadline
                     continue
                 lk, _ = distill_loss(states[k][ok], heads.out_rows, b)
                 loss = loss + weights[k] * lk
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+            _optimizer_step(opt, loss, params)
             steps += 1
             if steps % 200 == 0:
                 progress(f"[heads] epoch {epoch} step {steps}: loss {float(loss.detach()) / sum(weights):.3f}, "
@@ -191,15 +228,11 @@ def train_heads(heads: MedusaHeads, train: HeadData, held: HeadData, *, deadline
                 break
         epoch += 1
         agree = head_agreement(heads, held)
-        score = sum(w * a for w, a in zip(weights, agree))
-        if score > best:
-            best, best_epoch = score, epoch
-            best_state = {k: v.detach().clone() for k, v in heads.state_dict().items()}
+        improved = best.update(sum(w * a for w, a in zip(weights, agree)), epoch, heads)
         progress(f"[heads] epoch {epoch} done after {time.time() - t0:.0f} s; held-out agreement per head "
-                 f"{agree}{' (best so far)' if best_epoch == epoch else ''}")
-    if best_state is not None:
-        heads.load_state_dict(best_state)
-    return {"steps": steps, "epochs": epoch, "best_epoch": best_epoch, "train_seconds": round(time.time() - t0, 1),
+                 f"{agree}{' (best so far)' if improved else ''}")
+    best.restore(heads)
+    return {"steps": steps, "epochs": epoch, "best_epoch": best.epoch, "train_seconds": round(time.time() - t0, 1),
             "train_head_agreement": head_agreement(heads, train),
             "heldout_head_agreement": head_agreement(heads, held),
             "heldout_chain_acceptance": chain_acceptance(heads, held)}
@@ -253,6 +286,124 @@ def build_heads(target, tok, train_ex: list[dict], held_ex: list[dict], out_dir:
     return figures
 
 
+# ---------------------------------------------------------------------- EAGLE-style head (serving/decoding/eagle.py)
+def _eagle_batch(examples: list[dict], feats: list[torch.Tensor], vocab_index: torch.Tensor) -> dict:
+    """Inputs (f_t, x_{t+1}) for t = 0..L-2, feature targets f_{t+1}, and token labels where x_{t+2} is answer
+    token j = t + 2 - P (the teacher's top-k at j), right-padded."""
+    T = max(len(e["tokens"]) for e in examples) - 1
+    d = feats[0].shape[-1]
+    B = len(examples)
+    f_in = torch.zeros(B, T, d)
+    f_out = torch.zeros(B, T, d)
+    tok = torch.zeros(B, T, dtype=torch.long)
+    attn = torch.zeros(B, T, dtype=torch.long)
+    rows_b, rows_t, tk_ids, tk_lp, hard = [], [], [], [], []
+    for b, (e, f) in enumerate(zip(examples, feats)):
+        L, P, A = len(e["tokens"]), e["prompt_len"], len(e["topk_ids"])
+        f_in[b, : L - 1] = f[: L - 1]
+        f_out[b, : L - 1] = f[1:L]
+        tok[b, : L - 1] = torch.tensor(e["tokens"][1:L])
+        attn[b, : L - 1] = 1
+        j = np.arange(max(0, 2 - P), A)                       # answer indices with t = j + P - 2 >= 0
+        rows_b += [b] * len(j)
+        rows_t += (j + P - 2).tolist()
+        tk_ids.append(torch.as_tensor(e["topk_ids"][j], dtype=torch.long))
+        tk_lp.append(torch.as_tensor(np.asarray(e["topk_logprobs"][j], dtype=np.float32)))
+        hard.append(torch.tensor([e["tokens"][P + int(i)] for i in j], dtype=torch.long))
+    return dict(f_in=f_in, f_out=f_out, tok=tok, attn=attn, rows_b=torch.tensor(rows_b, dtype=torch.long),
+                rows_t=torch.tensor(rows_t, dtype=torch.long), topk=vocab_index[torch.cat(tk_ids)],
+                topk_lp=torch.cat(tk_lp), hard=vocab_index[torch.cat(hard)])
+
+
+def eagle_agreement(head, examples, feats, vocab_index, batch_size: int = 16) -> float:
+    """Teacher-forced top-1 agreement of the head's first draft token with the target's greedy token."""
+    head.eval()
+    hit = tot = 0
+    with torch.no_grad():
+        for s in range(0, len(examples), batch_size):
+            b = _eagle_batch(examples[s: s + batch_size], feats[s: s + batch_size], vocab_index)
+            states, _ = head(b["f_in"], b["tok"], attention_mask=b["attn"])
+            logits = head.logits(states[b["rows_b"], b["rows_t"]])
+            hit += int((logits.argmax(-1) == b["hard"]).sum())
+            tot += len(b["hard"])
+    head.train()
+    return round(hit / max(1, tot), 4)
+
+
+def build_eagle(target, tok, train_ex: list[dict], held_ex: list[dict], out_dir: str | Path, *,
+                vocab_size: int | None = None, budget_s: float = 300, batch_size: int = 8, lr: float = 5e-4,
+                feature_weight: float = 1.0, noise: float = 0.1, max_epochs: int = 50, seed: int = 0,
+                progress=print) -> dict:
+    """An EAGLE-style head for `target`, trained on teacher examples within about `budget_s` seconds (the
+    hidden-state pass included): loss = distill_loss on the next-next token (answer positions) +
+    `feature_weight` * smooth-L1 between predicted and true next features (all positions), inputs with
+    uniform noise of +-`noise` x their RMS (EAGLE's augmentation against its own prediction errors).
+    Keeps the epoch of best held-out agreement; saves into `out_dir`; returns the figures."""
+    from serving.decoding.eagle import EagleHead
+    from training.draft_builder import choose_output_vocabulary
+    from training.vocab import DEFAULT_VOCAB_SIZE
+
+    t_start = time.time()
+    random.seed(seed)
+    torch.manual_seed(seed)
+    train_f = target_hidden_states(target, train_ex, progress=progress)
+    held_f = target_hidden_states(target, held_ex, progress=progress)
+    hid_s = time.time() - t_start
+    subset, _ = choose_output_vocabulary(train_ex, tok, vocab_size or DEFAULT_VOCAB_SIZE)
+    vocab_index = torch.full((target.get_output_embeddings().weight.shape[0] + 1,), -1, dtype=torch.long)
+    vocab_index[subset] = torch.arange(len(subset))
+    head = EagleHead.for_target(target, subset.tolist())
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    progress(f"[eagle] {len(train_ex)} training sequences, {sum(p.numel() for p in params) / 1e6:.1f}M "
+             f"parameters, vocabulary {len(subset)}; before training: held-out agreement "
+             f"{eagle_agreement(head, held_ex, held_f, vocab_index)}")
+    order = sorted(range(len(train_ex)), key=lambda i: len(train_ex[i]["tokens"]))
+    batches = [order[i: i + batch_size] for i in range(0, len(order), batch_size)]   # similar lengths together
+    deadline = t_start + budget_s
+    best, steps, epoch = BestEpoch(), 0, 0
+    t0 = time.time()
+    head.train()
+    while epoch < max_epochs and time.time() < deadline:
+        random.shuffle(batches)
+        for idx in batches:
+            b = _eagle_batch([train_ex[i] for i in idx], [train_f[i] for i in idx], vocab_index)
+            f_in = b["f_in"]
+            if noise > 0:
+                rms = f_in.pow(2).mean(-1, keepdim=True).sqrt()
+                f_in = f_in + noise * rms * (2 * torch.rand_like(f_in) - 1)
+            states, _ = head(f_in, b["tok"], attention_mask=b["attn"])
+            cls, _ = distill_loss(states[b["rows_b"], b["rows_t"]], head.out_rows, b)
+            m = b["attn"].bool()
+            reg = nn_f.smooth_l1_loss(states[m], b["f_out"][m])
+            _optimizer_step(opt, cls + feature_weight * reg, params, clip=1.0)
+            steps += 1
+            if steps % 50 == 0:
+                progress(f"[eagle] epoch {epoch} step {steps}: token loss {float(cls.detach()):.3f}, feature loss "
+                         f"{float(reg.detach()):.4f}, {steps / (time.time() - t0):.2f} steps/s")
+            if time.time() >= deadline:
+                break
+        epoch += 1
+        agree = eagle_agreement(head, held_ex, held_f, vocab_index)
+        improved = best.update(agree, epoch, head)
+        progress(f"[eagle] epoch {epoch} done after {time.time() - t0:.0f} s; held-out agreement {agree}"
+                 f"{' (best so far)' if improved else ''}")
+    best.restore(head)
+    by_src = {}
+    for src in sorted({e.get("source", "") for e in held_ex}):
+        idx = [i for i, e in enumerate(held_ex) if e.get("source", "") == src]
+        by_src[src or "unlabelled"] = eagle_agreement(head, [held_ex[i] for i in idx], [held_f[i] for i in idx],
+                                                      vocab_index)
+    figures = {"steps": steps, "epochs": epoch, "best_epoch": best.epoch, "heldout_agreement": best.score,
+               "heldout_agreement_by_source": by_src, "hidden_state_seconds": round(hid_s, 1),
+               "seconds": round(time.time() - t_start, 1), "training_sequences": len(train_ex),
+               "feature_weight": feature_weight, "noise": noise, "lr": lr}
+    head.save(out_dir, built_by="training.heads.build_eagle", **figures)
+    progress(f"[eagle] held-out agreement {best.score} (epoch {best.epoch}), by category {by_src}; wrote {out_dir} in "
+             f"{time.time() - t_start:.0f} s")
+    return figures
+
+
 def main(argv=None) -> int:
     from buffer.paths import data_dir
 
@@ -260,13 +411,16 @@ def main(argv=None) -> int:
     ap.add_argument("--target", default=None, help="target model folder (default: the served default)")
     ap.add_argument("--teacher", type=Path, default=None,
                     help="teacher data (default: the bootstrap's, <data dir>/bootstrap/teacher.safetensors)")
-    ap.add_argument("--out", type=Path, default=None, help="heads folder (default: <data dir>/medusa-heads)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="output folder (default: <data dir>/medusa-heads or <data dir>/eagle-head)")
+    ap.add_argument("--kind", choices=("medusa", "eagle"), default="medusa",
+                    help="medusa: K heads on the hidden state; eagle: one autoregressive feature-level layer")
     ap.add_argument("--heads", type=int, default=3)
     ap.add_argument("--layers", type=int, default=1, help="residual blocks per head")
     ap.add_argument("--no-token", action="store_true", help="plain Medusa heads (hidden state only)")
     ap.add_argument("--vocab-size", type=int, default=None)
     ap.add_argument("--budget", type=float, default=300, help="seconds, hidden-state pass included")
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--lr", type=float, default=None, help="learning rate (default: 1e-3 medusa, 5e-4 eagle)")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
@@ -287,9 +441,14 @@ def main(argv=None) -> int:
         return 2
     tpath = resolve_model_path(args.target) if args.target else ensure_default_target()
     target = load_causal_lm(tpath, "cpu", default_dtype("cpu"))     # the hidden states serving will see
+    if args.kind == "eagle":
+        build_eagle(target, load_tokenizer(tpath), load_examples(teacher), load_examples(held_file),
+                    args.out or data_dir() / "eagle-head", vocab_size=args.vocab_size, budget_s=args.budget,
+                    lr=args.lr or 5e-4)
+        return 0
     build_heads(target, load_tokenizer(tpath), load_examples(teacher), load_examples(held_file),
                 args.out or data_dir() / "medusa-heads", num_heads=args.heads, num_layers=args.layers,
-                use_token=not args.no_token, vocab_size=args.vocab_size, budget_s=args.budget, lr=args.lr)
+                use_token=not args.no_token, vocab_size=args.vocab_size, budget_s=args.budget, lr=args.lr or 1e-3)
     return 0
 
 

@@ -322,6 +322,29 @@ class TreeStats:
         return (self.accepted + self.steps) / self.steps if self.steps else 0.0
 
 
+def grow_topk_tree(branching: Sequence[int], root_row: torch.Tensor,
+                   top_tokens: Callable[[torch.Tensor, int], list[int]],
+                   expand: Callable[[DraftTree, int], list[torch.Tensor]]) -> tuple[DraftTree, list[torch.Tensor]]:
+    """Grow a tree depth by depth: every node at depth d gets `top_tokens(its row, branching[d])` children;
+    `expand(tree so far, first new node)` returns the rows of the new nodes (one drafter forward per depth;
+    the leaves need none). Rows: [root_row, row of node 0, ...]. Returns (tree, rows)."""
+    rows = [root_row]
+    tokens: list[int] = []
+    parents: list[int] = []
+    frontier = [ROOT]
+    for d, k in enumerate(branching):
+        new = []
+        for node in frontier:
+            for t in top_tokens(rows[node + 1], int(k)):
+                tokens.append(int(t))
+                parents.append(node)
+                new.append(len(tokens) - 1)
+        frontier = new
+        if d + 1 < len(branching):
+            rows.extend(expand(DraftTree(tuple(tokens), tuple(parents)), new[0]))
+    return DraftTree(tuple(tokens), tuple(parents)), rows
+
+
 class TreeDrafter:
     """Grows a top-k tree from a standalone draft model: `branching[d]` children per node at depth d + 1,
     one draft forward per depth over that depth's new nodes (tree mask), the draft cache kept in step with
@@ -343,27 +366,15 @@ class TreeDrafter:
         causal = torch.ones(len(catch_up), n_cached + len(catch_up), dtype=torch.bool).tril(n_cached)
         logits, self.cache = feed_masked(self.model, catch_up, causal, pos, self.cache)
         self.prefix_len = len(committed) - 1
-        rows = [self.map_logits(logits[-1])]
-        tokens: list[int] = []
-        parents: list[int] = []
-        frontier = [ROOT]
-        for d, k in enumerate(self.branching):
-            new = []
-            for node in frontier:
-                top = torch.topk(rows[node + 1], k).indices.tolist()
-                for t in top:
-                    tokens.append(int(t))
-                    parents.append(node)
-                    new.append(len(tokens) - 1)
-            tree = DraftTree(tuple(tokens), tuple(parents))
-            frontier = new
-            if d + 1 < len(self.branching):                       # the leaves need no draft forward
-                fed = new[0]
-                mask, pos = tree.attention_inputs(self.prefix_len, fed=fed)
-                out, self.cache = feed_masked(self.model, tokens[fed:], mask, pos, self.cache)
-                rows.extend(self.map_logits(r) for r in out)
+        def expand(tree: DraftTree, fed: int) -> list[torch.Tensor]:
+            mask, pos = tree.attention_inputs(self.prefix_len, fed=fed)
+            out, self.cache = feed_masked(self.model, tree.tokens[fed:], mask, pos, self.cache)
+            return [self.map_logits(r) for r in out]
+
+        tree, rows = grow_topk_tree(self.branching, self.map_logits(logits[-1]),
+                                    lambda row, k: torch.topk(row, k).indices.tolist(), expand)
         self.fed = len(rows) - 1
-        return DraftTree(tuple(tokens), tuple(parents)), torch.stack(rows)
+        return tree, torch.stack(rows)
 
     def accept(self, path: list[int]) -> None:
         """Keep the root and the accepted path's nodes the draft has cached (a prefix of the path)."""

@@ -138,14 +138,14 @@ def _tv(emp, exact):
     return 0.5 * sum(abs(emp.get(k, 0.0) - exact[k]) for k in exact)
 
 
-def test_sampling_through_heads_is_distributed_as_the_target():
-    target = make_model(seed=4, vocab_size=V, sharp=1.5)
-    heads = randomise(heads_for(target, k=2), scale=0.4, seed=7)
-    prompt = [1, 4, 2]
+def assert_distributed_as_target(target, generate, prompt=(1, 4, 2)):
+    """`generate(prompt, generator) -> (2 tokens, stats)` sampled N_RUNS times at T=1 matches the target's exact
+    distribution of two tokens, uses its drafts (accepted tokens), and is far from a sharper target (power)."""
+    prompt = list(prompt)
     g = torch.Generator().manual_seed(0)
     counts, accepted = {}, 0
     for _ in range(N_RUNS):
-        out, stats = medusa_generate(target, heads, prompt, 2, (2, 1), temperature=1.0, generator=g)
+        out, stats = generate(prompt, g)
         counts[tuple(out)] = counts.get(tuple(out), 0) + 1
         accepted += stats.accepted
     emp = {k: v / N_RUNS for k, v in counts.items()}
@@ -153,12 +153,17 @@ def test_sampling_through_heads_is_distributed_as_the_target():
     assert abs(sum(exact.values()) - 1) < 1e-5
     assert _tv(emp, exact) < TV_BOUND
     assert accepted > 0.2 * N_RUNS                      # the tree was really used, not only target tokens
-    # power: the same samples are far from a sharper target (T = 1/3)
-    sharper = {k: v ** 3 for k, v in exact.items()}
+    sharper = {k: v ** 3 for k, v in exact.items()}     # power: far from the target at T = 1/3
     z = sum(sharper.values())
     assert _tv(emp, {k: v / z for k, v in sharper.items()}) > 2 * TV_BOUND
     assert len(set(itertools.chain.from_iterable(counts))) == V
 
+
+def test_sampling_through_heads_is_distributed_as_the_target():
+    target = make_model(seed=4, vocab_size=V, sharp=1.5)
+    heads = randomise(heads_for(target, k=2), scale=0.4, seed=7)
+    assert_distributed_as_target(
+        target, lambda p, g: medusa_generate(target, heads, p, 2, (2, 1), temperature=1.0, generator=g))
 
 def test_bench_medusa_smoke(tmp_path):
     """scripts/bench_medusa.py end to end on tiny random models: results written, outputs equal to greedy."""
@@ -167,8 +172,8 @@ def test_bench_medusa_smoke(tmp_path):
     from scripts.bench_medusa import main
 
     assert main(["--tiny", "--out", str(tmp_path), "--branching", "2,1", "1,1,1", "--draft-branching", "2,1",
-                 "--prompts", "1", "--max-tokens", "6"]) == 0
+                 "--eagle-branching", "2,1", "--prompts", "1", "--max-tokens", "6"]) == 0
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
-    assert set(rows) == {"target", "medusa (2, 1)", "medusa (1, 1, 1)", "draft (2, 1)"}
+    assert set(rows) == {"target", "medusa (2, 1)", "medusa (1, 1, 1)", "draft (2, 1)", "eagle (2, 1)"}
     assert all(rows[k]["mismatches"] == 0 and rows[k]["tokens"] == 6 for k in rows if k != "target")
-    assert (tmp_path / "medusa.png").stat().st_size > 0 and "Medusa heads" in (tmp_path / "results.md").read_text()
+    assert (tmp_path / "medusa.png").stat().st_size > 0 and "EAGLE-style head" in (tmp_path / "results.md").read_text()

@@ -13,7 +13,8 @@ from serving.decoding.medusa import MedusaHeads, medusa_generate
 from serving.decoding.tree import feed_masked_hidden
 from tests.serving.test_tree import plain_greedy
 from tests.tiny_models import make_model, make_tokenizer
-from training.heads import HeadData, build_heads, chain_acceptance, head_agreement, main, target_hidden_rows
+from training.heads import (HeadData, _eagle_batch, build_eagle, build_heads, chain_acceptance, eagle_agreement,
+                            head_agreement, main, target_hidden_rows, target_hidden_states)
 
 
 def teacher_examples(target, prompts, n, k=20, source="s"):
@@ -79,6 +80,40 @@ def test_training_raises_agreement_and_the_heads_then_draft_accepted_tokens(tmp_
     assert stats.accepted >= 4                                   # learnt continuations are accepted (7 seen)
     meta = (tmp_path / "heads" / "medusa_heads.json").read_text()
     assert "heldout_chain_acceptance" in meta and "heldout_head_agreement_by_source" in meta
+
+
+def test_eagle_batch_aligns_inputs_feature_targets_and_labels():
+    tokens = [10, 11, 12, 20, 21, 22]                     # prompt of 3, answer of 3
+    ex = {"tokens": tokens, "prompt_len": 3, "topk_ids": np.array([[20, 1], [21, 1], [22, 1]]),
+          "topk_logprobs": np.zeros((3, 2), np.float16)}
+    feats = torch.arange(6.0)[:, None].repeat(1, 4)        # f_t marked t
+    b = _eagle_batch([ex], [feats], torch.arange(30))
+    assert b["f_in"][0, :, 0].tolist() == [0, 1, 2, 3, 4] and b["f_out"][0, :, 0].tolist() == [1, 2, 3, 4, 5]
+    assert b["tok"][0].tolist() == [11, 12, 20, 21, 22]     # input t reads x_{t+1}
+    assert b["rows_t"].tolist() == [1, 2, 3]                # input t predicts x_{t+2} = answer token t - 1
+    assert b["hard"].tolist() == [20, 21, 22] and b["topk"][:, 0].tolist() == [20, 21, 22]
+
+
+def test_eagle_training_raises_agreement_and_drafts_accepted_tokens(tmp_path):
+    from serving.decoding.eagle import EagleHead, eagle_generate
+
+    target = make_model(seed=0, sharp=3.0)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 256, (6,), generator=g).tolist() for _ in range(12)]
+    exs = teacher_examples(target, prompts, 16)
+    figures = build_eagle(target, make_tokenizer(), exs, exs[:4], tmp_path / "eagle", vocab_size=128, budget_s=60,
+                          batch_size=4, lr=3e-3, max_epochs=60, progress=lambda m: None)
+    head = EagleHead.load(tmp_path / "eagle", target)
+    fresh = EagleHead.for_target(target, head.output_token_ids)
+    vocab_index = torch.full((260,), -1, dtype=torch.long)
+    vocab_index[torch.tensor(head.output_token_ids)] = torch.arange(len(head.output_token_ids))
+    feats = target_hidden_states(target, exs, progress=lambda m: None)
+    before, after = eagle_agreement(fresh, exs, feats, vocab_index), eagle_agreement(head, exs, feats, vocab_index)
+    assert after >= before + 0.5, (before, after)
+    assert figures["heldout_agreement"] == eagle_agreement(head, exs[:4], feats[:4], vocab_index)
+    out, stats = eagle_generate(target, head, prompts[0], 16, (1, 1, 1))
+    assert out == plain_greedy(target, prompts[0], 16)
+    assert stats.accepted >= 6                                   # learnt continuations, several per pass
 
 
 def test_cli_says_what_to_fix(tmp_path, capsys):
