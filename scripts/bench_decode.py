@@ -8,7 +8,9 @@ while HF assisted generation needs the draft's full output layer. So that the ta
 vocabulary cut from the engine, `--full-vocab` (default on) adds the row "speculative (full-vocab
 draft)": our engine with the SAME draft weights over the full vocabulary (a second Engine on a view of
 the draft folder without the cut), next to "speculative" (the cut as served) and "HF assisted
-(full-vocab draft)". Every row gets one untimed warm-up generation first, HF included.
+(full-vocab draft)". Every row gets one untimed warm-up generation first, HF included. A second draft
+kind joins with `--medusa-heads PATH --modes ...,medusa` (Medusa heads on the target's hidden state,
+serving/decoding/medusa.py).
 
 Reports tokens/s, ratio to target-only, mean accepted length (draft tokens accepted per step),
 acceptance rate, output perplexity under the target (the MJSD paper's quality metric: exp of the
@@ -209,6 +211,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default=None, help="target model folder (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--draft", required=True, help="draft model folder (same tokenizer)")
+    ap.add_argument("--medusa-heads", default=None,
+                    help="Medusa heads folder (python -m training.heads): adds the draft kind as mode 'medusa'")
     ap.add_argument("--prompts", default="gsm8k", help="prompt source (training/prompts.py), held-out split")
     ap.add_argument("--n", type=int, default=10, help="number of prompts")
     ap.add_argument("--max-tokens", type=int, default=96)
@@ -227,6 +231,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args(argv)
+    if "medusa" in args.modes.split(",") and not args.medusa_heads:
+        ap.error("mode 'medusa' needs --medusa-heads PATH (heads from `python -m training.heads`)")
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype) if args.dtype else None
@@ -236,7 +242,7 @@ def main(argv=None) -> int:
 
 def _run(args, dtype, stack: contextlib.ExitStack) -> int:
     modes = args.modes.split(",")
-    engine = Engine.from_paths(args.target, args.draft, device=args.device, dtype=dtype)
+    engine = Engine.from_paths(args.target, args.draft, device=args.device, dtype=dtype, heads=args.medusa_heads)
     prompts = [chat_prompt_ids(engine.tokenizer, t) for t in load_prompts(args.prompts, "heldout", args.n)]
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               max_tokens=args.max_tokens)

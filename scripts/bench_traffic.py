@@ -73,13 +73,17 @@ def progress(msg: str) -> None:
 
 # ----------------------------------------------------------------------------- modes
 def make_spec(label: str, args):
-    """SpecParams for a row label: default / default-fixed / speculative / speculative-fixed / any engine mode."""
+    """SpecParams for a row label: default / default-fixed / speculative / speculative-fixed / any engine mode;
+    `tree+typical` / `medusa+typical`: that mode with Medusa's typical acceptance on the tree."""
     from serving.config import DEFAULT_MODE, DRAFT_FREE_MODES, SpecParams
 
+    label, _, variant = label.partition("+")
     fixed = label.endswith("-fixed")
     base = label[: -len("-fixed")] if fixed else label
     mode = DEFAULT_MODE if base == "default" else base
     kw = dict(mode=mode, gamma=args.gamma, beams=args.beams, tau=args.tau)
+    if variant:
+        kw["extra"] = {"rule": variant}
     if mode not in DRAFT_FREE_MODES:
         kw["adaptive"] = not fixed
     return SpecParams(**kw)
@@ -492,7 +496,7 @@ def main(argv=None) -> int:
         ap.error("--n must be in 1..12")
     if not Path(args.draft).is_dir():
         ap.error(f"--draft {args.draft}: no such folder")
-    if "medusa" in [m.strip() for m in args.modes.split(",")] and not args.medusa_heads:
+    if any(m.strip().startswith("medusa") for m in args.modes.split(",")) and not args.medusa_heads:
         ap.error("a `medusa` row needs --medusa-heads PATH (heads from `python -m training.heads`)")
     return run_http(args) if args.http else run_engine(args)
 

@@ -35,6 +35,9 @@ DEFAULT_MODE = "mjsd"
 #   tree      width: top-k children of the root, branch: top-k children of each depth-1 node, one child
 #             deeper, depth gamma; verified in one target pass with a tree mask (serving/decoding/tree.py)
 #   medusa    the same width / branch, the tree read off the Medusa heads (depth min(gamma, heads))
+#   tree, medusa also: rule "exact" (greedy at T=0, the lossless deterministic-children rule otherwise) or
+#             "typical" (Medusa's typical acceptance on the tree at T > 0, lossy; posterior_threshold /
+#             posterior_alpha as for mode typical)
 MODE_KNOBS: dict[str, dict[str, float | int]] = {
     "typical": {"posterior_threshold": 0.09, "posterior_alpha": 0.3},
     "mentored": {"kl_budget": 0.1},
@@ -42,9 +45,10 @@ MODE_KNOBS: dict[str, dict[str, float | int]] = {
     "bild": {"fallback_threshold": 0.9, "rollback_threshold": 3.0},
     "ngram": {"max_ngram": 3, "min_ngram": 1},
     "staged": {"max_ngram": 3, "min_ngram": 1},
-    "tree": {"width": 2, "branch": 1},
-    "medusa": {"width": 2, "branch": 1},
+    "tree": {"width": 2, "branch": 1, "rule": "exact", "posterior_threshold": 0.09, "posterior_alpha": 0.3},
+    "medusa": {"width": 2, "branch": 1, "rule": "exact", "posterior_threshold": 0.09, "posterior_alpha": 0.3},
 }
+TREE_RULES = ("exact", "typical")
 MAX_TREE_WIDTH = 8
 MAX_NUM_DRAFTS = 16
 MAX_NGRAM = 16
@@ -151,6 +155,8 @@ class SpecParams:
         if "width" in knobs:
             _int_in("width", knobs["width"], 1, MAX_TREE_WIDTH)
             _int_in("branch", knobs["branch"], 1, MAX_TREE_WIDTH)
+            if knobs["rule"] not in TREE_RULES:
+                raise ValueError(f"rule must be one of {', '.join(TREE_RULES)}, got {knobs['rule']!r}")
         if "max_ngram" in knobs:
             _int_in("max_ngram", knobs["max_ngram"], 1, MAX_NGRAM)
             _int_in("min_ngram", knobs["min_ngram"], 1, knobs["max_ngram"])

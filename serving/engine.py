@@ -70,7 +70,7 @@ from serving.decoding.spectr import spectr_verify
 from serving.decoding.tree import ROOT as TREE_ROOT
 from serving.decoding.tree import (DraftTree, TreeDrafter, TreeVerifyResult, feed_masked_hidden, keep_path,
                                    tree_branching, tree_forward, tree_forward_hidden, tree_size, verify_deterministic,
-                                   verify_greedy)
+                                   verify_greedy, verify_typical)
 from serving.decoding.types import VerifyResult
 from serving.decoding.warp import sample, warp_logprobs
 from serving.energy import EnergyMeter
@@ -671,16 +671,19 @@ class _RequestState:
         logits, self.target.cache = tree_forward(eng.target.model, tree, self.seq[-1], self.target.cache, prefix)
         logits = full_vocab_logits(logits, eng.target, eng.vocab_size)      # [N + 1, vocab]
         stats.target_time_s += time.perf_counter() - t1
-        res = self._tree_accept(tree, logits, prefix, sampling, warp, gen)
+        res = self._tree_accept(tree, logits, prefix, sampling, spec, warp, gen)
         self.tree_drafter.accept(res.path)
         return self._tree_record(tree, logits, res)
 
-    def _tree_accept(self, tree: DraftTree, logits: torch.Tensor, prefix: int, sampling: SamplingParams, warp,
-                     gen) -> TreeVerifyResult:
-        """The tree rule (greedy at T=0, else the lossless deterministic-children rule); the target cache then
-        keeps the accepted path only."""
+    def _tree_accept(self, tree: DraftTree, logits: torch.Tensor, prefix: int, sampling: SamplingParams,
+                     spec: SpecParams, warp, gen) -> TreeVerifyResult:
+        """The tree rule (greedy at T=0; otherwise the lossless deterministic-children rule, or Medusa's typical
+        acceptance with `rule` "typical"); the target cache then keeps the accepted path only."""
         if sampling.temperature == 0:
             res = verify_greedy(tree, logits)
+        elif spec.extra["rule"] == "typical":
+            res = verify_typical(tree, warp(logits).exp(), spec.extra["posterior_threshold"],
+                                 spec.extra["posterior_alpha"])
         else:
             res = verify_deterministic(tree, warp(logits).exp(), gen)
         keep_path(self.target.cache, prefix, res.path)
@@ -732,7 +735,7 @@ class _RequestState:
                                                              self.target.cache, prefix)
         logits = full_vocab_logits(logits, eng.target, eng.vocab_size)      # [N + 1, vocab]
         stats.target_time_s += time.perf_counter() - t2 + (t1 - t0)
-        res = self._tree_accept(tree, logits, prefix, sampling, warp, gen)
+        res = self._tree_accept(tree, logits, prefix, sampling, spec, warp, gen)
         self.hidden = hid[res.path[-1] + 1 if res.path else 0]
         self.hidden_for = prefix + 2 + len(res.path)                        # len(seq) once the step is emitted
         return self._tree_record(tree, logits, res)

@@ -24,7 +24,7 @@ import time
 import uuid
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
 
 from serving.config import DEFAULT_MODE, MODES, SamplingParams, SpecParams
 
@@ -87,8 +87,8 @@ class SpeculativeOptions(BaseModel):
     tau: float | None = Field(None, ge=0, le=1e6, description="MJSD joint-ratio threshold")
     adaptive: StrictBool | None = Field(None, description="adapt the draft length per step with gamma as its "
                                         "upper bound (default true); false keeps a fixed gamma")
-    params: dict[str, Union[StrictInt, float]] = Field(default_factory=dict,
-                                                        description="the mode's other knobs (MODE_KNOBS)")
+    params: dict[str, Union[StrictInt, float, StrictStr]] = Field(
+        default_factory=dict, description="the mode's other knobs (MODE_KNOBS; `rule` of tree / medusa is a string)")
 
 
 class StreamOptions(BaseModel):

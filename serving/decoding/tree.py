@@ -26,6 +26,9 @@ indices, root to leaf), its tokens, and one more token from the target:
   and p_j(x_j) = p(x_j) / (1 - sum_{i<j} p(x_i)), so x_j is emitted with probability p(x_j); a token y
   outside the children with (1 - sum_i p(x_i)) * p(y) / (1 - sum_i p(x_i)) = p(y). An accepted child
   continues with the target distribution at that child: the emitted sequence is distributed as the target.
+- `verify_typical` (lossy, any drafter): Medusa's typical acceptance on the tree (typical.py's test at each
+  node: accept child x iff p(x) > min(posterior_threshold, posterior_alpha exp(-H(p)))); the deepest node
+  whose whole path passes wins (the first in node order among equals), then the target's argmax after it.
 - `verify_sampled`: children drawn i.i.d. from q (the draft at their parent), possibly with repeats, given
   in draw order. For each draw x: accept with probability min(1, p(x) / q(x)); on rejection
   p <- norm(max(0, p - q)). All rejected: sample the residual. SpecInfer, Theorem 4.2: lossless.
@@ -254,6 +257,25 @@ def verify_deterministic(tree: DraftTree, target_probs: torch.Tensor,
             return TreeVerifyResult(path, [tree.tokens[i] for i in path], int(sample(p, generator)))
         path.append(accepted)
         node = accepted
+
+
+def verify_typical(tree: DraftTree, target_probs: torch.Tensor, posterior_threshold: float = 0.09,
+                   posterior_alpha: float = 0.3) -> TreeVerifyResult:
+    """Medusa's typical acceptance on a tree (module docstring); deterministic. target_probs [N + 1, V], warped."""
+    from serving.decoding.typical import typical_thresholds
+
+    _check_rows(tree, target_probs, "target_probs")
+    rows = target_probs.float()
+    thr = typical_thresholds(rows, posterior_threshold, posterior_alpha).tolist()
+    ok = [False] * len(tree)
+    best, best_depth = ROOT, 0
+    for i, (t, par) in enumerate(zip(tree.tokens, tree.parents)):      # parents come before children
+        if (par == ROOT or ok[par]) and float(rows[par + 1, t]) > thr[par + 1]:
+            ok[i] = True
+            if tree.depth[i] > best_depth:
+                best, best_depth = i, tree.depth[i]
+    path = tree.path_to(best) if best != ROOT else []
+    return TreeVerifyResult(path, [tree.tokens[i] for i in path], int(rows[best + 1].argmax()))
 
 
 def verify_sampled(tree: DraftTree, target_probs: torch.Tensor, draft_probs: torch.Tensor,

@@ -496,6 +496,7 @@ def test_step_records_rebuild_the_sequence(pair, mode):
     ("tree", {"width": 0}, "width"),
     ("tree", {"branch": 9}, "branch"),
     ("tree", {"num_drafts": 2}, "unknown parameter.*width, branch"),
+    ("medusa", {"rule": "bogus"}, "rule must be one of exact, typical"),
     ("spectr", {"kl_budget": 0.1}, "unknown parameter.*'kl_budget'.*num_drafts"),
     ("speculative", {"num_drafts": 2}, "unknown parameter"),
 ])

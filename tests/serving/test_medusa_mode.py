@@ -53,6 +53,18 @@ def test_temperature_zero_equals_target_greedy(medusa_engine, gamma, extra):
     assert res.stats.draft_tokens > 0
 
 
+def test_typical_rule_runs_on_the_tree_and_is_greedy_at_t0(medusa_engine):
+    prompt = ids(medusa_engine)
+    typical = SpecParams(mode="medusa", gamma=3, extra={"rule": "typical", "posterior_threshold": 0.05})
+    res = medusa_engine.generate_all(prompt, GREEDY, typical)
+    assert res.token_ids == reference_greedy(medusa_engine.target.model, prompt, GREEDY.max_tokens)
+    warm = SamplingParams(temperature=0.7, max_tokens=30, seed=5)
+    a = medusa_engine.generate_all(prompt, warm, typical)
+    b = medusa_engine.generate_all(prompt, warm, typical)
+    assert a.token_ids == b.token_ids and len(a.token_ids) > 0        # deterministic given the seed
+    assert a.stats.steps <= len(a.token_ids)
+
+
 def test_records_rebuild_the_sequence_under_the_heads_version(pair, heads_dir):
     sink = tiny_models.ListSink()
     eng = make_engine(pair[0], pair[1], draft_version="v7", sink=sink, record_top_k=5, heads=heads_dir)

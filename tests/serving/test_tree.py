@@ -19,6 +19,7 @@ from serving.decoding.tree import (
     verify_deterministic,
     verify_greedy,
     verify_sampled,
+    verify_typical,
 )
 from tests.tiny_models import make_model
 
@@ -145,6 +146,42 @@ def test_tree_generate_accepts_whole_paths_when_the_draft_is_the_target():
 def test_drafter_refuses_bad_branching():
     with pytest.raises(ValueError, match="branching"):
         TreeDrafter(make_model(), [2, 0])
+
+
+# ---------------------------------------------------------------------- typical acceptance (lossy)
+def test_typical_rule_takes_the_deepest_typical_path_then_the_target_argmax():
+    from serving.decoding.typical import typical_thresholds
+
+    tree = DraftTree.from_paths([[1, 2, 3], [1, 4], [0, 2]])  # nodes: 1, 2, 3, 4, 0, 2'
+    rows = torch.full((len(tree) + 1, 5), 0.01)
+    rows[0, 1], rows[0, 0] = 0.6, 0.36                       # root: both children typical, 1 first
+    rows[1, 2], rows[1, 4] = 0.5, 0.46                        # under 1: 2 and 4 typical
+    rows[2, 3] = 0.96                                         # under 1-2: 3 typical -> depth 3 wins
+    rows[3, 4] = 0.96                                         # after 1-2-3: the target's argmax is 4
+    rows = rows / rows.sum(-1, keepdim=True)
+    res = verify_typical(tree, rows)
+    assert res.tokens == [1, 2, 3] and res.next_token == 4
+    rows2 = rows.clone()
+    rows2[2, 3], rows2[2, 0] = 0.01, 0.96                     # 3 no longer typical: depth 2, first in order
+    rows2 = rows2 / rows2.sum(-1, keepdim=True)
+    assert rows2[2, 3] < typical_thresholds(rows2, 0.09, 0.3)[2]
+    res2 = verify_typical(tree, rows2)
+    assert res2.tokens == [1, 2] and res2.next_token == 0
+    none = verify_typical(tree, rows, posterior_threshold=1.0, posterior_alpha=1e9)   # nothing passes
+    assert none.path == [] and none.next_token == 1
+
+
+def test_typical_rule_on_a_chain_equals_the_chain_rule():
+    from serving.decoding.typical import typical_verify
+
+    g = torch.Generator().manual_seed(3)
+    for _ in range(50):
+        toks = torch.randint(0, 6, (4,), generator=g).tolist()
+        rows = torch.softmax(2 * torch.randn(5, 6, generator=g), -1)
+        chain = DraftTree(tuple(toks), (ROOT, 0, 1, 2))
+        a = verify_typical(chain, rows)
+        b = typical_verify(torch.tensor(toks), torch.zeros(4, 6), rows)
+        assert (a.num_accepted, a.next_token) == (b.num_accepted, b.next_token)
 
 
 # ---------------------------------------------------------------------- exact distribution
