@@ -10,7 +10,7 @@ draft)": our engine with the SAME draft weights over the full vocabulary (a seco
 the draft folder without the cut), next to "speculative" (the cut as served) and "HF assisted
 (full-vocab draft)". Every row gets one untimed warm-up generation first, HF included. A second draft
 kind joins with `--medusa-heads PATH --modes ...,medusa` (Medusa heads on the target's hidden state,
-serving/decoding/medusa.py).
+serving/decoding/medusa.py); `medusa+typical` (or `tree+typical`) runs it with typical acceptance on the tree.
 
 Reports tokens/s, ratio to target-only, mean accepted length (draft tokens accepted per step),
 acceptance rate, output perplexity under the target (the MJSD paper's quality metric: exp of the
@@ -231,7 +231,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args(argv)
-    if "medusa" in args.modes.split(",") and not args.medusa_heads:
+    if any(m.startswith("medusa") for m in args.modes.split(",")) and not args.medusa_heads:
         ap.error("mode 'medusa' needs --medusa-heads PATH (heads from `python -m training.heads`)")
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -265,7 +265,9 @@ def _run(args, dtype, stack: contextlib.ExitStack) -> int:
             runs.append(("HF assisted (full-vocab draft)", lambda: run_hf_assisted(
                 full_engine or engine, prompts, sampling, args.gamma, "HF assisted (full-vocab draft)")))
             continue
-        spec = SpecParams(mode=mode, gamma=args.gamma, beams=args.beams, tau=args.tau)
+        base, _, rule = mode.partition("+")            # e.g. medusa+typical: the tree with typical acceptance
+        spec = SpecParams(mode=base, gamma=args.gamma, beams=args.beams, tau=args.tau,
+                          extra={"rule": rule} if rule else {})
         runs.append((mode, lambda spec=spec, mode=mode: run_engine_mode(engine, prompts, sampling, spec, mode)))
         if mode == "speculative" and full_engine is not None:
             label = "speculative (full-vocab draft)"
