@@ -537,9 +537,12 @@ def test_watchdog_compares_with_the_previous_versions_live_acceptance(registry, 
     log_live(registry, "1", [0.70, 0.72, 0.69, 0.71], now - 100)      # version 1 while it was champion
     registry.register_candidate(make_candidate(tmp_path / "c", tmp_path / "base"))
     force_promote(registry, "2")                                       # no gate figure: only "previous" applies
-    log_live(registry, "2", [0.66, 0.70, 0.68], now + 1)               # within the 10% tolerance: fine
+    # version 2's intervals start after its promotion (registering and promoting took > 1 s in a loaded CI run,
+    # and intervals stamped before the promotion are not the champion's)
+    promoted = time.time()
+    log_live(registry, "2", [0.66, 0.70, 0.68], promoted + 1)          # within the 10% tolerance: fine
     assert dog.check().action == "ok"
-    log_live(registry, "2", [0.35, 0.33, 0.36, 0.34], now + 50)
+    log_live(registry, "2", [0.35, 0.33, 0.36, 0.34], promoted + 50)
     v = dog.check()
     assert v.action == "rolled back" and v.previous_version == "1" and v.previous_live == pytest.approx(0.705, abs=0.01)
     assert registry.champion() == "1"
