@@ -32,7 +32,7 @@ import torch
 ROOT_DIR = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT_DIR))
 
-from scripts.bench_tree import parse_branching, target_greedy, tiny_models, tree_nodes  # noqa: E402
+from scripts.bench_tree import parse_branching, served_draft, target_greedy, tiny_models, tree_nodes  # noqa: E402
 from serving.decoding.eagle import EagleHead, eagle_generate  # noqa: E402
 from serving.decoding.medusa import HeadsConfig, MedusaHeads, medusa_generate, read_heads_meta  # noqa: E402
 from serving.decoding.tree import tree_generate  # noqa: E402
@@ -223,14 +223,7 @@ def main(argv=None) -> int:
         if args.draft is not None:
             if not (args.draft / "config.json").is_file():
                 ap.error(f"--draft {args.draft} is not a model folder (build one with `draftsmith bootstrap`)")
-            from serving.engine import Engine
-            from serving.models import LoadedModel
-            from serving.runner import full_vocab_logits
-
-            loaded = Engine._load_draft(args.draft, LoadedModel(target, tok, target_path), "cpu",
-                                        next(target.parameters()).dtype)
-            draft = loaded.model
-            draft_map = lambda x: full_vocab_logits(x, loaded, len(tok))    # noqa: E731
+            draft, draft_map = served_draft(args.draft, target, tok, target_path)
         prompts = prompt_ids(tok, n=args.prompts)
         eos = tok.eos_token_id
         setting = (f"target {target_path.name} ({next(target.parameters()).dtype}), heads {args.heads}, EAGLE "

@@ -139,6 +139,18 @@ def end_to_end(target, draft, draft_map, prompts: dict[str, list[list[int]]], br
     return totals
 
 
+def served_draft(draft_path: Path, target, tok, target_path):
+    """The draft as the engine serves it (its output layer cut to the version's vocabulary rows) and the map of
+    its logits back to the full vocabulary: (model, logits map)."""
+    from serving.engine import Engine
+    from serving.models import LoadedModel
+    from serving.runner import full_vocab_logits
+
+    loaded = Engine._load_draft(draft_path, LoadedModel(target, tok, target_path), "cpu",
+                                next(target.parameters()).dtype)
+    return loaded.model, lambda x: full_vocab_logits(x, loaded, len(tok))
+
+
 def tiny_models(vocab: int = 259):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -180,23 +192,15 @@ def main(argv=None) -> int:
         setting = "tiny random Llama models (smoke run)"
     else:
         from scripts.traffic_prompts import prompt_ids
-        from serving.models import (LoadedModel, ensure_default_target, load_causal_lm, load_tokenizer,
+        from serving.models import (ensure_default_target, load_causal_lm, load_tokenizer,
                                     resolve_model_path)
-        from serving.runner import full_vocab_logits
-
         target_path = resolve_model_path(args.target) if args.target else ensure_default_target()
         if not (args.draft / "config.json").is_file():
             ap.error(f"--draft {args.draft} is not a model folder (build one with `draftsmith bootstrap`)")
-        from serving.engine import Engine
-
         tok = load_tokenizer(target_path)
         target = load_causal_lm(target_path, dtype=None if args.dtype == "auto" else getattr(torch, args.dtype))
         vocab = len(tok)
-        # the draft as the engine serves it: its output layer cut to the version's vocabulary rows
-        loaded = Engine._load_draft(args.draft, LoadedModel(target, tok, target_path), "cpu",
-                                    next(target.parameters()).dtype)
-        draft = loaded.model
-        draft_map = lambda x: full_vocab_logits(x, loaded, vocab)          # noqa: E731
+        draft, draft_map = served_draft(args.draft, target, tok, target_path)
         prompts = prompt_ids(tok, n=args.prompts)
         eos = tok.eos_token_id
         setting = (f"target {target_path.name}, draft {args.draft}, {next(target.parameters()).dtype}, "

@@ -33,7 +33,6 @@ from torch.nn import functional as nn_f
 from serving.decoding.medusa import HeadsConfig, MedusaHeads
 from training.draft_builder import distill_loss
 
-log = logging.getLogger(__name__)
 HEAD_DECAY = 0.8
 
 
@@ -112,7 +111,6 @@ class HeadData:
         self.topk = vocab_index[torch.cat(tk_ids)]
         self.topk_lp = torch.cat(tk_lp)
         self.hard = vocab_index[torch.cat(hard)]
-        self.sources = None
 
     def __len__(self) -> int:
         return len(self.h)
