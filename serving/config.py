@@ -37,18 +37,22 @@ DEFAULT_MODE = "mjsd"
 #   medusa    the same width / branch, the tree read off the Medusa heads (depth min(gamma, heads))
 #   tree, medusa also: rule "exact" (greedy at T=0, the lossless deterministic-children rule otherwise) or
 #             "typical" (Medusa's typical acceptance on the tree at T > 0, lossy; posterior_threshold /
-#             posterior_alpha as for mode typical)
-MODE_KNOBS: dict[str, dict[str, float | int]] = {
+#             posterior_alpha as for mode typical) or "mjsd" (MJSD's joint test on every tree path at T > 0,
+#             lossy: the deepest node with min(1, p/q) > tau, knob tau as mode mjsd's, default DEFAULT_TAU)
+DEFAULT_TAU = 0.1   # MJSD's joint-ratio threshold (the paper's tau): mode mjsd's SpecParams.tau, rule mjsd's tau
+MODE_KNOBS: dict[str, dict[str, float | int | str]] = {
     "typical": {"posterior_threshold": 0.09, "posterior_alpha": 0.3},
     "mentored": {"kl_budget": 0.1},
     "spectr": {"num_drafts": 4},
     "bild": {"fallback_threshold": 0.9, "rollback_threshold": 3.0},
     "ngram": {"max_ngram": 3, "min_ngram": 1},
     "staged": {"max_ngram": 3, "min_ngram": 1},
-    "tree": {"width": 2, "branch": 1, "rule": "exact", "posterior_threshold": 0.09, "posterior_alpha": 0.3},
-    "medusa": {"width": 2, "branch": 1, "rule": "exact", "posterior_threshold": 0.09, "posterior_alpha": 0.3},
+    "tree": {"width": 2, "branch": 1, "rule": "exact", "posterior_threshold": 0.09, "posterior_alpha": 0.3,
+             "tau": DEFAULT_TAU},
+    "medusa": {"width": 2, "branch": 1, "rule": "exact", "posterior_threshold": 0.09, "posterior_alpha": 0.3,
+               "tau": DEFAULT_TAU},
 }
-TREE_RULES = ("exact", "typical")
+TREE_RULES = ("exact", "typical", "mjsd")
 MAX_TREE_WIDTH = 8
 MAX_NUM_DRAFTS = 16
 MAX_NGRAM = 16
@@ -58,6 +62,13 @@ def _non_negative(name: str, value) -> float:
     """A number >= 0 (inf allowed: 'never' / 'no bound'); ValueError naming the field otherwise."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
         raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+    return float(value)
+
+
+def _finite(name: str, value) -> float:
+    """Any finite number; ValueError naming the field otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
     return float(value)
 
 
@@ -122,7 +133,7 @@ class SpecParams:
     mode: str = DEFAULT_MODE
     gamma: int = 4
     beams: int = 8
-    tau: float = 0.1
+    tau: float = DEFAULT_TAU
     extra: dict = field(default_factory=dict)
     adaptive: bool = True
 
@@ -157,6 +168,7 @@ class SpecParams:
             _int_in("branch", knobs["branch"], 1, MAX_TREE_WIDTH)
             if knobs["rule"] not in TREE_RULES:
                 raise ValueError(f"rule must be one of {', '.join(TREE_RULES)}, got {knobs['rule']!r}")
+            knobs["tau"] = _finite("tau", knobs["tau"])
         if "max_ngram" in knobs:
             _int_in("max_ngram", knobs["max_ngram"], 1, MAX_NGRAM)
             _int_in("min_ngram", knobs["min_ngram"], 1, knobs["max_ngram"])

@@ -31,7 +31,8 @@ Modes (SpecParams.mode; rules in serving/decoding/, knobs in SpecParams.extra, s
   produced in fewer sequential draft forwards; the target then verifies them by speculative sampling (lossless).
 - tree: the draft grows a top-k tree, ONE target pass scores every node under a tree attention mask
   (serving/decoding/tree.py, Medusa's tree attention), greedy at T=0 or the lossless rule for deterministic
-  children keeps the longest accepted path plus one target token; the caches keep that path only.
+  children keeps the longest accepted path plus one target token; the caches keep that path only. Knob
+  `rule` "typical" / "mjsd" picks a lossy rule at T > 0 instead (mjsd reads the proposer's warped log q).
 - medusa: the same tree verification, the tree read off the replica's Medusa heads
   (serving/decoding/medusa.py) from the target's hidden state that the previous verification pass left: no
   draft model and no draft forward. Needs heads (`Engine(heads=...)`, `--medusa-heads`).
@@ -69,8 +70,8 @@ from serving.decoding.ngram import ngram_propose, staged_accept
 from serving.decoding.spectr import spectr_verify
 from serving.decoding.tree import ROOT as TREE_ROOT
 from serving.decoding.tree import (DraftTree, TreeDrafter, TreeVerifyResult, feed_masked_hidden, keep_path,
-                                   tree_branching, tree_forward, tree_forward_hidden, tree_size, verify_deterministic,
-                                   verify_greedy, verify_typical)
+                                   tree_branching, tree_forward, tree_forward_hidden, tree_node_logq, tree_size,
+                                   verify_deterministic, verify_greedy, verify_mjsd, verify_typical)
 from serving.decoding.types import VerifyResult
 from serving.decoding.warp import sample, warp_logprobs
 from serving.energy import EnergyMeter
@@ -91,7 +92,8 @@ from serving.scheduler import BatchScheduler, Request
 log = logging.getLogger(__name__)
 
 MEDUSA_NEEDS_HEADS = ("mode 'medusa' needs Medusa heads and this replica has none; start it with --medusa-heads "
-                      "PATH (heads built by `python -m training.heads`)")
+                      "PATH (heads built by `python -m training.heads`), or register and promote heads "
+                      "(`draftsmith register PATH`, `draftsmith promote --kind medusa V`)")
 
 # KV tokens a replica's running requests may reserve together (prompt + max_tokens + gamma, times the rows
 # a request fans out to: MJSD beams, SpecTr drafts). A request alone above it is refused (400); below it,
@@ -222,8 +224,8 @@ class Engine:
         heads_version: str = "none",
     ) -> None:
         self.target = target
-        # Medusa heads (mode "medusa", serving/decoding/medusa.py): fixed for the replica's life, named
-        # "medusa:<folder>" in statistics and records
+        # Medusa heads (mode "medusa", serving/decoding/medusa.py): a folder ("medusa:<folder>" in statistics
+        # and records) or the heads registry's champion ("medusa-v<N>"), hot-swapped by load_heads
         self.heads = heads
         self.heads_version = heads_version if heads is not None else "none"
         self.tokenizer = target.tokenizer
@@ -285,9 +287,11 @@ class Engine:
             engine.load_heads(heads)
         return engine
 
-    def load_heads(self, path: str | Path) -> str:
-        """Load Medusa heads for mode "medusa", bound to this target's rows; returns their version name
-        ("medusa:<folder>"). ModelLoadError saying what is wrong (the old heads, if any, stay)."""
+    def load_heads(self, path: str | Path, version: str | None = None) -> str:
+        """Load (or hot-swap) Medusa heads for mode "medusa", bound to this target's rows; returns their
+        version name: `version` (a registry version, "medusa-v<N>", serving/service.py's heads watcher) or
+        "medusa:<folder>". A request mid-step keeps the heads it started the step with; the next step uses
+        the new ones. ModelLoadError saying what is wrong (the old heads, if any, stay)."""
         from serving.decoding.medusa import MedusaHeads
 
         try:
@@ -297,7 +301,7 @@ class Engine:
         if max(heads.output_token_ids) >= self.vocab_size:
             raise ModelLoadError(f"Medusa heads in {path} propose token ids outside the target's tokenizer")
         with self._lock:
-            self.heads, self.heads_version = heads, f"medusa:{Path(path).name}"
+            self.heads, self.heads_version = heads, version or f"medusa:{Path(path).name}"
         log.info("Medusa heads loaded from %s (%d heads)", path, heads.config.num_heads)
         return self.heads_version
 
@@ -662,7 +666,9 @@ class _RequestState:
             self.tree_drafter = TreeDrafter(draft.model, branching,
                                             lambda x: full_vocab_logits(x, draft, eng.vocab_size))
         t0 = time.perf_counter()
-        tree, _ = self.tree_drafter.propose(self.seq)
+        tree, rows = self.tree_drafter.propose(self.seq)
+        # rule mjsd: the draft's warped log q of each node at its parent's row (as the target rows are warped)
+        node_logq = tree_node_logq(tree, warp(rows)) if self._tree_mjsd(spec, sampling) else None
         t1 = time.perf_counter()
         stats.draft_time_s += t1 - t0
         prefix = len(self.seq) - 1
@@ -671,19 +677,27 @@ class _RequestState:
         logits, self.target.cache = tree_forward(eng.target.model, tree, self.seq[-1], self.target.cache, prefix)
         logits = full_vocab_logits(logits, eng.target, eng.vocab_size)      # [N + 1, vocab]
         stats.target_time_s += time.perf_counter() - t1
-        res = self._tree_accept(tree, logits, prefix, sampling, spec, warp, gen)
+        res = self._tree_accept(tree, logits, prefix, sampling, spec, warp, gen, node_logq)
         self.tree_drafter.accept(res.path)
         return self._tree_record(tree, logits, res)
 
+    @staticmethod
+    def _tree_mjsd(spec: SpecParams, sampling: SamplingParams) -> bool:
+        """Whether this tree step runs rule mjsd (which needs the proposer's node_logq): T > 0 only."""
+        return sampling.temperature != 0 and spec.extra["rule"] == "mjsd"
+
     def _tree_accept(self, tree: DraftTree, logits: torch.Tensor, prefix: int, sampling: SamplingParams,
-                     spec: SpecParams, warp, gen) -> TreeVerifyResult:
-        """The tree rule (greedy at T=0; otherwise the lossless deterministic-children rule, or Medusa's typical
-        acceptance with `rule` "typical"); the target cache then keeps the accepted path only."""
+                     spec: SpecParams, warp, gen, node_logq: torch.Tensor | None = None) -> TreeVerifyResult:
+        """The tree rule (greedy at T=0; otherwise the lossless deterministic-children rule, Medusa's typical
+        acceptance with `rule` "typical", or MJSD's joint test with `rule` "mjsd" on the proposer's warped
+        `node_logq`); the target cache then keeps the accepted path only."""
         if sampling.temperature == 0:
             res = verify_greedy(tree, logits)
         elif spec.extra["rule"] == "typical":
             res = verify_typical(tree, warp(logits).exp(), spec.extra["posterior_threshold"],
                                  spec.extra["posterior_alpha"])
+        elif spec.extra["rule"] == "mjsd":
+            res = verify_mjsd(tree, warp(logits).exp(), node_logq, spec.extra["tau"], gen)
         else:
             res = verify_deterministic(tree, warp(logits).exp(), gen)
         keep_path(self.target.cache, prefix, res.path)
@@ -723,19 +737,24 @@ class _RequestState:
             self.target.length = prefix
             self.hidden, self.hidden_for = hid[-1], len(self.seq)
         t1 = time.perf_counter()
+        node_logq = None
         if self.hidden_for == len(self.seq):
             depth = min(spec.gamma, heads.config.num_heads)
-            tree = heads.propose(self.hidden, self.seq[-1], tree_branching(depth, spec.extra["width"],
-                                                                          spec.extra["branch"]))
+            branching = tree_branching(depth, spec.extra["width"], spec.extra["branch"])
+            if self._tree_mjsd(spec, sampling):                       # the heads' warped log q of every node
+                tree, node_logq = heads.propose_with_logq(self.hidden, self.seq[-1], branching, warp)
+            else:
+                tree = heads.propose(self.hidden, self.seq[-1], branching)
         else:
             tree = DraftTree((), ())                                  # a one-token prompt: nothing to read yet
+            node_logq = torch.zeros(0)
         t2 = time.perf_counter()
         stats.draft_time_s += t2 - t1
         logits, hid, self.target.cache = tree_forward_hidden(eng.target.model, tree, self.seq[-1],
                                                              self.target.cache, prefix)
         logits = full_vocab_logits(logits, eng.target, eng.vocab_size)      # [N + 1, vocab]
         stats.target_time_s += time.perf_counter() - t2 + (t1 - t0)
-        res = self._tree_accept(tree, logits, prefix, sampling, spec, warp, gen)
+        res = self._tree_accept(tree, logits, prefix, sampling, spec, warp, gen, node_logq)
         self.hidden = hid[res.path[-1] + 1 if res.path else 0]
         self.hidden_for = prefix + 2 + len(res.path)                        # len(seq) once the step is emitted
         return self._tree_record(tree, logits, res)

@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -119,6 +119,25 @@ class MedusaHeads(nn.Module):
     def propose(self, h: torch.Tensor, root: int, branching: Sequence[int]) -> DraftTree:
         """A tree under `root`: every node at depth d gets the top-`branching[d]` tokens of head d + 1 (the
         same candidates under every parent: the heads do not see earlier depths). Depth <= num_heads."""
+        return self._grow(h, root, branching)[0]
+
+    def propose_with_logq(self, h: torch.Tensor, root: int, branching: Sequence[int],
+                          warp: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[DraftTree, torch.Tensor]:
+        """`propose`, also returning node_logq [N] for tree.py's `verify_mjsd`: each node's token under its
+        depth's head, log-probabilities from `warp` (logits [K, V_keep] -> warped log-probs, e.g. warp.py's
+        `warp_logprobs` with the request's temperature / top-k / top-p, as the target rows are warped; None:
+        plain log-softmax). Over the kept vocabulary this equals warping the full row with every other token
+        impossible (-inf). Candidates stay the top-k of the raw head logits."""
+        tree, logits, depths, cols = self._grow(h, root, branching)
+        if not len(tree):
+            return tree, logits.new_zeros(0)
+        used = logits[: len(branching)]
+        logq = (warp(used) if warp is not None else torch.log_softmax(used, dim=-1)).float()
+        return tree, logq[torch.tensor(depths, device=logq.device), torch.tensor(cols, device=logq.device)]
+
+    def _grow(self, h: torch.Tensor, root: int,
+              branching: Sequence[int]) -> tuple[DraftTree, torch.Tensor, list[int], list[int]]:
+        """The tree, the heads' logits [K, V_keep], and each node's head index and kept-vocabulary column."""
         if len(branching) > self.config.num_heads:
             raise ValueError(f"a tree of depth {len(branching)} needs {len(branching)} heads; these have "
                              f"{self.config.num_heads}")
@@ -126,17 +145,21 @@ class MedusaHeads(nn.Module):
             logits = self.forward(h.reshape(1, -1), torch.tensor([root]))[:, 0].float()     # [K, V_keep]
         tokens: list[int] = []
         parents: list[int] = []
+        cols: list[int] = []                       # each node's column of the kept vocabulary
+        depths: list[int] = []
         frontier = [ROOT]
         for d, k in enumerate(branching):
-            cand = self.token_ids[torch.topk(logits[d], int(k)).indices].tolist()
+            top = torch.topk(logits[d], int(k)).indices.tolist()
             new = []
             for node in frontier:
-                for t in cand:
-                    tokens.append(int(t))
+                for c in top:
+                    tokens.append(self.output_token_ids[c])
                     parents.append(node)
+                    cols.append(c)
+                    depths.append(d)
                     new.append(len(tokens) - 1)
             frontier = new
-        return DraftTree(tuple(tokens), tuple(parents))
+        return DraftTree(tuple(tokens), tuple(parents)), logits, depths, cols
 
     # ------------------------------------------------------------------ files
     def save(self, out_dir: str | Path, **meta) -> Path:

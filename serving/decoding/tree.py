@@ -29,6 +29,15 @@ indices, root to leaf), its tokens, and one more token from the target:
 - `verify_typical` (lossy, any drafter): Medusa's typical acceptance on the tree (typical.py's test at each
   node: accept child x iff p(x) > min(posterior_threshold, posterior_alpha exp(-H(p)))); the deepest node
   whose whole path passes wins (the first in node order among equals), then the target's argmax after it.
+- `verify_mjsd` (lossy, as MJSD, serving/decoding/mjsd.py): MJSD's joint test on every root-to-node path.
+  With node_logq[i] the proposer's warped log q of node i's token given its parent (Medusa: head d's
+  distribution at depth d; the draft tree: the draft's row at the parent), joint log p / log q summed along
+  the path, node i passes iff min(1, p(path)/q(path)) > tau (strict; a joint q of 0 fails). The DEEPEST
+  passing node wins, whether or not its ancestors pass (no break, as MJSD's longest passing prefix); among
+  equally deep ones the larger joint p, then the lower node index. tau <= 0: the deepest node (same
+  tie-break); tau >= 1: none. Then ONE plain sample from the target row after it (no residual), as
+  `mjsd_verify`; on a chain it is exactly `mjsd_verify`. `tree_node_logq` builds node_logq from a drafter's
+  warped rows (`TreeDrafter.propose`, `grow_topk_tree`); `MedusaHeads.propose_with_logq` returns it.
 - `verify_sampled`: children drawn i.i.d. from q (the draft at their parent), possibly with repeats, given
   in draw order. For each draw x: accept with probability min(1, p(x) / q(x)); on rejection
   p <- norm(max(0, p - q)). All rejected: sample the residual. SpecInfer, Theorem 4.2: lossless.
@@ -39,6 +48,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
+
+import math
 
 import torch
 
@@ -278,6 +289,67 @@ def verify_typical(tree: DraftTree, target_probs: torch.Tensor, posterior_thresh
     return TreeVerifyResult(path, [tree.tokens[i] for i in path], int(rows[best + 1].argmax()))
 
 
+def tree_node_logq(tree: DraftTree, logq_rows: torch.Tensor) -> torch.Tensor:
+    """`verify_mjsd`'s node_logq from a drafter's warped log-probability rows: logq_rows [M, V], row 0 the
+    root's (its children were read off it), row 1 + i node i's (as `grow_topk_tree` / `TreeDrafter.propose`
+    return them, warped with the request's temperature / top-k / top-p); rows of leaves may be absent.
+    Returns fp32 [N]: logq_rows[parent + 1, token] for every node."""
+    if logq_rows.dim() != 2:
+        raise ValueError(f"logq_rows must be [rows, vocab], got {tuple(logq_rows.shape)}")
+    if not len(tree):
+        return logq_rows.new_zeros(0, dtype=torch.float32)
+    need = max(tree.parents) + 2
+    if logq_rows.shape[0] < need:
+        raise ValueError(f"logq_rows has {logq_rows.shape[0]} rows; the tree's parents need {need}")
+    if max(tree.tokens) >= logq_rows.shape[1]:
+        raise ValueError(f"tree token {max(tree.tokens)} outside the vocabulary of logq_rows ({logq_rows.shape[1]})")
+    rows = torch.tensor(tree.parents, dtype=torch.long, device=logq_rows.device) + 1
+    cols = torch.tensor(tree.tokens, dtype=torch.long, device=logq_rows.device)
+    return logq_rows[rows, cols].float()
+
+
+def verify_mjsd(tree: DraftTree, target_probs: torch.Tensor, node_logq: torch.Tensor | Sequence[float],
+                tau: float = 0.1, generator: torch.Generator | None = None) -> TreeVerifyResult:
+    """MJSD's joint test on the tree (module docstring); lossy. target_probs [N + 1, V], warped; node_logq [N]:
+    the proposer's warped log q of each node's token given its parent. One draw from `generator`."""
+    _check_rows(tree, target_probs, "target_probs")
+    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(tau):
+        raise ValueError(f"tau must be a finite number, got {tau!r}")
+    n = len(tree)
+    try:
+        logq = node_logq.detach().to("cpu", torch.float64) if isinstance(node_logq, torch.Tensor) \
+            else torch.tensor([float(x) for x in node_logq], dtype=torch.float64)
+    except (TypeError, ValueError):
+        raise ValueError(f"node_logq must be a sequence of {n} log-probabilities, got {node_logq!r}") from None
+    if logq.dim() != 1 or logq.numel() != n:
+        raise ValueError(f"node_logq must hold one log-probability per node, [N] = [{n}], got {tuple(logq.shape)}")
+    if bool(torch.isnan(logq).any()) or bool((logq == float("inf")).any()):
+        raise ValueError("node_logq must hold log-probabilities (finite or -inf), not NaN or +inf")
+    if n:
+        rows = torch.tensor(tree.parents, dtype=torch.long, device=target_probs.device) + 1
+        cols = torch.tensor(tree.tokens, dtype=torch.long, device=target_probs.device)
+        logp = target_probs[rows, cols].double().log().tolist()
+    else:
+        logp = []
+    logq = logq.tolist()
+    best, key = ROOT, None
+    if tau < 1:
+        log_tau = math.log(tau) if tau > 0 else None
+        jp, jq = [0.0] * n, [0.0] * n
+        for i, par in enumerate(tree.parents):                    # parents come before children
+            jp[i] = logp[i] + (jp[par] if par != ROOT else 0.0)
+            jq[i] = logq[i] + (jq[par] if par != ROOT else 0.0)
+            # min(1, r) > tau  <=>  log p - log q > log tau  (0 < tau < 1); a joint q of 0 fails
+            if log_tau is not None and (jq[i] == float("-inf") or not jp[i] - jq[i] > log_tau):
+                continue
+            k = (tree.depth[i], jp[i])                            # deeper, then likelier; ties: lower index
+            if key is None or k > key:
+                best, key = i, k
+    path = tree.path_to(best) if best != ROOT else []
+    nxt = int(sample(target_probs[best + 1].float(), generator))       # a plain target sample, as mjsd_verify
+    return TreeVerifyResult(path, [tree.tokens[i] for i in path], nxt)
+
+
 def verify_sampled(tree: DraftTree, target_probs: torch.Tensor, draft_probs: torch.Tensor,
                    draws: dict[int, list[int]] | None = None,
                    generator: torch.Generator | None = None) -> TreeVerifyResult:
@@ -381,7 +453,8 @@ class TreeDrafter:
         self.cache = None
 
     def propose(self, committed: list[int]) -> tuple[DraftTree, torch.Tensor]:
-        """A tree of continuations of `committed`; also the draft logits [fed nodes + 1, V] (row 0: root)."""
+        """A tree of continuations of `committed`; also the draft logits [fed nodes + 1, V] (row 0: root; warped,
+        `tree_node_logq` turns them into `verify_mjsd`'s node_logq)."""
         n_cached = cache_length(self.cache)
         catch_up = committed[n_cached:]                           # always includes the root (last token)
         pos = torch.arange(n_cached, len(committed))
