@@ -62,7 +62,8 @@ class DraftsmithDeployment:
         except ValueError:
             log.warning("metrics hub %s not found; this replica keeps its own metrics", HUB_NAME)
         s = ServiceSettings(**settings)
-        self.service = Service(s, registry=draft_source(s), hub=hub if hub is not None else MetricsHub())
+        self.service = Service(s, registry=draft_source(s), hub=hub if hub is not None else MetricsHub(),
+                               heads_source=heads_source(s))
 
     def __serve_build_asgi_app__(self):
         from serving.api import build_app
@@ -88,6 +89,16 @@ def draft_source(settings: ServiceSettings):
     from deploy.registry import Registry
 
     return Registry(settings.target, name=settings.registry_model, tracking_uri=settings.tracking_uri)
+
+
+def heads_source(settings: ServiceSettings):
+    """The replica's Medusa heads source: the heads registry of its target (deploy/registry.py "Draft kinds"),
+    or None when an explicit heads folder is configured (`--medusa-heads`)."""
+    if settings.medusa_heads:
+        return None
+    from deploy.registry import heads_registry
+
+    return heads_registry(settings.target, name=settings.registry_model, tracking_uri=settings.tracking_uri)
 
 
 def start_hub(settings: ServiceSettings):

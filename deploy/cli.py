@@ -33,6 +33,7 @@ from pathlib import Path
 from buffer.paths import DEFAULT_TARGET
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+KINDS = ("draft", "medusa")                  # draft kinds with a registry (deploy/registry.py "Draft kinds")
 
 
 class CommandFailed(Exception):
@@ -160,6 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("distill", parents=[common], help="run one distillation job now, or on a schedule")
     d.add_argument("--every", type=_duration, default=None, help="run a job every DURATION (e.g. 10m)")
+    d.add_argument("--kind", choices=KINDS, default="draft",
+                   help="'draft' (default): distill the draft model; 'medusa': one online job for the Medusa heads "
+                        "(training/heads_job.py) from the champion heads, registered and gated (deploy/heads.py)")
+    d.add_argument("--heads-budget", type=_duration, default=120.0,
+                   help="training time of a --kind medusa job (default 2m; the hidden-state pass comes on top)")
     d.add_argument("--min-records", type=_positive_int, default=None,
                    help="run when at least N new records are in the buffer")
     d.add_argument("--poll", type=_duration, default=10.0, help="how often the schedule is checked (default 10s)")
@@ -191,12 +197,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "the watchdog tolerates before a significant drop rolls back (default 0.10)")
     _watch_options(d)
 
-    r = sub.add_parser("register", parents=[common], help="register a candidate folder (or a full model folder)")
+    r = sub.add_parser("register", parents=[common], help="register a candidate folder, a full model folder or a "
+                       "Medusa heads folder (registered in the heads' own model)")
     r.add_argument("path", type=_existing_dir, metavar="CANDIDATE_DIR")
 
     pr = sub.add_parser("promote", parents=[common], help="promote a version through the gate")
     pr.add_argument("version", type=_version, metavar="VERSION")
     pr.add_argument("--force", action="store_true", help="skip the gate (artifacts are still verified)")
+    pr.add_argument("--kind", choices=KINDS, default="draft",
+                    help="which draft kind: 'draft' (the standalone draft model, default) or 'medusa' (Medusa heads, "
+                         "their own registered model <name>-medusa)")
     pr.add_argument("--ignore-pause", action="store_true",
                     help="promote although promotions are paused after a rollback (default: refuse)")
     pr.add_argument("--canary-share", type=_canary_fraction, default=0.0, metavar="S",
@@ -210,12 +220,22 @@ def build_parser() -> argparse.ArgumentParser:
     rb = sub.add_parser("rollback", parents=[common], help="move the champion back to the previous version")
     rb.add_argument("--to", type=_version, default=None, metavar="VERSION")
     rb.add_argument("--reason", default="operator rollback")
+    rb.add_argument("--kind", choices=KINDS, default="draft",
+                    help="which draft kind: 'draft' (the standalone draft model, default) or 'medusa' (Medusa heads, "
+                         "their own registered model <name>-medusa)")
     rb.add_argument("--no-pause", action="store_true",
                     help="do not pause scheduled distillation (by default a rollback pauses it until "
                          "`draftsmith resume`)")
-    sub.add_parser("resume", parents=[common], help="let scheduled distillation promote again after a rollback")
+    rs = sub.add_parser("resume", parents=[common], help="let scheduled distillation promote again after a rollback")
+    rs.add_argument("--kind", choices=KINDS, default="draft",
+                    help="which draft kind: 'draft' (the standalone draft model, default) or 'medusa' (Medusa heads, "
+                         "their own registered model <name>-medusa)")
 
-    sub.add_parser("versions", parents=[common], help="list draft versions with aliases and metrics")
+    vs = sub.add_parser("versions", parents=[common], help="list draft versions with aliases and metrics")
+    vs.add_argument("--kind", choices=KINDS, default="draft",
+                    help="which draft kind: 'draft' (the standalone draft model, default) or 'medusa' (Medusa heads, "
+                         "their own registered model <name>-medusa)")
+
     sub.add_parser("status", parents=[common], help="champion, aliases, scheduler state")
     _watch_parser(sub, common)
     _gc_parser(sub, common)
@@ -238,9 +258,13 @@ def _gate_options(sub) -> None:
 
 
 # ---------------------------------------------------------------------------------- commands
-def _registry(args):
-    from deploy.registry import Registry
+def _registry(args, kind: str | None = None):
+    """The registry of `kind` (default: the command's --kind, else the draft's)."""
+    from deploy.registry import Registry, heads_registry
 
+    kind = kind or getattr(args, "kind", "draft")
+    if kind == "medusa":
+        return heads_registry(args.target, name=args.model_name, tracking_uri=args.tracking_uri)
     return Registry(args.target, name=args.model_name, tracking_uri=args.tracking_uri)
 
 
@@ -451,6 +475,8 @@ def cmd_distill(args) -> int:
     from deploy.scheduler import DistillScheduler, LiveWatchdog, ScheduleConfig, WatchdogPolicy
 
     policy = _gate_policy(args)
+    if args.kind == "medusa":
+        return _distill_heads(args, policy)
     schedule = None
     if args.every is not None or args.min_records is not None:
         try:
@@ -483,15 +509,45 @@ def cmd_distill(args) -> int:
     return EXIT_OK
 
 
+def _distill_heads(args, policy) -> int:
+    """`draftsmith distill --kind medusa`: one heads cycle now (deploy/heads.py `run_heads_cycle`)."""
+    from deploy.heads import HeadsEvidence, run_heads_cycle
+    from training.heads_job import NotEnoughRows
+
+    if args.every is not None or args.min_records is not None:
+        raise BadInput("--kind medusa runs one heads job now; scheduled heads jobs (--every / --min-records) are "
+                       "not built yet: run it from cron or a loop")
+    overrides = _read_config(args.config)
+    reg = _registry(args)
+    job = {k: overrides[k] for k in ("redis_url", "buffer_prefix", "heldout_fraction") if k in overrides}
+    job["budget_s"] = args.heads_budget
+    try:
+        evidence = HeadsEvidence(args.target or reg.target, redis_url=job.get("redis_url"),
+                                 buffer_prefix=job.get("buffer_prefix", "draftsmith:buf"),
+                                 heldout_fraction=job.get("heldout_fraction", 0.1), records=args.gate_records)
+        version, verdict = run_heads_cycle(reg, args.target, job, policy=policy, evidence=evidence)
+    except NotEnoughRows as e:
+        raise CommandFailed(f"no heads job: {e}") from None
+    except ValueError as e:
+        raise BadInput(str(e)) from None
+    print(f"heads candidate {reg.name} version {version}: {'promoted' if verdict.promoted else 'not promoted'} "
+          f"({verdict.reason})")
+    return EXIT_OK if verdict.accepted else EXIT_FAILED
+
+
 def cmd_register(args) -> int:
     """A base folder is pinned to the --target's fingerprint (when it has a local folder); a candidate to
     the one its candidate.json records, else its parent's. A candidate written with `ack: registered`
     has its records acked now that it is registered."""
     from deploy.registry import short_hash
 
-    reg = _registry(args)
+    from deploy.registry import is_heads_folder
+
+    reg = _registry(args, "medusa" if is_heads_folder(args.path) else "draft")
     note = ""
-    if (args.path / "candidate.json").exists():
+    if is_heads_folder(args.path):
+        version = reg.register_heads(args.path)
+    elif (args.path / "candidate.json").exists():
         version = reg.register_candidate(args.path)
         if (args.path / "records.json").exists():
             try:
@@ -518,6 +574,9 @@ def cmd_promote(args) -> int:
 
     reg = _registry(args)
     canary = args.canary_share > 0
+    if canary and args.kind == "medusa":
+        raise BadInput("--canary-share is for drafts only: replicas do not split traffic between two heads "
+                       "versions yet; promote the heads through the gate (or --force) and roll back if needed")
     if canary and reg.champion() is None:
         raise BadInput("--canary-share needs a champion to compare the canary with; promote the first version "
                        "without it")
@@ -534,9 +593,18 @@ def cmd_promote(args) -> int:
         if not args.ignore_pause and reg.promotions_paused():
             raise PromotionsPaused(f"promotions are paused ({reg.promotions_paused().get('reason')}); "
                                    "`draftsmith resume` first, or pass --ignore-pause")
-        verdict = run_gate(reg, args.version, engine_smoke_check(args.target), policy=_gate_policy(args),
-                           evidence=_evidence(args, _read_config(args.config)), target_sha256=_target_sha(args),
-                           promote=not (args.ignore_pause or canary))
+        if args.kind == "medusa":
+            from deploy.heads import HeadsEvidence, heads_smoke_check
+
+            ov = _read_config(args.config)
+            smoke = heads_smoke_check(args.target)
+            evidence = HeadsEvidence(args.target or reg.target, redis_url=ov.get("redis_url"),
+                                     buffer_prefix=ov.get("buffer_prefix", "draftsmith:buf"),
+                                     heldout_fraction=ov.get("heldout_fraction", 0.1), records=args.gate_records)
+        else:
+            smoke, evidence = engine_smoke_check(args.target), _evidence(args, _read_config(args.config))
+        verdict = run_gate(reg, args.version, smoke, policy=_gate_policy(args), evidence=evidence,
+                           target_sha256=_target_sha(args), promote=not (args.ignore_pause or canary))
         if verdict.accepted and canary and verdict.candidate_version != verdict.champion_version:
             move = start_canary_after_gate(reg, verdict, args.canary_share, ignore_pause=args.ignore_pause)
             print(f"version {args.version} passed the gate ({verdict.reason}); {move.message}" + _CANARY_HINT)
@@ -659,6 +727,11 @@ def cmd_status(args) -> int:
         paused = reg.promotions_paused()
         history = reg.history()
         _print_canary(reg, history)
+        heads = _registry(args, "medusa")
+        if heads.exists():
+            h = heads.aliases()
+            print(f"medusa heads: {heads.name}: champion {h.get('champion', '-')}, previous {h.get('previous', '-')}, "
+                  f"candidate {h.get('candidate', '-')}" + ("; promotions paused" if heads.promotions_paused() else ""))
     except RegistryUnavailable as e:
         raise CommandFailed(f"{e}; replicas keep serving their current draft and nothing is promoted until "
                             "MLflow answers") from None

@@ -60,8 +60,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
-from deploy.registry import (TAG, ArtifactError, PromotionsPaused, Registry, VersionInfo, short_hash,
-                             target_fingerprint, vocabulary_digest)
+from deploy.registry import (HEADS_FILES, TAG, ArtifactError, PromotionsPaused, Registry, VersionInfo,
+                             is_heads_folder, short_hash, target_fingerprint, vocabulary_digest)
 
 log = logging.getLogger(__name__)
 
@@ -466,7 +466,7 @@ def run_gate(registry: Registry, version: str, smoke_check: SmokeCheck | None, *
             elif evidence is None:
                 verdict.reason = "no evidence source configured: the gate scores both drafts on its own sample"
             else:
-                collect = evidence.collect if isinstance(evidence, EvidenceSource) else evidence
+                collect = evidence.collect if hasattr(evidence, "collect") else evidence
                 ev = collect(registry.materialize(champion), cand_path)
                 j = judge_evidence(ev, policy)
                 verdict.accepted, verdict.reason, verdict.insufficient = j.ok, j.reason, j.insufficient
@@ -517,7 +517,7 @@ def check_vocabulary(info: VersionInfo, path: Path) -> str:
     from serving.models import ModelLoadError, read_output_token_ids
 
     try:
-        ids = read_output_token_ids(Path(path))
+        ids = _heads_vocabulary(Path(path)) if is_heads_folder(path) else read_output_token_ids(Path(path))
     except ModelLoadError as e:
         raise ArtifactError(f"version {info.version}: materialised vocabulary unreadable: {e}") from None
     want = info.tags.get(TAG + "vocab_sha256")
@@ -526,6 +526,20 @@ def check_vocabulary(info: VersionInfo, path: Path) -> str:
                             f"vocabulary ({'full' if ids is None else len(ids)} rows) from the registered one "
                             f"({info.tags.get(TAG + 'vocab_size', '?')} rows)")
     return "full" if ids is None else f"{len(ids)} rows"
+
+
+def _heads_vocabulary(path: Path) -> list[int] | None:
+    """The kept vocabulary of a Medusa heads folder (its `medusa_heads.json` `output_token_ids`)."""
+    from serving.models import ModelLoadError
+
+    try:
+        doc = json.loads((path / HEADS_FILES[0]).read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path / HEADS_FILES[0]} is not valid JSON: {e}") from None
+    ids = doc.get("output_token_ids") if isinstance(doc, dict) else None
+    if ids is not None and (not isinstance(ids, list) or not all(isinstance(i, int) and i >= 0 for i in ids)):
+        raise ModelLoadError(f"{path / HEADS_FILES[0]}: output_token_ids must be a list of token ids")
+    return ids or None
 
 
 def record_verdict(registry: Registry, verdict: GateVerdict) -> None:
@@ -557,15 +571,19 @@ def start_canary_after_gate(registry: Registry, verdict: GateVerdict, share: flo
 
 
 def engine_smoke_check(target: str | None, *, prompts: tuple[str, ...] = DEFAULT_SMOKE_PROMPTS,
-                       max_tokens: int = 24, gamma: int = 4, device: str = "cpu") -> SmokeCheck:
+                       max_tokens: int = 24, gamma: int = 4, device: str = "cpu", kind: str = "draft") -> SmokeCheck:
     """The real smoke check: for each prompt, greedy (temperature 0) decoding with lossless
-    speculative sampling must emit exactly the target-only greedy tokens. fp32, so rounding
+    speculative sampling (kind "draft": the folder is a draft) or mode medusa (kind "medusa": the folder is
+    Medusa heads, deploy/heads.py) must emit exactly the target-only greedy tokens. fp32, so rounding
     differences between one-token and (gamma+1)-token target passes cannot flip an argmax in practice.
     """
     if max_tokens < 1 or not prompts:
         raise ValueError("the smoke check needs at least one prompt and max_tokens >= 1")
+    if kind not in ("draft", "medusa"):
+        raise ValueError(f"kind must be 'draft' or 'medusa', got {kind!r}")
+    mode, what = ("medusa", "heads") if kind == "medusa" else ("speculative", "draft")
 
-    def check(draft_path: Path) -> tuple[bool, str]:
+    def check(path: Path) -> tuple[bool, str]:
         import torch
 
         from serving.config import SamplingParams, SpecParams
@@ -573,29 +591,30 @@ def engine_smoke_check(target: str | None, *, prompts: tuple[str, ...] = DEFAULT
         from serving.models import ModelLoadError
 
         try:
-            engine = Engine.from_paths(target, str(draft_path), device=device, dtype=torch.float32,
-                                       draft_version="smoke")
+            engine = (Engine.from_paths(target, None, device=device, dtype=torch.float32, heads=str(path))
+                      if kind == "medusa" else
+                      Engine.from_paths(target, str(path), device=device, dtype=torch.float32, draft_version="smoke"))
         except ModelLoadError as e:
-            return False, f"draft does not load next to the target: {e}"
+            return False, f"{what} do{'' if kind == 'medusa' else 'es'} not load next to the target: {e}"
         sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens)
         accepted = drafted = 0
         for i, text in enumerate(prompts):
             ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                                        add_generation_prompt=True, tokenize=True, return_dict=False)
             ids = [int(t) for t in ids]
-            spec = engine.generate_all(ids, sampling, SpecParams(mode="speculative", gamma=gamma), log_mode="none")
+            spec = engine.generate_all(ids, sampling, SpecParams(mode=mode, gamma=gamma), log_mode="none")
             ref = engine.generate_all(ids, sampling, SpecParams(mode="target"), log_mode="none")
             if spec.token_ids != ref.token_ids:
                 pos = next((j for j, (a, b) in enumerate(zip(spec.token_ids, ref.token_ids)) if a != b),
                            min(len(spec.token_ids), len(ref.token_ids)))
-                return False, (f"prompt {i} ({text!r}): speculative output differs from target greedy at token "
+                return False, (f"prompt {i} ({text!r}): {mode} output differs from target greedy at token "
                                f"{pos} ({spec.token_ids[pos:pos + 3]} vs {ref.token_ids[pos:pos + 3]})")
             accepted += spec.stats.accepted_tokens
             drafted += spec.stats.draft_tokens
         rate = accepted / drafted if drafted else 0.0
-        rows = engine.draft.output_token_ids
+        rows = engine.draft.output_token_ids if kind == "draft" else engine.heads.output_token_ids
         return True, (f"{len(prompts)} prompts x <= {max_tokens} tokens identical to target greedy; "
-                      f"greedy acceptance {rate:.3f}; draft output vocabulary "
+                      f"greedy acceptance {rate:.3f}; {what} output vocabulary "
                       f"{'full' if rows is None else f'{len(rows)} rows'}")
 
     return check

@@ -66,6 +66,15 @@ pause that cannot be read refuses as well.
 files, computed once per folder and cached by file size and mtime). The gate refuses a candidate for
 another target and replicas refuse to load one (serving/service.py).
 
+**Draft kinds.** Medusa heads (serving/decoding/medusa.py, issue 19) are versioned the same way in their
+own registered model, `<draft model name>-medusa` (`heads_registry`), so every alias, promotion, canary,
+rollback, pause, lock and retention rule above applies to them unchanged and a rollback of the heads never
+moves the draft's aliases (or the reverse). A heads version is kind `heads`: the folder's
+`medusa_heads.json` + `medusa_heads.safetensors` as the artifacts `heads/...` (full weights: about 1M
+parameters, so an online update stores the whole heads rather than an adapter, and the chain is always
+one version deep); `parent_version` records the heads it was trained from. `register` tells the kinds
+apart by their files.
+
 Default store: `sqlite:///<DRAFTSMITH_DATA>/mlflow.db` with artifacts in `<DRAFTSMITH_DATA>/mlartifacts`
 (`DRAFTSMITH_DATA` defaults to `./data`), created on first use; `MLFLOW_TRACKING_URI` (or the
 `tracking_uri` argument) selects a tracking server instead, whose own artifact store is then used.
@@ -121,6 +130,8 @@ DEFAULT_GC_GRACE_S = 600.0                      # folders used (materialised, lo
 STALE_STAGING_S = 6 * 3600.0                    # a '.'-staging folder this old was left by a crash
 VERIFIED = ".verified.json"                     # beside the cache: (version, run, manifest) already verified
 NOT_FOUND = "RESOURCE_DOES_NOT_EXIST"
+HEADS_SUFFIX = "-medusa"                        # registered model of a target's Medusa heads: <draft model>-medusa
+HEADS_FILES = ("medusa_heads.json", "medusa_heads.safetensors")   # serving/decoding/medusa.py CONFIG/WEIGHTS_FILE
 
 
 def _not_found(exc: BaseException) -> bool:
@@ -134,6 +145,18 @@ def _unavailable(exc: BaseException, what: str) -> RegistryUnavailable:
 # ---------------------------------------------------------------------------------- locations
 def _is_local_store(uri: str) -> bool:
     return uri.startswith("sqlite:") or uri.startswith("file:") or "://" not in uri
+
+
+def is_heads_folder(path: str | os.PathLike) -> bool:
+    """A Medusa heads folder (serving/decoding/medusa.py `MedusaHeads.save`)."""
+    return all((Path(path) / f).is_file() for f in HEADS_FILES)
+
+
+def heads_registry(target: str | os.PathLike | None = None, **kw) -> "Registry":
+    """The registry of `target`'s Medusa heads (module docstring, "Draft kinds"); keyword arguments as
+    `Registry` (a `name` names the draft's registered model, the heads' is it + HEADS_SUFFIX)."""
+    name = kw.pop("name", None) or model_name_for(target)
+    return Registry(target, name=name if name.endswith(HEADS_SUFFIX) else name + HEADS_SUFFIX, **kw)
 
 
 def target_slug(target: str | os.PathLike | None) -> str:
@@ -331,7 +354,7 @@ class VersionInfo:
     """One registered draft version as the CLI and the gate see it."""
 
     version: str
-    kind: str                       # "base" (full model folder) or "adapter" (LoRA on parent_version)
+    kind: str                       # "base" (full model folder), "adapter" (LoRA on parent_version) or "heads"
     parent_version: str | None
     aliases: tuple[str, ...]
     run_id: str
@@ -363,8 +386,9 @@ class VersionInfo:
 
     @property
     def distilled(self) -> bool:
-        """A distillation candidate: an adapter version, or one squashed into a base."""
-        return self.kind == "adapter" or self.squashed_from is not None
+        """A distillation candidate: an adapter version, one squashed into a base, or heads trained online."""
+        return self.kind == "adapter" or self.squashed_from is not None or (
+            self.kind == "heads" and self.parent_version is not None)
 
     @property
     def offline_acceptance(self) -> float | None:
@@ -776,10 +800,7 @@ class Registry:
                 "(`draftsmith register <model folder>`) and train from that version")
         parent = _version_str(parent)
         self._model_version(parent)  # UsageError when unknown
-        cand_target = meta.get("target")
-        if cand_target and target_slug(cand_target) != target_slug(self.target):
-            raise UsageError(f"the candidate was trained for target {cand_target!r}, but this registry holds "
-                             f"drafts for {self.target!r} ({self.name}); pass --target {cand_target}")
+        cand_target = self._check_trained_for(meta.get("target"), "candidate")
         metrics = _numeric(meta.get("metrics"))
         params = _flatten("train", meta.get("train_config") or {}, {})
         params.update(_flatten("data", meta.get("data_window") or {}, {}))
@@ -845,17 +866,89 @@ class Registry:
         log.info("candidate %s squashed into base version %s (chain %s)", cdir, version, chain)
         return version
 
+    def _check_trained_for(self, cand_target: str | None, what: str) -> str | None:
+        """A candidate's recorded target, when it is this registry's (UsageError naming the fix otherwise)."""
+        if cand_target and target_slug(cand_target) != target_slug(self.target):
+            raise UsageError(f"the {what} was trained for target {cand_target!r}, but this registry holds "
+                             f"versions for {self.target!r} ({self.name}); pass --target {cand_target}")
+        return cand_target
+
     def register(self, path: str | os.PathLike) -> str:
         """A candidate folder (has candidate.json) or a full model folder (has config.json)."""
         p = Path(path)
         if not p.is_dir():
             raise UsageError(f"{p} is not a folder; pass a candidate folder (with candidate.json) or a model folder")
+        if is_heads_folder(p):
+            if not self.name.endswith(HEADS_SUFFIX):
+                raise UsageError(f"{p} holds Medusa heads; register them in the heads registry "
+                                 f"(`draftsmith heads register {p}`), not in {self.name}")
+            return self.register_heads(p, candidate=(p / "candidate.json").exists())
+        if self.name.endswith(HEADS_SUFFIX):
+            raise UsageError(f"{p} is not a Medusa heads folder (no {HEADS_FILES[0]} / {HEADS_FILES[1]}); "
+                             "build one with `python -m training.heads` or `draftsmith heads distill`")
         if (p / "candidate.json").exists():
             return self.register_candidate(p)
         if (p / "config.json").exists():
             return self.register_base(p)
         raise UsageError(f"{p} is neither a distillation candidate (no candidate.json) nor a model folder "
                          "(no config.json)")
+
+    def register_heads(self, folder: str | os.PathLike, *, candidate: bool = False, metrics: dict | None = None,
+                       params: dict | None = None, set_champion_if_none: bool = False,
+                       target_sha256: str | None = None, description: str = "") -> str:
+        """Register a Medusa heads folder (kind `heads`, module docstring "Draft kinds"). Its
+        `candidate.json`, when present (`draftsmith heads distill` writes one), gives the parent version,
+        the target pin, the data window and the job's figures, and the version gets the `candidate` alias
+        (also with `candidate=True`). Numeric fields of `medusa_heads.json` become run metrics. The target
+        pin: candidate.json `target_sha256`, else `target_sha256`, else this registry's target's."""
+        folder = Path(folder)
+        if not is_heads_folder(folder):
+            raise UsageError(f"{folder} is not a Medusa heads folder (needs {' and '.join(HEADS_FILES)})")
+        try:
+            cfg = json.loads((folder / HEADS_FILES[0]).read_text())
+        except (OSError, ValueError) as e:
+            raise UsageError(f"{folder / HEADS_FILES[0]} is not valid JSON: {e}") from None
+        meta = {}
+        if (folder / "candidate.json").exists():
+            try:
+                meta = json.loads((folder / "candidate.json").read_text())
+            except (OSError, ValueError) as e:
+                raise UsageError(f"{folder / 'candidate.json'} is not valid JSON: {e}") from None
+            if not isinstance(meta, dict):
+                raise UsageError(f"{folder / 'candidate.json'} must hold a JSON object")
+        parent = meta.get("parent_version")
+        if parent not in (None, ""):
+            parent = _version_str(parent)
+            self._model_version(parent)                       # UsageError when unknown
+        cand_target = self._check_trained_for(meta.get("target"), "heads")
+        ids = cfg.get("output_token_ids") if isinstance(cfg, dict) else None
+        all_metrics = {**_numeric({k: v for k, v in cfg.items() if k != "output_token_ids"}),
+                       **_numeric(meta.get("metrics")), **_numeric(metrics)}
+        all_params = _flatten("train", meta.get("train_config") or {}, {})
+        all_params.update(_flatten("data", meta.get("data_window") or {}, {}))
+        all_params.update(_flatten("", params or {}, {}))
+        for k in ("num_heads", "num_layers", "use_token", "hidden_size"):
+            if k in cfg:
+                all_params[k] = str(cfg[k])
+        target_sha = meta.get("target_sha256") or target_sha256 or target_fingerprint(self.target)
+        files = {"heads": folder}
+        tags = {TAG + "source_path": str(folder.resolve())[:5000], **_vocab_tags(ids if ids else None),
+                **({TARGET_HASH_TAG: str(target_sha)} if target_sha else {}),
+                **({TAG + "parent_version": parent} if parent not in (None, "") else {}),
+                **({TAG + "data_window": _canonical_json(meta.get("data_window") or {})[:5000]} if meta else {}),
+                **({CANDIDATE_PATH_TAG: str(folder.resolve())[:5000]} if meta else {})}
+        version = self._create_version(
+            kind="heads", files=files, run_name=f"{self.name}-heads", params=all_params, metrics=all_metrics,
+            tags=tags, description=description or (f"Medusa heads trained from version {parent}" if parent
+                                                   else "Medusa heads"))
+        if candidate or meta:
+            with self.alias_lock:
+                self.client.set_registered_model_alias(self.name, CANDIDATE, version)
+                self._record_history({"action": "register", "version": version, "parent_version": parent})
+        if set_champion_if_none and self.champion() is None:
+            self.promote(version, reason="first heads")
+        self._auto_gc()
+        return version
 
     # ------------------------------------------------------------------ recording on versions
     def set_version_tags(self, version: Any, tags: dict[str, Any]) -> None:
@@ -1052,6 +1145,8 @@ class Registry:
         try:
             if kind == "base":
                 shutil.copytree(root / "draft", staging, dirs_exist_ok=True)
+            elif kind == "heads":
+                shutil.copytree(root / "heads", staging, dirs_exist_ok=True)
             elif kind == "adapter":
                 parent = (mv.tags or {}).get(TAG + "parent_version")
                 if not parent:

@@ -20,6 +20,7 @@ Names (prefix `draftsmith:`; vLLM's spec-decode counters are `vllm:spec_decode_*
     num_requests_running / num_requests_waiting (queue depth) (gauges)
     buffer_records_written_total / buffer_records_dropped_total (replay buffer writer)
     draft_swaps_total{result} / draft_version_info{replica, version}
+    heads_swaps_total{result}                    Medusa heads hot-swaps from the heads registry
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 HISTOGRAMS = {"e2e_request_latency_seconds": LATENCY_BUCKETS, "time_to_first_token_seconds": TTFT_BUCKETS}
 LABELLED = {"spec_decode_num_accepted_tokens_per_pos_total", "request_success_total", "request_errors_total",
-            "draft_swaps_total", "draft_version_info"}
+            "draft_swaps_total", "draft_version_info", "heads_swaps_total"}
 HELP = {
     "spec_decode_num_drafts_total": ("counter", "Verification steps that checked draft tokens."),
     "spec_decode_num_draft_tokens_total": ("counter", "Draft tokens proposed."),
@@ -46,6 +47,7 @@ HELP = {
     "buffer_records_written_total": ("counter", "Replay-buffer records written to Redis."),
     "buffer_records_dropped_total": ("counter", "Replay-buffer records dropped (Redis down, queue full, ...)."),
     "draft_swaps_total": ("counter", "Draft hot-swaps, by result."),
+    "heads_swaps_total": ("counter", "Medusa heads hot-swaps, by result."),
     "e2e_request_latency_seconds": ("histogram", "Request latency from arrival to last token."),
     "time_to_first_token_seconds": ("histogram", "Time from arrival to the first token."),
     "num_requests_running": ("gauge", "Requests decoding now."),

@@ -174,7 +174,7 @@ class Service:
     explicit `draft` folder the replica serves the target alone."""
 
     def __init__(self, settings: ServiceSettings | None = None, *, engine=None, registry=None, sink=None,
-                 hub=None) -> None:
+                 hub=None, heads_source=None) -> None:
         self.s = settings or ServiceSettings()
         if self.s.torch_threads:
             import torch
@@ -185,6 +185,9 @@ class Service:
             hub = MetricsHub()                 # this replica's figures only; deploy/app.py passes the shared hub
         self.hub = _LocalHub(hub) if isinstance(hub, MetricsHub) else _RayHub(hub)
         self.registry = registry
+        # where registered Medusa heads come from (deploy.registry.heads_registry; None: the configured folder
+        # or none): its champion is hot-swapped in by check_heads, as the draft's is by check_champion
+        self.heads_source = heads_source if not self.s.medusa_heads else None
         self.sink = sink if sink is not None else self._make_sink()
         self.swap_error: str | None = None
         self.heads_error: str | None = None     # why the configured Medusa heads did not load
@@ -198,7 +201,7 @@ class Service:
         self.waiting = 0
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._publish_loop, name="telemetry", daemon=True)]
-        if self.registry is not None and self.s.draft is None:
+        if (self.registry is not None and self.s.draft is None) or self.heads_source is not None:
             self._threads.append(threading.Thread(target=self._watch_loop, name="draft-watcher", daemon=True))
         for t in self._threads:
             t.start()
@@ -241,6 +244,7 @@ class Service:
         else:
             self.check_champion(engine)
             self.check_canary(engine)
+        self.check_heads(engine)
         return engine
 
     # ------------------------------------------------------------------ hot-swap
@@ -371,14 +375,70 @@ class Service:
 
     def _watch_loop(self) -> None:
         while not self._stop.wait(self._watch_delay()):
+            if self.registry is not None and self.s.draft is None:
+                try:
+                    self.check_champion(due_only=True)
+                except Exception as e:  # noqa: BLE001 - the watcher must not die
+                    log.warning("draft watcher: %s", e)
+                try:
+                    self.check_canary()
+                except Exception as e:  # noqa: BLE001
+                    log.warning("draft watcher (canary): %s", e)
             try:
-                self.check_champion(due_only=True)
-            except Exception as e:  # noqa: BLE001 - the watcher must not die
-                log.warning("draft watcher: %s", e)
-            try:
-                self.check_canary()
+                self.check_heads(due_only=True)
             except Exception as e:  # noqa: BLE001
-                log.warning("draft watcher (canary): %s", e)
+                log.warning("draft watcher (heads): %s", e)
+
+    def check_heads(self, engine=None, *, due_only: bool = False) -> str:
+        """Load the heads registry's champion (`heads_source`) if it is not the live heads; returns the live
+        heads version ("medusa-v<N>", "medusa:<folder>" or "none"). As `check_champion`: an unreadable
+        registry keeps the current heads; a version that fails to load, or was built for another target, is
+        not served (the old heads, or none, stay: mode "medusa" answers 400 without heads, every other mode
+        is untouched), the reason is in /health `heads_error`, and the load is retried with back-off."""
+        engine = engine or self.engine
+        src = self.heads_source
+        if src is None or not hasattr(engine, "load_heads"):
+            return getattr(engine, "heads_version", "none")
+        st = self._watch_state().setdefault("heads", {"version": None, "attempts": 0, "next": 0.0})
+        with self._swap_lock:
+            try:
+                v = src.champion()
+            except Exception as e:  # noqa: BLE001 - MLflow down: keep what we have
+                self.heads_error = (f"cannot read the heads' champion alias ({type(e).__name__}: {e}); still "
+                                    f"serving heads {engine.heads_version}")
+                return engine.heads_version
+            if v is None:
+                return engine.heads_version
+            name = f"medusa-v{v}"
+            if name == engine.heads_version:
+                st.update(version=None, attempts=0, next=0.0)
+                self.heads_error = None
+                return name
+            now = time.monotonic()
+            if due_only and st["version"] == v and now < st["next"]:
+                return engine.heads_version
+            try:
+                theirs = src.get(v).target_sha256
+                path = getattr(getattr(engine, "target", None), "path", None)
+                mine = src.target_fingerprint(path) if path is not None else None
+                if theirs and mine and theirs != mine:
+                    raise ValueError(f"they were built for another target (fingerprint {theirs[:12]}), this "
+                                     f"replica serves {mine[:12]}")
+                engine.load_heads(src.materialize(v, verify=True), version=name)
+            except Exception as e:  # noqa: BLE001 - bad heads cost mode "medusa" only, never the endpoint
+                attempts = st["attempts"] + 1 if st["version"] == v else 1
+                delay = min(300.0, max(1.0, self.s.watch_interval_s) * 2 ** (attempts - 1))
+                st.update(version=v, attempts=attempts, next=now + delay)
+                self.heads_error = (f"heads version {v} not loaded ({type(e).__name__}: {e}); serving heads "
+                                    f"{engine.heads_version}; retry {attempts} in {delay:.0f} s")
+                log.error("replica %s: %s", self.s.replica_id, self.heads_error)
+                self.telemetry.inc("heads_swaps_total", result="failed")
+                return engine.heads_version
+            st.update(version=None, attempts=0, next=0.0)
+            self.heads_error = None
+            self.telemetry.inc("heads_swaps_total", result="ok")
+            log.info("replica %s now serves Medusa heads version %s", self.s.replica_id, v)
+            return name
 
     def check_canary(self, engine=None) -> str:
         """Follow the registry's canary alias (module docstring, "Canary"); returns the canary version this
@@ -464,6 +524,7 @@ class Service:
         ok, why = self.engine.healthy()
         info = {"status": "ok" if ok else "unhealthy", "reason": why, "replica": self.s.replica_id,
                 "draft_version": self.engine.draft_version, "draft_loaded": self.engine.draft is not None,
+                "medusa_heads": getattr(self.engine, "heads_version", "none"), "heads_error": self.heads_error,
                 "swap_error": self.swap_error, "running": self.running, "waiting": self.waiting,
                 "canary": {"version": getattr(self.engine, "canary_version", "none"),
                            "share": getattr(self.engine, "canary_share", 0.0),

@@ -103,7 +103,9 @@ class HeadData:
             labels.append(torch.as_tensor(lab, dtype=torch.long))
             tk_ids.append(torch.as_tensor(e["topk_ids"], dtype=torch.long))
             tk_lp.append(torch.as_tensor(np.asarray(e["topk_logprobs"], dtype=np.float32)))
-            hard.append(torch.tensor(toks[P: P + A], dtype=torch.long))
+            # the target's greedy token: the committed one in teacher data (greedy answers); buffer examples
+            # (training/heads_job.py) carry it as "hard", since a sampled answer may differ from it
+            hard.append(torch.as_tensor(np.asarray(e["hard"] if "hard" in e else toks[P: P + A]), dtype=torch.long))
             offset += A
         self.h = torch.cat(hs)
         self.root = torch.cat(roots)

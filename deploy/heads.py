@@ -1,0 +1,151 @@
+"""Medusa heads as versioned drafts (issue 19, step 3): the gate's evidence and smoke check for heads, and
+one online cycle (buffer -> heads job -> registered candidate -> gate -> champion).
+
+    HeadsEvidence(target, ...).collect(champion_dir, candidate_dir) -> PairedEvidence
+    heads_smoke_check(target) -> SmokeCheck
+    run_heads_cycle(registry, target, job_cfg, policy, evidence) -> (candidate version, GateVerdict)
+
+Heads versions live in their own registered model (deploy/registry.py `heads_registry`, "Draft kinds"), so
+aliases, promotion, canary, rollback, pause and retention are the draft's, unchanged; replicas watch its
+champion alias and hot-swap the heads (serving/service.py `check_heads`).
+
+**The gate's evidence for heads** is drawn like the draft's (deploy/gate.py): the newest held-out step
+records of the buffer (read-only; `training.data.is_heldout`, so no heads job trained on them), rebuilt
+into examples (training/heads_job.py `examples_from_buffer`), one teacher-forced target pass for the hidden
+states, then both heads scored per request: acceptance = accepted / proposed tokens of a greedy chain of K
+heads at T = 0 (mean over the request's positions of the number of leading heads that match the target's
+greedy tokens, divided by K), weight = the request's positions. `judge_evidence` then applies the same
+paired bootstrap, margin and per-category regression test as for drafts.
+
+**Smoke check**: heads loaded next to the target decode a few prompts at T = 0 in mode "medusa" (fp32), and
+the tokens must equal target-only greedy: it proves the heads load and the tree path runs (lossless at T=0
+whatever the heads).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from deploy.gate import (DEFAULT_SMOKE_PROMPTS, EvidenceSource, GatePolicy, GateVerdict, PairedEvidence,
+                         SmokeCheck, engine_smoke_check, run_gate)
+from deploy.registry import Registry, UsageError, target_fingerprint
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class HeadsEvidence:
+    """Where the heads gate draws its sample (as deploy/gate.py EvidenceSource) and the target that gives the
+    hidden states (loaded once per HeadsEvidence, in the dtype serving uses on this device)."""
+
+    target: str | None = None
+    redis_url: str | None = None
+    buffer_prefix: str = "draftsmith:buf"
+    heldout_fraction: float = 0.1
+    records: int = 2000
+    _target_model: object = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        EvidenceSource(redis_url=self.redis_url, buffer_prefix=self.buffer_prefix,        # same validation
+                       heldout_fraction=self.heldout_fraction, records=self.records)
+
+    def _model(self):
+        if self._target_model is None:
+            from serving.models import default_dtype, load_causal_lm, resolve_model_path
+
+            self._target_model = load_causal_lm(resolve_model_path(self.target), "cpu", default_dtype("cpu"))
+        return self._target_model
+
+    def collect(self, champion_path: Path, candidate_path: Path) -> PairedEvidence:
+        from training.heads_job import read_examples
+
+        examples, window = read_examples(redis_url=self.redis_url, buffer_prefix=self.buffer_prefix,
+                                         n=self.records, heldout=True, heldout_fraction=self.heldout_fraction)
+        target = self._model()
+        hidden = None
+        scores = {}
+        for name, path in (("champion", champion_path), ("candidate", candidate_path)):
+            scores[name], hidden = score_heads(target, Path(path), examples, hidden)
+        ids = [e["request_id"] for e in examples if e["request_id"] in scores["champion"]]
+        ch, ca = scores["champion"], scores["candidate"]
+        cats = {e["request_id"]: e["source"] for e in examples}
+        return PairedEvidence(ids, [cats[r] for r in ids], [ch[r]["positions"] for r in ids],
+                              [ch[r]["acceptance"] for r in ids], [ca[r]["acceptance"] for r in ids],
+                              [ch[r]["acceptance"] for r in ids], [ca[r]["acceptance"] for r in ids],
+                              records=window["steps"], window={k: window[k] for k in ("stream", "first_id",
+                                                                                      "last_id", "heldout_fraction")})
+
+
+def score_heads(target, heads_dir: Path, examples: list[dict], hidden=None) -> tuple[dict[str, dict], list]:
+    """({request id: {"acceptance", "positions"}}, the hidden rows) of the heads folder on `examples`
+    (module docstring); `hidden` re-uses the rows of an earlier call on the same examples."""
+    import torch
+
+    from serving.decoding.medusa import MedusaHeads
+    from training.heads import HeadData, target_hidden_rows
+
+    heads = MedusaHeads.load(heads_dir, target).eval()
+    if hidden is None:
+        hidden = target_hidden_rows(target, examples, progress=log.debug)
+    vocab = target.get_output_embeddings().weight.shape[0]
+    vocab_index = torch.full((vocab + 1,), -1, dtype=torch.long)
+    vocab_index[torch.as_tensor(heads.output_token_ids)] = torch.arange(len(heads.output_token_ids))
+    K = heads.config.num_heads
+    out = {}
+    with torch.no_grad():
+        for e, h in zip(examples, hidden):
+            data = HeadData([e], [h], K, vocab_index)
+            if len(data) == 0:
+                continue
+            logits = heads(data.h, data.root)                       # [K, R, V_keep]
+            alive = torch.ones(len(data), dtype=torch.bool)
+            accepted = torch.zeros(len(data))
+            for k in range(K):
+                lab = data.labels[:, k]
+                ok = lab >= 0
+                right = torch.zeros(len(data), dtype=torch.bool)
+                right[ok] = logits[k][ok].argmax(-1) == data.hard[lab[ok]]
+                alive &= right
+                accepted += alive.float()
+            out[e["request_id"]] = {"acceptance": float(accepted.mean()) / K, "positions": float(len(data))}
+    return out, hidden
+
+
+def heads_smoke_check(target: str | None, *, prompts: tuple[str, ...] = DEFAULT_SMOKE_PROMPTS,
+                      max_tokens: int = 24) -> SmokeCheck:
+    """Module docstring: mode "medusa" at T = 0 in fp32 must emit target-only greedy's tokens."""
+    return engine_smoke_check(target, prompts=prompts, max_tokens=max_tokens, gamma=3, kind="medusa")
+
+
+def run_heads_cycle(registry: Registry, target: str | None, job_cfg: dict | None = None, *,
+                    policy: GatePolicy | None = None, evidence: HeadsEvidence | None = None,
+                    smoke_check: SmokeCheck | None = None, promote: bool = True,
+                    progress=print) -> tuple[str, GateVerdict]:
+    """One heads job from the champion heads on the buffer, registered as the heads' candidate, then gated
+    (and promoted when it passes and `promote`). UsageError when the heads registry has no champion yet
+    (`draftsmith register <heads folder>` then `draftsmith promote --kind medusa 1 --force`);
+    training.heads_job.NotEnoughRows when the buffer is too thin."""
+    from training.heads_job import run_heads_distillation
+
+    champion = registry.champion()
+    if champion is None:
+        raise UsageError(f"{registry.name} has no champion heads to start from: register a heads folder "
+                         "(`draftsmith register DIR`) and promote it (`draftsmith promote --kind medusa V --force`)")
+    target = target or registry.target
+    cfg = dict(job_cfg or {})
+    ev = evidence or HeadsEvidence(target, redis_url=cfg.get("redis_url"),
+                                   buffer_prefix=cfg.get("buffer_prefix", "draftsmith:buf"),
+                                   heldout_fraction=cfg.get("heldout_fraction", 0.1))
+    t0 = time.time()
+    out = run_heads_distillation({**cfg, "parent_heads": str(registry.materialize(champion, verify=True)),
+                                  "parent_version": champion, "target": target,
+                                  "target_sha256": target_fingerprint(target)},
+                                 progress=progress)
+    version = registry.register_heads(out, candidate=True)
+    verdict = run_gate(registry, version, smoke_check or heads_smoke_check(target), policy=policy, promote=promote,
+                       evidence=ev)
+    progress(f"[heads] candidate version {version}: {'accepted' if verdict.accepted else 'rejected'} "
+             f"({verdict.reason}); cycle {time.time() - t0:.0f} s")
+    return version, verdict

@@ -1,0 +1,201 @@
+"""Do Medusa heads learn online from served traffic? (issue 19, step 3)
+
+    .venv/bin/python scripts/bench_heads_online.py --heads data/medusa-heads --out docs/results/heads-online
+    .venv/bin/python scripts/bench_heads_online.py --tiny --out /tmp/heads-online-smoke      # seconds
+
+Everything real except HTTP (the engine runs in-process, as a replica's does): a real Redis buffer (REDIS_URL,
+else the embedded server), a real MLflow store (SQLite in a fresh --work folder), the real heads job, gate and
+promotion (deploy/heads.py `run_heads_cycle`).
+
+1. The bootstrap heads (--heads) are registered as version 1 of the heads registry and promoted.
+2. Before: --eval prompts of a category the bootstrap never saw (scripts/online_traffic.py, default `sql`,
+   seed 999: prompts not served in step 3) are decoded with mode medusa and with the target alone, interleaved,
+   T=0, --max-tokens each; acceptance (accepted / proposed draft tokens) and tokens/s.
+3. Traffic: --requests prompts of the same category (seed 0) are served with mode medusa at T=0 into the
+   buffer as requests `<category>-<i>` (about 10% of request ids are held out, the split every job and the gate
+   use: for `sql`, 3 of the first 16 and 16 of the first 120).
+4. One heads cycle: job from the champion heads on the buffer (--budget s of training), candidate registered,
+   gated on its own held-out sample, promoted when it passes.
+5. After: the promoted champion (or, when the gate rejected it, the candidate, reported as such) decodes the
+   same eval prompts as in step 2.
+
+Writes summary.json and summary.md (and job.log) into --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+ROOT_DIR = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT_DIR))
+
+
+def progress(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def decode_set(engine, prompts, mode: str, max_tokens: int, *, request_tag: str | None = None, source: str = "") -> dict:
+    from serving.config import SamplingParams, SpecParams
+
+    acc = drafted = tokens = 0
+    seconds = 0.0
+    for i, ids in enumerate(prompts):
+        t0 = time.perf_counter()
+        res = engine.generate_all(ids, SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                                  SpecParams(mode=mode, gamma=3) if mode != "target" else SpecParams(mode="target"),
+                                  request_id=f"{request_tag}-{i}" if request_tag else None,
+                                  source=source, log_mode="full" if request_tag else "none")
+        seconds += time.perf_counter() - t0
+        tokens += len(res.token_ids)
+        acc += res.stats.accepted_tokens
+        drafted += res.stats.draft_tokens
+    return {"prompts": len(prompts), "tokens": tokens, "seconds": round(seconds, 2),
+            "tokens_per_s": round(tokens / seconds, 2) if seconds else None,
+            "acceptance": round(acc / drafted, 4) if drafted else None, "accepted": acc, "drafted": drafted}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--heads", type=Path, default=None, help="bootstrap heads folder (python -m training.heads)")
+    ap.add_argument("--target", default=None, help="target folder (default: the served default)")
+    ap.add_argument("--category", default="sql", help="scripts/online_traffic.py category (default sql)")
+    ap.add_argument("--requests", type=int, default=120, help="served requests in step 3")
+    ap.add_argument("--eval", type=int, default=12, help="eval prompts before / after")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--budget", type=float, default=120.0, help="heads job training seconds")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tiny", action="store_true", help="tiny random models (a smoke run of the script)")
+    ap.add_argument("--work", type=Path, default=None, help="scratch folder (MLflow store; default a temp dir)")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    from buffer.redis_store import BufferConfig, ReplayBufferWriter, resolve_redis_url
+    from deploy.gate import GatePolicy
+    from deploy.heads import HeadsEvidence, heads_smoke_check, run_heads_cycle
+    from deploy.registry import heads_registry
+    from scripts.online_traffic import PromptStream
+    from serving.engine import Engine
+    from serving.models import default_dtype, resolve_model_path
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = args.work or Path(tempfile.mkdtemp(prefix="heads-online-"))
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    if args.tiny:
+        from serving.decoding.medusa import HeadsConfig, MedusaHeads
+        from tests import tiny_models as tm
+
+        target_path, _ = tm.save_pair(work / "pair")
+        dtype = torch.float32
+        tmodel = Engine.from_paths(str(target_path), None, dtype=dtype).target.model
+        heads_dir = MedusaHeads.for_target(tmodel, HeadsConfig(tmodel.config.hidden_size, 3, 1, True),
+                                           list(range(259))).save(work / "heads")
+        target = str(target_path)
+        args.requests, args.eval, args.max_tokens, args.budget = min(args.requests, 16), min(args.eval, 4), 16, 5.0
+    else:
+        target = str(resolve_model_path(args.target))
+        dtype = default_dtype("cpu")
+        heads_dir = args.heads
+        if heads_dir is None or not heads_dir.is_dir():
+            print("error: --heads must be a heads folder (python -m training.heads --out data/medusa-heads)",
+                  file=sys.stderr)
+            return 2
+    redis_url = resolve_redis_url(None)
+    prefix = f"draftsmith:bench-heads:{uuid.uuid4().hex[:8]}"
+    writer = ReplayBufferWriter(redis_url, BufferConfig(prefix=prefix, flush_interval_s=0.01))
+    engine = Engine.from_paths(target, None, dtype=dtype, sink=writer)
+    reg = heads_registry(target, tracking_uri=f"sqlite:///{work / 'mlflow.db'}", cache_root=work / "cache",
+                         candidates_root=work / "candidates")
+    v1 = reg.register_heads(heads_dir)
+    reg.promote(v1, reason="bootstrap heads")
+    engine.load_heads(reg.materialize(v1, verify=True), version=f"medusa-v{v1}")
+
+    def prompts(seed: int, n: int) -> list[list[int]]:
+        stream = PromptStream(args.category, seed=seed)
+        out = []
+        for _ in range(n):
+            msg = stream.next()
+            out.append([int(t) for t in engine.tokenizer.apply_chat_template(
+                [{"role": "user", "content": msg}], add_generation_prompt=True, tokenize=True, return_dict=False)])
+        return out
+
+    eval_prompts, traffic = prompts(999, args.eval), prompts(0, args.requests)
+    result = {"setting": {"category": args.category, "temperature": 0, "max_tokens": args.max_tokens,
+                          "requests": args.requests, "eval_prompts": args.eval, "budget_s": args.budget,
+                          "threads": args.threads, "dtype": str(dtype), "target": target, "heads": str(heads_dir),
+                          "tiny": args.tiny, "acceptance": "accepted / proposed draft tokens, mode medusa (2,1,1) "
+                                                         "tree, gamma 3"}}
+    progress(f"before: {args.eval} eval prompts, mode medusa and target-only")
+    result["before"] = {"medusa": decode_set(engine, eval_prompts, "medusa", args.max_tokens),
+                        "target": decode_set(engine, eval_prompts, "target", args.max_tokens)}
+    progress(f"before: {result['before']}")
+    t0 = time.time()
+    served = decode_set(engine, traffic, "medusa", args.max_tokens, request_tag=args.category, source=args.category)
+    writer.flush(30)
+    result["traffic"] = {**served, "wall_s": round(time.time() - t0, 1)}
+    progress(f"served {args.requests} requests into the buffer: {result['traffic']}")
+    lines: list[str] = []
+
+    def log_line(msg: str) -> None:
+        lines.append(msg)
+        progress(msg)
+
+    job = {"redis_url": redis_url, "buffer_prefix": prefix, "budget_s": args.budget,
+           "out_dir": str(work / "candidates" / "heads-job")}
+    if args.tiny:
+        job.update(min_train_rows=16, min_heldout_rows=4)
+    t1 = time.time()
+    version, verdict = run_heads_cycle(
+        reg, target, job, policy=GatePolicy(min_requests=3 if args.tiny else 8, category_min_requests=10),
+        evidence=HeadsEvidence(target, redis_url=redis_url, buffer_prefix=prefix),
+        smoke_check=heads_smoke_check(target, max_tokens=8 if args.tiny else 24), progress=log_line)
+    info = reg.get(version)
+    result["job"] = {"version": version, "seconds": round(time.time() - t1, 1), "accepted": verdict.accepted,
+                     "promoted": verdict.promoted, "reason": verdict.reason,
+                     "gate_candidate_acceptance": verdict.candidate_acceptance,
+                     "gate_champion_acceptance": verdict.champion_acceptance, "gate_requests": verdict.requests,
+                     "job_metrics": {k: v for k, v in info.metrics.items() if not k.startswith("gate_")}}
+    after_version = reg.champion() if verdict.promoted else version
+    engine.load_heads(reg.materialize(after_version, verify=True), version=f"medusa-v{after_version}")
+    progress(f"after: heads version {after_version} ({'promoted' if verdict.promoted else 'NOT promoted'})")
+    result["after"] = {"version": after_version, "promoted": verdict.promoted,
+                       "medusa": decode_set(engine, eval_prompts, "medusa", args.max_tokens),
+                       "target": decode_set(engine, eval_prompts, "target", args.max_tokens)}
+    for k in ("before", "after"):
+        r = result[k]
+        r["speedup"] = round(r["medusa"]["tokens_per_s"] / r["target"]["tokens_per_s"], 3)
+    writer.close()
+    (args.out / "summary.json").write_text(json.dumps(result, indent=1, default=str))
+    (args.out / "job.log").write_text("\n".join(lines) + "\n")
+    b, a = result["before"], result["after"]
+    md = [f"# Medusa heads learning online: {args.category} traffic", "",
+          f"T=0, {args.max_tokens} tokens, {args.eval} eval prompts (seed 999) never served; {args.requests} served "
+          f"requests (seed 0) in the buffer; heads job {args.budget:g} s of training; {args.threads} threads, {dtype}.",
+          "Acceptance = accepted / proposed draft tokens (mode medusa, tree (2,1,1), gamma 3). Speed-up = medusa "
+          "tokens/s / target-only tokens/s on the same prompts in the same phase.", "",
+          "| heads | acceptance | medusa tokens/s | target tokens/s | speed-up |", "|---|---:|---:|---:|---:|",
+          f"| v{v1} (bootstrap) | {b['medusa']['acceptance']} | {b['medusa']['tokens_per_s']} | "
+          f"{b['target']['tokens_per_s']} | {b['speedup']}x |",
+          f"| v{after_version} ({'promoted' if verdict.promoted else 'candidate, not promoted'}) | "
+          f"{a['medusa']['acceptance']} | {a['medusa']['tokens_per_s']} | {a['target']['tokens_per_s']} | "
+          f"{a['speedup']}x |", "",
+          f"Gate: {'accepted' if verdict.accepted else 'rejected'}: {verdict.reason}", "",
+          f"Job (held-out, greedy chain accepted / proposed): {info.metrics.get('offline_acceptance_before')} -> "
+          f"{info.metrics.get('offline_acceptance_after')}; {int(info.metrics.get('training_rows', 0))} training rows; "
+          f"cycle {result['job']['seconds']} s."]
+    (args.out / "summary.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,256 @@
+"""Medusa heads as registered versions (issue 19, step 3): registered in their own model of a real MLflow
+store, gated on the gate's own held-out sample from real Redis, hot-swapped into a replica under load and
+rolled back; a heads job trained from real served records; a corrupt or foreign version never served."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from deploy.gate import GatePolicy, run_gate
+from deploy.heads import HeadsEvidence, heads_smoke_check, run_heads_cycle, score_heads
+from deploy.registry import CHAMPION, HEADS_SUFFIX, Registry, UsageError, heads_registry
+from serving.config import SamplingParams, SpecParams
+from serving.decoding.medusa import HeadsConfig, MedusaHeads
+from serving.engine import Engine
+from serving.service import Service, ServiceSettings
+from tests import tiny_models
+from tests.deploy_helpers import artifact_dir, drop_prefix, fresh_store, serve_records, template_db
+from tests.serving.test_engine_rules import reference_greedy
+
+PREFIX = "draftsmith:test-heads"
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return tiny_models.save_pair(tmp_path_factory.mktemp("pair"))
+
+
+@pytest.fixture(scope="module")
+def target_model(pair):
+    return Engine.from_paths(str(pair[0]), None, dtype=torch.float32).target.model
+
+
+def make_heads(target_model, folder, seed: int, scale: float = 0.2):
+    torch.manual_seed(seed)
+    heads = MedusaHeads.for_target(target_model, HeadsConfig(target_model.config.hidden_size, 3, 1, True),
+                                   list(range(259)))
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, scale)
+    return heads.save(folder, built_by="tests")
+
+
+@pytest.fixture
+def regs(pair, tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    uri = fresh_store(template_db(tmp_path.parent / "template"), tmp_path / "data")
+    kw = dict(tracking_uri=uri, cache_root=tmp_path / "cache", candidates_root=tmp_path / "cands")
+    return Registry(str(pair[0]), **kw), heads_registry(str(pair[0]), **kw)
+
+
+def test_heads_versions_live_in_their_own_model_and_roll_back(regs, target_model, tmp_path):
+    drafts, heads = regs
+    assert heads.name == drafts.name + HEADS_SUFFIX
+    h1 = make_heads(target_model, tmp_path / "h1", seed=1)
+    with pytest.raises(UsageError, match="heads registry"):
+        drafts.register(h1)                                  # the draft's model refuses heads, saying where
+    with pytest.raises(UsageError, match="not a Medusa heads folder"):
+        heads.register(tmp_path)
+    v1 = heads.register(h1)
+    v2 = heads.register(make_heads(target_model, tmp_path / "h2", seed=2))
+    info = heads.get(v2)
+    assert info.kind == "heads" and info.target_sha256 == Registry.target_fingerprint(regs[0].target)
+    folder = heads.materialize(v2, verify=True)
+    assert (folder / "medusa_heads.safetensors").is_file()
+    assert MedusaHeads.load(folder, target_model).config.num_heads == 3
+    heads.promote(v1)
+    heads.promote(v2)
+    assert heads.champion() == v2 and drafts.champion() is None      # the draft's aliases never move
+    move = heads.rollback(reason="test")
+    assert move.changed and heads.champion() == v1 and move.old_champion == v2
+    assert heads.promotions_paused() is not None and drafts.promotions_paused() is None
+
+
+def _served_ok(engine, prompt, n=16):
+    """T=0 medusa output equals target greedy: a swapped-in version serves losslessly."""
+    res = engine.generate_all(prompt, SamplingParams(temperature=0.0, max_tokens=n), SpecParams(mode="medusa", gamma=3))
+    assert res.token_ids == reference_greedy(engine.target.model, prompt, n)
+    return res
+
+
+def test_replica_hot_swaps_registered_heads_under_load_and_refuses_a_corrupt_version(regs, pair, target_model,
+                                                                                      tmp_path):
+    _, heads = regs
+    v1 = heads.register(make_heads(target_model, tmp_path / "h1", seed=1))
+    v2 = heads.register(make_heads(target_model, tmp_path / "h2", seed=2))
+    heads.promote(v1)
+    engine = Engine.from_paths(str(pair[0]), str(pair[1]), dtype=torch.float32, draft_version="d1")
+    svc = Service(ServiceSettings(target=str(pair[0]), buffer=False, watch_interval_s=3600), engine=engine,
+                  heads_source=heads)
+    try:
+        assert svc.check_heads() == f"medusa-v{v1}" and engine.heads_version == f"medusa-v{v1}"
+        prompt = engine.tokenizer("the cat sat on the mat")["input_ids"]
+        results, errors, stop = [], [], threading.Event()
+
+        def client():
+            while not stop.is_set():
+                try:
+                    results.append(_served_ok(engine, prompt))
+                except BaseException as e:  # noqa: BLE001
+                    errors.append(e)
+
+        threads = [threading.Thread(target=client) for _ in range(3)]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        heads.promote(v2)
+        assert svc.check_heads() == f"medusa-v{v2}"
+        time.sleep(0.5)
+        heads.rollback(reason="test")
+        assert svc.check_heads() == f"medusa-v{v1}"
+        time.sleep(0.3)
+        stop.set()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        versions = {r.stats.draft_version for r in results}
+        assert {f"medusa-v{v1}", f"medusa-v{v2}"} <= versions or len(results) >= 3, versions
+        assert svc.health()[1]["medusa_heads"] == f"medusa-v{v1}"
+
+        # a version whose stored weights were altered after registration is never served
+        v3 = heads.register(make_heads(target_model, tmp_path / "h3", seed=3))
+        with open(artifact_dir(heads, v3) / "heads" / "medusa_heads.safetensors", "r+b") as f:
+            f.seek(200)
+            f.write(b"\x00\x01\x02\x03")
+        heads.set_alias(CHAMPION, v3)
+        assert svc.check_heads() == f"medusa-v{v1}"
+        assert f"heads version {v3} not loaded" in svc.heads_error and "retry 1" in svc.heads_error
+        assert svc.health()[1]["heads_error"] == svc.heads_error
+        _served_ok(engine, prompt)                        # still serving v1, every mode still answers
+        assert engine.generate_all(prompt, SamplingParams(temperature=0.0, max_tokens=4),
+                                   SpecParams(mode="speculative", gamma=2)).token_ids
+    finally:
+        stop.set()
+        svc.close()
+
+
+def test_heads_pinned_to_another_target_are_refused(regs, pair, target_model, tmp_path):
+    _, heads = regs
+    v1 = heads.register_heads(make_heads(target_model, tmp_path / "h1", seed=1), target_sha256="f" * 64)
+    heads.set_alias(CHAMPION, v1)
+    engine = Engine.from_paths(str(pair[0]), None, dtype=torch.float32)
+    svc = Service(ServiceSettings(target=str(pair[0]), buffer=False, watch_interval_s=3600), engine=engine,
+                  heads_source=heads)
+    try:
+        assert svc.check_heads() == "none" and engine.heads is None
+        assert "another target" in svc.heads_error
+    finally:
+        svc.close()
+
+
+def test_heads_job_trains_on_served_records_and_the_gate_judges_it(regs, pair, target_model, tmp_path, redis_url):
+    """Real records from real serving in real Redis: the job reads them (read-only), starts from the champion
+    heads, and its candidate is registered and judged by the gate on its own held-out sample."""
+    _, heads = regs
+    prefix = f"{PREFIX}:{time.time_ns()}"
+    try:
+        serve_records(pair[0], pair[1], redis_url, prefix, requests=16, heldout=False, heldout_fraction=0.25,
+                      max_tokens=24, tag="train")
+        serve_records(pair[0], pair[1], redis_url, prefix, requests=8, heldout=True, heldout_fraction=0.25,
+                      max_tokens=24, tag="held")
+        v1 = heads.register(make_heads(target_model, tmp_path / "h1", seed=1, scale=0.05))
+        heads.promote(v1)
+        job = {"redis_url": redis_url, "buffer_prefix": prefix, "heldout_fraction": 0.25, "budget_s": 8.0,
+               "lr": 3e-3, "min_train_rows": 32, "min_heldout_rows": 8, "out_dir": str(tmp_path / "cand")}
+        evidence = HeadsEvidence(str(pair[0]), redis_url=redis_url, buffer_prefix=prefix, heldout_fraction=0.25)
+        policy = GatePolicy(min_requests=4, category_min_requests=4, bootstrap=500)
+        version, verdict = run_heads_cycle(heads, str(pair[0]), job, policy=policy, evidence=evidence,
+                                           smoke_check=heads_smoke_check(str(pair[0]), prompts=("hi",),
+                                                                         max_tokens=6))
+        info = heads.get(version)
+        assert info.kind == "heads" and info.parent_version == v1
+        assert ("champion" if verdict.promoted else "candidate") in info.aliases
+        m = info.metrics
+        assert m["training_rows"] >= 32 and m["heldout_rows"] >= 8
+        # the job learnt the target's greedy tokens on held-out requests
+        assert m["offline_acceptance_after"] > m["offline_acceptance_before"]
+        # the gate scored both heads itself, on its own sample of the 8 held-out requests
+        assert 6 <= verdict.requests <= 8 and verdict.champion_version == v1
+        assert verdict.candidate_acceptance is not None and verdict.champion_acceptance is not None
+        assert verdict.candidate_acceptance > verdict.champion_acceptance
+        assert verdict.accepted == (heads.champion() == version)
+        assert heads.get(version).tags["draftsmith.gate.verdict"] in ("accepted", "rejected")
+    finally:
+        drop_prefix(redis_url, prefix)
+
+
+def test_buffer_examples_and_heads_scores_are_per_request_and_paired(pair, target_model, tmp_path, redis_url):
+    """examples_from_buffer rebuilds every served request (one target row per answer token, its top-1 as
+    the greedy label); score_heads gives each request accepted / proposed of a greedy chain, the same
+    figure for the same heads, weighted by the request's positions."""
+    prefix = f"{PREFIX}:{time.time_ns()}"
+    try:
+        serve_records(pair[0], pair[1], redis_url, prefix, requests=6, heldout=True, heldout_fraction=0.25,
+                      max_tokens=16, tag="held")
+        from training.heads_job import read_examples
+
+        examples, window = read_examples(redis_url=redis_url, buffer_prefix=prefix, n=1000, heldout=True,
+                                         heldout_fraction=0.25)
+        assert len(examples) == 6 and window["steps"] > 0
+        for e in examples:
+            A = len(e["tokens"]) - e["prompt_len"]
+            assert A >= 2 and len(e["topk_ids"]) == len(e["hard"]) == A
+            assert set(e["hard"].tolist()) <= set(e["topk_ids"].ravel().tolist())
+        greedy = [e for e in examples if e["source"] != "chat"]           # served at T=0 (serve_records)
+        assert greedy and all((g["hard"] == g["tokens"][g["prompt_len"]:]).all() for g in greedy)
+        h = make_heads(target_model, tmp_path / "rand", seed=4, scale=0.3)
+        a, hidden = score_heads(target_model, h, examples)
+        b, _ = score_heads(target_model, h, examples, hidden)
+        assert a == b and set(a) == {e["request_id"] for e in examples}
+        for e in examples:
+            r = a[e["request_id"]]
+            assert 0.0 <= r["acceptance"] <= 1.0
+            assert r["positions"] == len(e["tokens"]) - e["prompt_len"] - (0 if e["prompt_len"] >= 2 else 1)
+    finally:
+        drop_prefix(redis_url, prefix)
+
+
+def test_cli_registers_promotes_and_rolls_back_heads(regs, pair, target_model, tmp_path, capsys):
+    from deploy.cli import main
+
+    drafts, heads = regs
+    base = ["--target", str(pair[0]), "--tracking-uri", heads.tracking_uri]
+    h1, h2 = make_heads(target_model, tmp_path / "h1", seed=1), make_heads(target_model, tmp_path / "h2", seed=2)
+    assert main(["register", str(h1), *base]) == 0
+    assert main(["register", str(h2), *base]) == 0
+    out = capsys.readouterr().out
+    assert f"{heads.name} version 1 (heads" in out and f"{heads.name} version 2 (heads" in out
+    assert main(["promote", "1", "--kind", "medusa", "--force", *base]) == 0
+    assert main(["promote", "2", "--kind", "medusa", "--force", *base]) == 0
+    assert main(["rollback", "--kind", "medusa", "--no-pause", *base]) == 0
+    assert heads.champion() == "1"
+    assert main(["versions", "--kind", "medusa", *base]) == 0
+    assert "heads" in capsys.readouterr().out
+    assert drafts.versions() == []
+    assert main(["distill", "--kind", "medusa", "--every", "10m", *base]) == 2
+    assert "not built yet" in capsys.readouterr().err
+
+
+def test_bench_heads_online_smoke(tmp_path, redis_url, monkeypatch):
+    """scripts/bench_heads_online.py end to end on tiny models: before / traffic / job + gate / after."""
+    import json
+
+    from scripts import bench_heads_online
+
+    monkeypatch.setenv("REDIS_URL", redis_url)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert bench_heads_online.main(["--tiny", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "w")]) == 0
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["traffic"]["prompts"] == 16 and summary["traffic"]["drafted"] > 0
+    assert summary["job"]["version"] == "2" and summary["job"]["gate_requests"] >= 1
+    for phase in ("before", "after"):
+        assert summary[phase]["medusa"]["tokens"] > 0 and summary[phase]["speedup"] > 0
+    assert "| v1 (bootstrap) |" in (tmp_path / "out" / "summary.md").read_text()

@@ -1,0 +1,235 @@
+"""Online distillation of Medusa heads from the replay buffer (issue 19, step 3): buffer -> heads candidate.
+
+    examples_from_buffer(entries, sequences) -> list[dict]      # training/heads.py's example format
+    run_heads_distillation(cfg, progress) -> Path               # a candidate heads folder
+    python -m training.heads_job --parent-heads DIR [--parent-version 3] [--budget 120] [--out DIR]
+
+**Where the target's opinion comes from.** Every verification step in the buffer stores the target's top-k
+log-probabilities for rows 0..gamma; row i is the target's distribution of sequence token `position + i`
+given the committed prefix, as long as the draft tokens before it are the committed ones. Collected over a
+request's steps, these rows cover every generated position (each step scores at least its accepted tokens
+and the next one), so a request becomes one example: its sequence, its prompt length and one top-k row per
+answer token (cut at the first position no step scored). The heads also need the target's last hidden
+state at each position, which the buffer does not hold: the job recomputes it with ONE teacher-forced
+target pass per request (training/heads.py `target_hidden_rows`, measured at bootstrap: about 62 s per
+100k tokens on 2 CPU threads, while storing the 576-wide states of every position would add 1.2 KB per
+token to the buffer, about 5x its step records).
+
+**What is trained.** The heads' own weights (residual blocks; the output rows stay the target's frozen
+rows on the parent's kept vocabulary): about 1M parameters, as small as a LoRA adapter on the draft would
+be, so an online version stores full weights and needs no adapter chain. Training starts from the parent
+heads (the champion) and keeps the epoch of best held-out agreement (training/heads.py `train_heads`).
+
+**Which records.** Read-only (no consumer group, so the draft's distillation jobs keep every record): the
+newest `max_records` training steps and the newest `eval_records` held-out steps (`training.data.is_heldout`,
+the split every job and the gate use), of any decoding mode.
+
+The candidate folder: `medusa_heads.json` + `medusa_heads.safetensors` (MedusaHeads.save) + `candidate.json`
+(parent_version, target, target_sha256, metrics before/after, train_config, data_window), which
+`Registry.register_heads` reads (deploy/registry.py). Importing this module does not import torch.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+DEFAULTS = {"max_records": 4000, "eval_records": 1000, "heldout_fraction": 0.1, "budget_s": 120.0, "lr": 3e-4,
+            "batch_size": 256, "max_epochs": 20, "min_train_rows": 64, "min_heldout_rows": 16,
+            "buffer_prefix": "draftsmith:buf", "redis_url": None, "target": None, "parent_heads": None,
+            "parent_version": None, "target_sha256": None, "out_dir": None, "seed": 0}
+
+
+class NotEnoughRows(RuntimeError):
+    """Too few scored positions in the buffer for a heads job; nothing was trained."""
+
+
+def examples_from_buffer(entries, sequences: dict) -> list[dict]:
+    """One example per request (module docstring): {"tokens", "prompt_len", "topk_ids" [A, k],
+    "topk_logprobs" [A, k], "hard" [A] (the target's top-1 per answer token), "source", "request_id"}.
+    Requests with fewer than 2 scored answer tokens are left out."""
+    rows: dict[str, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
+    for e in entries:
+        st = e.record
+        seq_rec = sequences.get(st.request_id)
+        if seq_rec is None:
+            continue
+        seq = np.asarray(seq_rec.token_ids, dtype=np.int64)
+        p, d = int(st.position), np.asarray(st.draft_tokens, dtype=np.int64)
+        if p < 1 or p > len(seq):
+            continue
+        avail = seq[p: p + len(d)]
+        bad = np.flatnonzero(avail != d[: len(avail)])
+        m = int(bad[0]) if bad.size else len(avail)          # rows 0..m are conditioned on committed tokens
+        per = rows.setdefault(st.request_id, {})
+        for i in range(min(m, st.target_topk_ids.shape[0] - 1) + 1):
+            if p + i >= len(seq):
+                break
+            per.setdefault(p + i, (st.target_topk_ids[i], st.target_topk_logprobs[i]))
+    out = []
+    for rid, per in rows.items():
+        rec = sequences[rid]
+        P = int(rec.prompt_len)
+        A = 0
+        while P + A in per:
+            A += 1
+        if A < 2 or P < 1:
+            continue
+        k = min(per[P + j][0].shape[0] for j in range(A))
+        ids = np.stack([per[P + j][0][:k] for j in range(A)]).astype(np.int64)
+        lps = np.stack([per[P + j][1][:k] for j in range(A)]).astype(np.float32)
+        hard = ids[np.arange(A), lps.argmax(axis=1)]
+        out.append({"tokens": np.asarray(rec.token_ids[: P + A], dtype=np.int64).tolist(), "prompt_len": P,
+                    "topk_ids": ids, "topk_logprobs": lps, "hard": hard, "source": rec.source or "unlabelled",
+                    "request_id": rid})
+    return out
+
+
+def read_examples(*, redis_url: str | None, buffer_prefix: str, n: int, heldout: bool,
+                  heldout_fraction: float) -> tuple[list[dict], dict]:
+    """The newest `n` training (or held-out) steps of the buffer as examples, read-only; and the window."""
+    from buffer.redis_store import BufferConfig, ReplayBufferReader, resolve_redis_url, stream_id_key
+    from training.data import newest_steps
+
+    reader = ReplayBufferReader(resolve_redis_url(redis_url), BufferConfig(prefix=buffer_prefix))
+    try:
+        entries, seqs = newest_steps(reader, n, heldout=heldout, heldout_fraction=heldout_fraction)
+    finally:
+        reader.client.close()
+    ids = sorted((e.stream_id for e in entries), key=stream_id_key)
+    window = {"stream": reader.config.steps_key, "first_id": ids[0] if ids else None,
+              "last_id": ids[-1] if ids else None, "steps": len(entries), "heldout": heldout,
+              "heldout_fraction": heldout_fraction}
+    return examples_from_buffer(entries, seqs), window
+
+
+def _config(cfg: dict) -> dict:
+    unknown = sorted(set(cfg) - set(DEFAULTS))
+    if unknown:
+        raise ValueError(f"unknown heads-job settings {unknown}; known: {sorted(DEFAULTS)}")
+    out = {**DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
+    if not out["parent_heads"]:
+        raise ValueError("parent_heads (the heads folder to start from, e.g. the materialised champion) is required")
+    for key in ("max_records", "eval_records", "batch_size", "max_epochs"):
+        if isinstance(out[key], bool) or not isinstance(out[key], int) or out[key] < 1:
+            raise ValueError(f"{key} must be an integer >= 1, got {out[key]!r}")
+    if not (0.0 < float(out["heldout_fraction"]) < 1.0):
+        raise ValueError(f"heldout_fraction must be in (0, 1), got {out['heldout_fraction']!r}")
+    if not (float(out["budget_s"]) > 0 and float(out["lr"]) > 0):
+        raise ValueError("budget_s and lr must be > 0")
+    return out
+
+
+def run_heads_distillation(cfg: dict, progress: Callable[[str], None] = print) -> Path:
+    """One job (module docstring): returns the candidate folder. NotEnoughRows when the buffer holds too
+    few scored positions (training or held-out); ValueError for a bad setting; ModelLoadError when the
+    parent heads do not load on the target."""
+    import torch
+
+    from serving.decoding.medusa import MedusaHeads
+    from serving.models import ModelLoadError, default_dtype, load_causal_lm, resolve_model_path
+    from training.heads import HeadData, chain_acceptance, head_agreement, target_hidden_rows, train_heads
+
+    c = _config(cfg)
+    t0 = time.time()
+    torch.manual_seed(int(c["seed"]))
+    train_ex, train_window = read_examples(redis_url=c["redis_url"], buffer_prefix=c["buffer_prefix"],
+                                           n=c["max_records"], heldout=False, heldout_fraction=c["heldout_fraction"])
+    held_ex, held_window = read_examples(redis_url=c["redis_url"], buffer_prefix=c["buffer_prefix"],
+                                         n=c["eval_records"], heldout=True, heldout_fraction=c["heldout_fraction"])
+    progress(f"[heads-job] {len(train_ex)} training requests ({train_window['steps']} steps), {len(held_ex)} held-out "
+             f"requests ({held_window['steps']} steps) from the buffer in {time.time() - t0:.1f} s")
+    tpath = resolve_model_path(c["target"])
+    target = load_causal_lm(tpath, "cpu", default_dtype("cpu"))      # the hidden states serving sees
+    try:
+        heads = MedusaHeads.load(c["parent_heads"], target)
+    except (OSError, ValueError, RuntimeError, KeyError) as e:
+        raise ModelLoadError(f"cannot load the parent heads {c['parent_heads']}: {e}") from e
+    vocab = target.get_output_embeddings().weight.shape[0]
+    vocab_index = torch.full((vocab + 1,), -1, dtype=torch.long)
+    vocab_index[torch.as_tensor(heads.output_token_ids)] = torch.arange(len(heads.output_token_ids))
+    K = heads.config.num_heads
+    th = time.time()
+    train = HeadData(train_ex, target_hidden_rows(target, train_ex, progress=progress), K, vocab_index) \
+        if train_ex else None
+    held = HeadData(held_ex, target_hidden_rows(target, held_ex, progress=progress), K, vocab_index) \
+        if held_ex else None
+    n_train, n_held = (len(train) if train else 0), (len(held) if held else 0)
+    if n_train < c["min_train_rows"] or n_held < c["min_heldout_rows"]:
+        raise NotEnoughRows(f"the buffer holds {n_train} training and {n_held} held-out scored positions; a heads "
+                            f"job needs at least {c['min_train_rows']} and {c['min_heldout_rows']}")
+    hidden_s = time.time() - th
+    before_agree, before_chain = head_agreement(heads, held), chain_acceptance(heads, held)
+    progress(f"[heads-job] {n_train} training rows, {n_held} held-out rows (hidden states {hidden_s:.1f} s); "
+             f"before: held-out agreement per head {before_agree}, chain acceptance {before_chain}")
+    figures = train_heads(heads, train, held, deadline=time.time() + float(c["budget_s"]),
+                          batch_size=c["batch_size"], lr=float(c["lr"]), max_epochs=c["max_epochs"], progress=progress)
+    after_chain = figures["heldout_chain_acceptance"]
+    metrics = {"heldout_chain_acceptance_before": sum(before_chain) / K,
+               "heldout_chain_acceptance_after": sum(after_chain) / K,
+               "heldout_head1_agreement_before": before_agree[0],
+               "heldout_head1_agreement_after": figures["heldout_head_agreement"][0],
+               "training_rows": n_train, "heldout_rows": n_held, "heldout_records": held_window["steps"],
+               "train_steps": figures["steps"],
+               "epochs": figures["epochs"], "best_epoch": figures["best_epoch"] or 0,
+               "hidden_state_seconds": round(hidden_s, 1), "seconds": round(time.time() - t0, 1)}
+    # the registry and the gate read "offline_acceptance_*": here accepted / proposed of a greedy chain of K heads
+    metrics["offline_acceptance_before"] = metrics["heldout_chain_acceptance_before"]
+    metrics["offline_acceptance_after"] = metrics["heldout_chain_acceptance_after"]
+    out = Path(c["out_dir"]) if c["out_dir"] else _default_out_dir(c["parent_version"])
+    heads.save(out, built_by="training.heads_job", parent_heads=str(c["parent_heads"]))
+    meta = {"kind": "medusa", "parent_version": c["parent_version"], "target": c["target"] or str(tpath),
+            "target_sha256": c["target_sha256"], "metrics": metrics,
+            "train_config": {k: c[k] for k in ("max_records", "eval_records", "budget_s", "lr", "batch_size",
+                                                "max_epochs", "heldout_fraction", "seed")},
+            "data_window": {**{k: train_window[k] for k in ("stream", "first_id", "last_id", "steps")},
+                            "requests": len(train_ex), "heldout_steps": held_window["steps"],
+                            "heldout_requests": len(held_ex)}}
+    (out / "candidate.json").write_text(json.dumps(meta, indent=1, default=str))
+    progress(f"[heads-job] chain acceptance (accepted / proposed, greedy chain of {K}) "
+             f"{metrics['offline_acceptance_before']:.4f} -> {metrics['offline_acceptance_after']:.4f}; wrote {out} "
+             f"in {time.time() - t0:.0f} s")
+    return out
+
+
+def _default_out_dir(parent_version) -> Path:
+    from buffer.paths import data_dir
+
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return data_dir() / "candidates" / f"heads-from-v{parent_version or 'none'}-{stamp}-{uuid.uuid4().hex[:6]}"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parent-heads", type=Path, required=True, help="heads folder to start from")
+    ap.add_argument("--parent-version", default=None, help="its registry version (recorded as the parent)")
+    ap.add_argument("--target", default=None, help="target model folder (default: the served default)")
+    ap.add_argument("--out", type=Path, default=None, help="candidate folder (default under <data>/candidates)")
+    ap.add_argument("--budget", type=float, default=DEFAULTS["budget_s"], help="training seconds")
+    ap.add_argument("--max-records", type=int, default=DEFAULTS["max_records"])
+    ap.add_argument("--redis-url", default=None)
+    ap.add_argument("--buffer-prefix", default=DEFAULTS["buffer_prefix"])
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    try:
+        run_heads_distillation({"parent_heads": str(args.parent_heads), "parent_version": args.parent_version,
+                                "target": args.target, "out_dir": args.out, "budget_s": args.budget,
+                                "max_records": args.max_records, "redis_url": args.redis_url,
+                                "buffer_prefix": args.buffer_prefix})
+    except (NotEnoughRows, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
