@@ -19,7 +19,8 @@ promotion (deploy/heads.py `run_heads_cycle`).
 5. After: the promoted champion (or, when the gate rejected it, the candidate, reported as such) decodes the
    same eval prompts as in step 2.
 
-Writes summary.json and summary.md (and job.log) into --out.
+Writes summary.json, summary.md, heads_online.png (acceptance and speed-up before / after) and job.log into
+--out; `--replot` redraws the PNG from an existing summary.json.
 """
 from __future__ import annotations
 
@@ -62,6 +63,33 @@ def decode_set(engine, prompts, mode: str, max_tokens: int, *, request_tag: str 
             "acceptance": round(acc / drafted, 4) if drafted else None, "accepted": acc, "drafted": drafted}
 
 
+def plot(result: dict, path: Path) -> None:
+    """Two panels, before / after the heads job: acceptance and speed-up over target-only."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = ["v1 (bootstrap)", f"v{result['after']['version']} (after one job)"]
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
+    for ax, key, title in ((axes[0], "acceptance", "acceptance (accepted / proposed)"),
+                           (axes[1], "speedup", "speed-up over target-only")):
+        vals = [result[p]["medusa"]["acceptance"] if key == "acceptance" else result[p]["speedup"]
+                for p in ("before", "after")]
+        bars = ax.bar(labels, vals, color=["#999999", "#3a7dc9"])
+        ax.bar_label(bars, fmt="%.2f")
+        ax.set_ylim(0, max(vals) * 1.15)
+        ax.set_title(title, fontsize=10)
+        if key == "speedup":
+            ax.axhline(1.0, color="black", lw=0.8, ls="--")
+    st = result["setting"]
+    fig.suptitle(f"Medusa heads, {st['category']} traffic: one heads job on {st['requests']} served requests "
+                 f"(T={st['temperature']}, {st['max_tokens']} tokens)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--heads", type=Path, default=None, help="bootstrap heads folder (python -m training.heads)")
@@ -75,7 +103,11 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="tiny random models (a smoke run of the script)")
     ap.add_argument("--work", type=Path, default=None, help="scratch folder (MLflow store; default a temp dir)")
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--replot", action="store_true", help="only redraw heads_online.png from --out/summary.json")
     args = ap.parse_args(argv)
+    if args.replot:
+        plot(json.loads((args.out / "summary.json").read_text()), args.out / "heads_online.png")
+        return 0
     torch.set_num_threads(args.threads)
 
     from buffer.redis_store import BufferConfig, ReplayBufferWriter, resolve_redis_url
@@ -176,6 +208,7 @@ def main(argv=None) -> int:
     writer.close()
     (args.out / "summary.json").write_text(json.dumps(result, indent=1, default=str))
     (args.out / "job.log").write_text("\n".join(lines) + "\n")
+    plot(result, args.out / "heads_online.png")
     b, a = result["before"], result["after"]
     md = [f"# Medusa heads learning online: {args.category} traffic", "",
           f"T=0, {args.max_tokens} tokens, {args.eval} eval prompts (seed 999) never served; {args.requests} served "

@@ -254,3 +254,4 @@ def test_bench_heads_online_smoke(tmp_path, redis_url, monkeypatch):
     for phase in ("before", "after"):
         assert summary[phase]["medusa"]["tokens"] > 0 and summary[phase]["speedup"] > 0
     assert "| v1 (bootstrap) |" in (tmp_path / "out" / "summary.md").read_text()
+    assert (tmp_path / "out" / "heads_online.png").stat().st_size > 1000
