@@ -162,8 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("distill", parents=[common], help="run one distillation job now, or on a schedule")
     d.add_argument("--every", type=_duration, default=None, help="run a job every DURATION (e.g. 10m)")
     d.add_argument("--kind", choices=KINDS, default="draft",
-                   help="'draft' (default): distill the draft model; 'medusa': one online job for the Medusa heads "
-                        "(training/heads_job.py) from the champion heads, registered and gated (deploy/heads.py)")
+                   help="'draft' (default): distill the draft model; 'medusa': an online job for the Medusa heads "
+                        "(training/heads_job.py) from the champion heads, registered and gated (deploy/heads.py); "
+                        "now, or with --every on a schedule")
     d.add_argument("--heads-budget", type=_duration, default=120.0,
                    help="training time of a --kind medusa job (default 2m; the hidden-state pass comes on top)")
     d.add_argument("--min-records", type=_positive_int, default=None,
@@ -510,13 +511,14 @@ def cmd_distill(args) -> int:
 
 
 def _distill_heads(args, policy) -> int:
-    """`draftsmith distill --kind medusa`: one heads cycle now (deploy/heads.py `run_heads_cycle`)."""
+    """`draftsmith distill --kind medusa`: one heads cycle now (deploy/heads.py `run_heads_cycle`), or with
+    --every a heads job every DURATION when the buffer has new records (`run_heads_schedule`)."""
     from deploy.heads import HeadsEvidence, run_heads_cycle
     from training.heads_job import NotEnoughRows
 
-    if args.every is not None or args.min_records is not None:
-        raise BadInput("--kind medusa runs one heads job now; scheduled heads jobs (--every / --min-records) are "
-                       "not built yet: run it from cron or a loop")
+    if args.min_records is not None and args.every is None:
+        raise BadInput("--kind medusa schedules by time: pass --every DURATION (and --min-records N for the new "
+                       "step records a job needs, default 1)")
     overrides = _read_config(args.config)
     reg = _registry(args)
     job = {k: overrides[k] for k in ("redis_url", "buffer_prefix", "heldout_fraction") if k in overrides}
@@ -525,6 +527,22 @@ def _distill_heads(args, policy) -> int:
         evidence = HeadsEvidence(args.target or reg.target, redis_url=job.get("redis_url"),
                                  buffer_prefix=job.get("buffer_prefix", "draftsmith:buf"),
                                  heldout_fraction=job.get("heldout_fraction", 0.1), records=args.gate_records)
+        if args.every is not None:
+            import threading
+
+            from deploy.heads import run_heads_schedule
+
+            print(f"[heads] schedule started: a heads job every {args.every:g} s when the buffer has new records; "
+                  "Ctrl-C stops it")
+            stop = threading.Event()
+            try:
+                ticks = run_heads_schedule(reg, args.target, job, every_s=args.every, stop=stop,
+                                           max_jobs=args.max_jobs, min_new_steps=args.min_records or 1,
+                                           policy=policy, evidence=evidence)
+            except KeyboardInterrupt:
+                stop.set()
+                return EXIT_OK
+            return EXIT_OK if all(t.status != "failed" for t in ticks) else EXIT_FAILED
         version, verdict = run_heads_cycle(reg, args.target, job, policy=policy, evidence=evidence)
     except NotEnoughRows as e:
         raise CommandFailed(f"no heads job: {e}") from None

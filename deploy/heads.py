@@ -4,6 +4,7 @@ one online cycle (buffer -> heads job -> registered candidate -> gate -> champio
     HeadsEvidence(target, ...).collect(champion_dir, candidate_dir) -> PairedEvidence
     heads_smoke_check(target) -> SmokeCheck
     run_heads_cycle(registry, target, job_cfg, policy, evidence) -> (candidate version, GateVerdict)
+    run_heads_schedule(registry, target, job_cfg, every_s=600, ...) -> [HeadsTick]   # `distill --kind medusa --every`
 
 Heads versions live in their own registered model (deploy/registry.py `heads_registry`, "Draft kinds"), so
 aliases, promotion, canary, rollback, pause and retention are the draft's, unchanged; replicas watch its
@@ -149,3 +150,73 @@ def run_heads_cycle(registry: Registry, target: str | None, job_cfg: dict | None
     progress(f"[heads] candidate version {version}: {'accepted' if verdict.accepted else 'rejected'} "
              f"({verdict.reason}); cycle {time.time() - t0:.0f} s")
     return version, verdict
+
+
+@dataclass
+class HeadsTick:
+    """What one scheduled heads tick did: "promoted", "rejected", "skipped" (nothing new, job lock held, too
+    few records) or "failed" (the job or the gate raised; the schedule goes on)."""
+
+    status: str
+    message: str
+    version: str | None = None
+    time: float = field(default_factory=time.time)
+
+
+def run_heads_schedule(registry: Registry, target: str | None, job_cfg: dict | None = None, *, every_s: float,
+                       stop=None, max_jobs: int | None = None, min_new_steps: int = 1,
+                       policy: GatePolicy | None = None, evidence: HeadsEvidence | None = None,
+                       smoke_check: SmokeCheck | None = None, lock=None, progress=print) -> list[HeadsTick]:
+    """Every `every_s` seconds, one heads cycle (`run_heads_cycle`) when the buffer holds at least
+    `min_new_steps` step records newer than the last job's window (`data_window.last_id` of the newest
+    heads version; all of them before the first job), under the machine's distillation job lock
+    (deploy/scheduler.py `JobLock`, shared with the draft's jobs: one training job at a time). A cycle that
+    fails (a thin buffer, MLflow or Redis down, a failed job) is logged and the schedule goes on; a rollback
+    pauses promotion, which the gate's verdict then records (`Registry.promote` refuses). Stops when `stop`
+    (a threading.Event) is set or after `max_jobs` cycles that ran a job; returns every tick."""
+    import json
+    import threading
+
+    from deploy.scheduler import JobLock
+    from training.heads_job import NotEnoughRows
+    from training.job import pending_records
+
+    if not every_s > 0:
+        raise ValueError(f"every_s must be > 0, got {every_s!r}")
+    stop = stop or threading.Event()
+    lock = lock or JobLock()
+    cfg = dict(job_cfg or {})
+    ticks: list[HeadsTick] = []
+    jobs = 0
+    while not stop.is_set():
+        tick = None
+        try:
+            newest = max(registry.versions(), key=lambda i: int(i.version), default=None)
+            window = json.loads((newest.tags or {}).get("draftsmith.data_window") or "{}") if newest else {}
+            new = pending_records(window.get("last_id"), redis_url=cfg.get("redis_url"),
+                                  buffer_prefix=cfg.get("buffer_prefix", "draftsmith:buf"))
+            if new < min_new_steps:
+                tick = HeadsTick("skipped", f"{new} new step records since the last heads job (needs {min_new_steps})")
+            elif not lock.acquire():
+                tick = HeadsTick("skipped", "another distillation job holds the job lock")
+            else:
+                try:
+                    version, verdict = run_heads_cycle(registry, target, cfg, policy=policy, evidence=evidence,
+                                                       smoke_check=smoke_check, progress=progress)
+                finally:
+                    lock.release()
+                jobs += 1
+                tick = HeadsTick("promoted" if verdict.promoted else "rejected",
+                                 verdict.reason + (f" ({verdict.promotion})" if verdict.promotion else ""), version)
+        except NotEnoughRows as e:
+            tick = HeadsTick("skipped", str(e))
+        except Exception as e:  # noqa: BLE001 - a failed cycle never ends the schedule
+            log.exception("scheduled heads job failed")
+            tick = HeadsTick("failed", f"{type(e).__name__}: {e}")
+        ticks.append(tick)
+        progress(f"[heads-schedule] {tick.status}: {tick.message}" + (f" (version {tick.version})" if tick.version else ""))
+        if max_jobs is not None and jobs >= max_jobs:
+            break
+        stop.wait(every_s)
+    return ticks
+

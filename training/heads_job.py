@@ -191,7 +191,10 @@ def run_heads_distillation(cfg: dict, progress: Callable[[str], None] = print) -
             "target_sha256": c["target_sha256"], "metrics": metrics,
             "train_config": {k: c[k] for k in ("max_records", "eval_records", "budget_s", "lr", "batch_size",
                                                 "max_epochs", "heldout_fraction", "seed")},
-            "data_window": {**{k: train_window[k] for k in ("stream", "first_id", "last_id", "steps")},
+            # last_id: the newest step the job looked at, training or held out (a schedule's cursor)
+            "data_window": {**{k: train_window[k] for k in ("stream", "first_id", "steps")},
+                            "last_id": _newest_id(train_window["last_id"], held_window["last_id"]),
+                            "last_training_id": train_window["last_id"],
                             "requests": len(train_ex), "heldout_steps": held_window["steps"],
                             "heldout_requests": len(held_ex)}}
     (out / "candidate.json").write_text(json.dumps(meta, indent=1, default=str))
@@ -199,6 +202,13 @@ def run_heads_distillation(cfg: dict, progress: Callable[[str], None] = print) -
              f"{metrics['offline_acceptance_before']:.4f} -> {metrics['offline_acceptance_after']:.4f}; wrote {out} "
              f"in {time.time() - t0:.0f} s")
     return out
+
+
+def _newest_id(*ids: str | None) -> str | None:
+    from buffer.redis_store import stream_id_key
+
+    known = [i for i in ids if i]
+    return max(known, key=stream_id_key) if known else None
 
 
 def _default_out_dir(parent_version) -> Path:

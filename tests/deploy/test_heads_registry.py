@@ -235,8 +235,58 @@ def test_cli_registers_promotes_and_rolls_back_heads(regs, pair, target_model, t
     assert main(["versions", "--kind", "medusa", *base]) == 0
     assert "heads" in capsys.readouterr().out
     assert drafts.versions() == []
-    assert main(["distill", "--kind", "medusa", "--every", "10m", *base]) == 2
-    assert "not built yet" in capsys.readouterr().err
+    assert main(["distill", "--kind", "medusa", "--min-records", "5", *base]) == 2
+    assert "schedules by time" in capsys.readouterr().err
+
+
+def test_heads_schedule_runs_a_job_then_waits_for_new_records(regs, pair, target_model, tmp_path, redis_url):
+    """`distill --kind medusa --every`: a tick with new records runs a cycle under the job lock; a tick with
+    nothing newer than the last job's window, or while another job holds the lock, skips and the schedule
+    goes on."""
+    import threading
+
+    from deploy.heads import run_heads_schedule
+    from deploy.scheduler import JobLock
+
+    _, heads = regs
+    prefix = f"{PREFIX}:{time.time_ns()}"
+    try:
+        serve_records(pair[0], pair[1], redis_url, prefix, requests=12, heldout=False, heldout_fraction=0.25,
+                      max_tokens=16, tag="train")
+        serve_records(pair[0], pair[1], redis_url, prefix, requests=6, heldout=True, heldout_fraction=0.25,
+                      max_tokens=16, tag="held")
+        v1 = heads.register(make_heads(target_model, tmp_path / "h1", seed=1, scale=0.05))
+        heads.promote(v1)
+        job = {"redis_url": redis_url, "buffer_prefix": prefix, "heldout_fraction": 0.25, "budget_s": 3.0,
+               "min_train_rows": 16, "min_heldout_rows": 4}
+        kw = dict(policy=GatePolicy(min_requests=3, category_min_requests=10, bootstrap=200),
+                  evidence=HeadsEvidence(str(pair[0]), redis_url=redis_url, buffer_prefix=prefix,
+                                         heldout_fraction=0.25),
+                  smoke_check=lambda p: (True, "skipped in this test"), every_s=0.01)
+        stop, lines = threading.Event(), []
+
+        def progress(msg):
+            lines.append(msg)
+            if sum("[heads-schedule]" in m for m in lines) >= 2:
+                stop.set()
+
+        lock = JobLock(tmp_path / "job.lock")
+        ticks = run_heads_schedule(heads, str(pair[0]), job, stop=stop, lock=lock, progress=progress, **kw)
+        assert [t.status for t in ticks][1:] == ["skipped"] and ticks[0].status in ("promoted", "rejected")
+        assert ticks[0].version == "2" and heads.get("2").parent_version == v1
+        assert "0 new step records" in ticks[1].message and not lock.held
+        other = JobLock(tmp_path / "job.lock")
+        assert other.acquire()
+        serve_records(pair[0], pair[1], redis_url, prefix, requests=1, heldout=False, heldout_fraction=0.25,
+                      max_tokens=8, tag="late")
+        try:
+            ticks = run_heads_schedule(heads, str(pair[0]), job, lock=lock, max_jobs=0, progress=lambda m: None,
+                                       **kw)
+        finally:
+            other.release()
+        assert len(ticks) == 1 and ticks[0].status == "skipped" and "job lock" in ticks[0].message
+    finally:
+        drop_prefix(redis_url, prefix)
 
 
 def test_bench_heads_online_smoke(tmp_path, redis_url, monkeypatch):
