@@ -151,18 +151,26 @@ def test_heads_pinned_to_another_target_are_refused(regs, pair, target_model, tm
         svc.close()
 
 
+def served_buffer_and_champion(heads, pair, target_model, tmp_path, redis_url, prefix, train: int, held: int,
+                               max_tokens: int) -> str:
+    """Serve `train` training and `held` held-out requests into the buffer under `prefix` (held-out split
+    0.25), register near-zero heads and make them champion; returns their version."""
+    serve_records(pair[0], pair[1], redis_url, prefix, requests=train, heldout=False, heldout_fraction=0.25,
+                  max_tokens=max_tokens, tag="train")
+    serve_records(pair[0], pair[1], redis_url, prefix, requests=held, heldout=True, heldout_fraction=0.25,
+                  max_tokens=max_tokens, tag="held")
+    v1 = heads.register(make_heads(target_model, tmp_path / "h1", seed=1, scale=0.05))
+    heads.promote(v1)
+    return v1
+
+
 def test_heads_job_trains_on_served_records_and_the_gate_judges_it(regs, pair, target_model, tmp_path, redis_url):
     """Real records from real serving in real Redis: the job reads them (read-only), starts from the champion
     heads, and its candidate is registered and judged by the gate on its own held-out sample."""
     _, heads = regs
     prefix = f"{PREFIX}:{time.time_ns()}"
     try:
-        serve_records(pair[0], pair[1], redis_url, prefix, requests=16, heldout=False, heldout_fraction=0.25,
-                      max_tokens=24, tag="train")
-        serve_records(pair[0], pair[1], redis_url, prefix, requests=8, heldout=True, heldout_fraction=0.25,
-                      max_tokens=24, tag="held")
-        v1 = heads.register(make_heads(target_model, tmp_path / "h1", seed=1, scale=0.05))
-        heads.promote(v1)
+        v1 = served_buffer_and_champion(heads, pair, target_model, tmp_path, redis_url, prefix, 16, 8, 24)
         job = {"redis_url": redis_url, "buffer_prefix": prefix, "heldout_fraction": 0.25, "budget_s": 8.0,
                "lr": 3e-3, "min_train_rows": 32, "min_heldout_rows": 8, "out_dir": str(tmp_path / "cand")}
         evidence = HeadsEvidence(str(pair[0]), redis_url=redis_url, buffer_prefix=prefix, heldout_fraction=0.25)
@@ -251,12 +259,7 @@ def test_heads_schedule_runs_a_job_then_waits_for_new_records(regs, pair, target
     _, heads = regs
     prefix = f"{PREFIX}:{time.time_ns()}"
     try:
-        serve_records(pair[0], pair[1], redis_url, prefix, requests=12, heldout=False, heldout_fraction=0.25,
-                      max_tokens=16, tag="train")
-        serve_records(pair[0], pair[1], redis_url, prefix, requests=6, heldout=True, heldout_fraction=0.25,
-                      max_tokens=16, tag="held")
-        v1 = heads.register(make_heads(target_model, tmp_path / "h1", seed=1, scale=0.05))
-        heads.promote(v1)
+        v1 = served_buffer_and_champion(heads, pair, target_model, tmp_path, redis_url, prefix, 12, 6, 16)
         job = {"redis_url": redis_url, "buffer_prefix": prefix, "heldout_fraction": 0.25, "budget_s": 3.0,
                "min_train_rows": 16, "min_heldout_rows": 4}
         kw = dict(policy=GatePolicy(min_requests=3, category_min_requests=10, bootstrap=200),
