@@ -2,7 +2,7 @@
 real MLflow registry (SQLite), the replay buffer on the real Redis. Under continuous load from 4 clients:
 two promotions and one rollback (over HTTP), every replica on the new version within 10 s of each alias
 move, zero failed requests, every response naming its draft version; /metrics merges both replicas;
-live acceptance per draft version reaches MLflow."""
+live acceptance per draft version reaches MLflow; promoted Medusa heads reach both replicas and serve mode medusa."""
 from __future__ import annotations
 
 import json
@@ -176,3 +176,44 @@ def test_hot_swap_and_rollback_under_load_lose_no_request(stack):
     runs = client.search_runs([exp.experiment_id])
     logged = {r.data.tags.get("draftsmith.draft_version") for r in runs if "acceptance_rate" in r.data.metrics}
     assert {stack["v1"], *cand} <= logged
+
+
+def test_replicas_follow_the_heads_registry(stack):
+    """Medusa heads promoted in their own registered model reach both Ray Serve replicas (the heads source
+    deploy/app.py gives each Service) and serve mode medusa over HTTP; a rollback of the heads moves them back."""
+    import torch
+
+    from deploy.registry import heads_registry
+    from serving.decoding.medusa import HeadsConfig, MedusaHeads
+    from serving.engine import Engine
+
+    reg, root = stack["reg"], stack["root"]
+    heads = heads_registry(reg.target, name=reg.name, tracking_uri=reg.tracking_uri)
+    model = Engine.from_paths(reg.target, None, dtype=torch.float32).target.model
+    versions = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        h = MedusaHeads.for_target(model, HeadsConfig(model.config.hidden_size, 2, 1, True), list(range(259)))
+        versions.append(heads.register(h.save(root / f"heads-{seed}")))
+    for v in versions:
+        heads.promote(v, reason="test")
+
+    def heads_on(want: str, timeout_s: float = 15.0) -> None:
+        t0, seen = time.monotonic(), {}
+        with httpx.Client(base_url=stack["url"], timeout=10) as c:
+            while time.monotonic() - t0 < timeout_s:
+                h = c.get("/health").json()
+                seen[h["replica"]] = h["medusa_heads"]
+                if len(seen) == 2 and set(seen.values()) == {want}:
+                    return
+                time.sleep(0.1)
+        raise AssertionError(f"replicas not all on heads {want} within {timeout_s} s: {seen}")
+
+    heads_on(f"medusa-v{versions[1]}")
+    with httpx.Client(base_url=stack["url"], timeout=60) as c:
+        r = c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 8, "temperature": 0,
+                                            "speculative": {"mode": "medusa"}})
+        assert r.status_code == 200, r.text
+        assert r.json()["metrics"]["speculative_decoding"]["draft_version"] == f"medusa-v{versions[1]}"
+    heads.rollback(reason="test")
+    heads_on(f"medusa-v{versions[0]}")
