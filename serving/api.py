@@ -8,7 +8,7 @@
     GET  /metrics                                Prometheus text, merged over every replica
     GET  /v1/admin/draft                         this replica's draft version, the registry champion
     POST /v1/admin/reload                        load the champion now (other replicas: within seconds)
-    POST /v1/admin/rollback {"to": v?}           move the champion alias back (`draftsmith rollback`)
+    POST /v1/admin/rollback {"to": v?, "kind"?}  move the champion alias back (`draftsmith rollback [--kind medusa]`)
 
 Keys. The inference key (`api_key`) guards /v1/models and the completion routes: with one configured they
 need `Authorization: Bearer <key>` (401 otherwise). The admin routes /v1/admin/* never accept the
@@ -374,7 +374,7 @@ def build_app(service: Service) -> FastAPI:
 
     @app.post("/v1/admin/rollback", dependencies=[Depends(admin_auth)])
     async def admin_rollback(body: P.RollbackRequest):
-        return await run_in_threadpool(lambda: svc.rollback(body.to, reason=body.reason))
+        return await run_in_threadpool(lambda: svc.rollback(body.to, reason=body.reason, kind=body.kind))
 
     app.add_middleware(BodyLimit, limit=svc.settings.max_body_bytes)
     return app

@@ -180,6 +180,7 @@ class RollbackRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     to: str | StrictInt | None = Field(None, description="version to roll back to (default: the previous one)")
     reason: str = Field("", max_length=500)
+    kind: Literal["draft", "medusa"] = Field("draft", description="which draft kind: the draft model or the Medusa heads")
 
 
 # ----------------------------------------------------------------------------- translation

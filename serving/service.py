@@ -639,11 +639,24 @@ class Service:
         return {"replica": self.s.replica_id, "draft_version": version,
                 "note": "other replicas load the champion within their watch interval"}
 
-    def rollback(self, to: str | None = None, *, reason: str | None = None) -> dict:
-        """Move the registry's champion back (as `draftsmith rollback`) and load it here. InvalidRequest for a
-        wrong `to` (the draft source's ValueError), Conflict when there is no registry or it refuses."""
+    def rollback(self, to: str | None = None, *, reason: str | None = None, kind: str = "draft") -> dict:
+        """Move the registry's champion back (as `draftsmith rollback`) and load it here; `kind` "medusa": the
+        heads registry's (as `draftsmith rollback --kind medusa`). InvalidRequest for a wrong `to` (the
+        source's ValueError), Conflict when there is no registry or it refuses."""
         from serving.sources import DraftSourceError
 
+        if kind == "medusa":
+            if self.heads_source is None:
+                raise Conflict("this server serves a fixed Medusa heads folder (--medusa-heads) or none; there is "
+                               "no heads registry to roll back", code="no_registry")
+            try:
+                move = self.heads_source.rollback(to, reason=reason or "http admin")
+            except ValueError as e:
+                raise InvalidRequest(str(e), param="to") from None
+            except DraftSourceError as e:
+                raise Conflict(str(e), code="rollback_failed") from None
+            return {"changed": move.changed, "champion": move.champion, "old_champion": move.old_champion,
+                    "message": move.message, "replica_medusa_heads": self.check_heads()}
         if self.registry is None:
             raise Conflict("this server serves an explicit draft folder (--draft); nothing to roll back",
                            code="no_registry")

@@ -180,7 +180,8 @@ def test_hot_swap_and_rollback_under_load_lose_no_request(stack):
 
 def test_replicas_follow_the_heads_registry(stack):
     """Medusa heads promoted in their own registered model reach both Ray Serve replicas (the heads source
-    deploy/app.py gives each Service) and serve mode medusa over HTTP; a rollback of the heads moves them back."""
+    deploy/app.py gives each Service) and serve mode medusa over HTTP; the admin route's rollback of the heads
+    moves them back (and not the draft)."""
     import torch
 
     from deploy.registry import heads_registry
@@ -215,5 +216,12 @@ def test_replicas_follow_the_heads_registry(stack):
                                             "speculative": {"mode": "medusa"}})
         assert r.status_code == 200, r.text
         assert r.json()["metrics"]["speculative_decoding"]["draft_version"] == f"medusa-v{versions[1]}"
-    heads.rollback(reason="test")
+    draft_champion = reg.champion()
+    with httpx.Client(base_url=stack["url"], timeout=60) as c:          # loopback: the admin route is open
+        r = c.post("/v1/admin/rollback", json={"kind": "medusa", "reason": "test heads rollback"})
+        assert r.status_code == 200, r.text
+        assert r.json()["champion"] == versions[0] and r.json()["replica_medusa_heads"] == f"medusa-v{versions[0]}"
+        bad = c.post("/v1/admin/rollback", json={"kind": "eagle"})
+        assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+    assert heads.champion() == versions[0] and reg.champion() == draft_champion
     heads_on(f"medusa-v{versions[0]}")
