@@ -645,30 +645,21 @@ class Service:
         source's ValueError), Conflict when there is no registry or it refuses."""
         from serving.sources import DraftSourceError
 
-        if kind == "medusa":
-            if self.heads_source is None:
-                raise Conflict("this server serves a fixed Medusa heads folder (--medusa-heads) or none; there is "
-                               "no heads registry to roll back", code="no_registry")
-            try:
-                move = self.heads_source.rollback(to, reason=reason or "http admin")
-            except ValueError as e:
-                raise InvalidRequest(str(e), param="to") from None
-            except DraftSourceError as e:
-                raise Conflict(str(e), code="rollback_failed") from None
-            return {"changed": move.changed, "champion": move.champion, "old_champion": move.old_champion,
-                    "message": move.message, "replica_medusa_heads": self.check_heads()}
-        if self.registry is None:
-            raise Conflict("this server serves an explicit draft folder (--draft); nothing to roll back",
+        source, reload, loaded = ((self.heads_source, self.check_heads, "replica_medusa_heads") if kind == "medusa"
+                                  else (self.registry, self.check_champion, "replica_draft_version"))
+        if source is None:
+            raise Conflict("this server serves a fixed Medusa heads folder (--medusa-heads) or none; there is no "
+                           "heads registry to roll back" if kind == "medusa" else
+                           "this server serves an explicit draft folder (--draft); nothing to roll back",
                            code="no_registry")
         try:
-            move = self.registry.rollback(to, reason=reason or "http admin")
+            move = source.rollback(to, reason=reason or "http admin")
         except ValueError as e:
             raise InvalidRequest(str(e), param="to") from None
         except DraftSourceError as e:
             raise Conflict(str(e), code="rollback_failed") from None
-        version = self.check_champion()
         return {"changed": move.changed, "champion": move.champion, "old_champion": move.old_champion,
-                "message": move.message, "replica_draft_version": version}
+                "message": move.message, loaded: reload()}
 
     # ------------------------------------------------------------------ decoding
     def stream(self, prompt_ids: list[int], sampling, spec, *, request_id: str, log_mode: str = "full",
