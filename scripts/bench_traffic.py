@@ -74,7 +74,8 @@ def progress(msg: str) -> None:
 # ----------------------------------------------------------------------------- modes
 def make_spec(label: str, args):
     """SpecParams for a row label: default / default-fixed / speculative / speculative-fixed / any engine mode;
-    `tree+typical` / `medusa+typical`: that mode with Medusa's typical acceptance on the tree."""
+    `tree+typical` / `medusa+typical`: that mode with Medusa's typical acceptance on the tree;
+    `default+nostop` / `speculative+nostop`: adaptive chains without the draft-confidence stop."""
     from serving.config import DEFAULT_MODE, DRAFT_FREE_MODES, SpecParams
 
     label, _, variant = label.partition("+")
@@ -82,7 +83,7 @@ def make_spec(label: str, args):
     base = label[: -len("-fixed")] if fixed else label
     mode = DEFAULT_MODE if base == "default" else base
     kw = dict(mode=mode, gamma=args.gamma, beams=args.beams, tau=args.tau)
-    if variant:
+    if variant and variant != "nostop":     # +nostop: the adaptive chain without its confidence stop
         kw["extra"] = {"rule": variant}
     if mode not in DRAFT_FREE_MODES:
         kw["adaptive"] = not fixed
@@ -241,6 +242,7 @@ def run_engine(args) -> int:
     t_load = time.perf_counter()
     engine = Engine.from_paths(args.target, args.draft, device=args.device, dtype=dtype, heads=args.medusa_heads)
     progress(f"[traffic] models loaded in {time.perf_counter() - t_load:.1f} s")
+    stop_confidence = engine.stop_confidence if args.stop_confidence is None else args.stop_confidence
     labels = row_labels(args)
     specs = {label: make_spec(label, args) for label in labels}
     cats = args.categories
@@ -272,6 +274,7 @@ def run_engine(args) -> int:
                 outs = {}
                 for label in order:
                     t0 = time.perf_counter()
+                    engine.stop_confidence = 0.0 if label.endswith("+nostop") else stop_confidence
                     res = engine.generate_all(prompt, sampling(T, args.max_tokens, seed), specs[label], log_mode="none")
                     wall = time.perf_counter() - t0
                     st = res.stats
@@ -481,6 +484,9 @@ def main(argv=None) -> int:
     ap.add_argument("--fixed-gamma", action="store_true", help="add adaptive=False rows for default and speculative")
     ap.add_argument("--gamma", type=int, default=4, help="draft tokens per step (an upper bound when adaptive)")
     ap.add_argument("--beams", type=int, default=8)
+    ap.add_argument("--stop-confidence", type=float, default=None,
+                    help="adaptive chains end after a token the draft doubts below this (default: the engine's, "
+                         "serving/controller.py STOP_CONFIDENCE; rows `+nostop` turn it off)")
     ap.add_argument("--tau", type=float, default=0.1)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default=None, choices=[None, "bfloat16", "float16", "float32"])

@@ -29,7 +29,16 @@ Where the numbers come from:
   traffic, which every request's steps update too.
 - Probing: once a request stops drafting (k = 0) no new evidence arrives, so every `probe_gap` plain steps
   it drafts one token; a probe that is rejected doubles the gap (up to `max_probe_gap`), one that is
-  accepted resets it.
+  accepted resets it. Where the measured costs say drafting would not pay even at an acceptance of
+  HOPELESS_ALPHA (verification of a second token costing nearly a whole step, as in fp32 on a CPU without
+  fast small-batch matmuls), the gap goes to HOPELESS_PROBE_GAP at once: such probes only refresh the costs.
+
+The draft's own doubt: the planned k is an upper bound for a chain. After each drafted token the chain
+ends when the draft's confidence in it (the largest probability of its raw softmax) is below
+`stop_below` (STOP_CONFIDENCE for adaptive chains; MJSD's beams and fixed-gamma requests never stop):
+a token the draft doubts is often rejected, and every token drafted after a rejected one is wasted
+(BiLD's fallback test, Kim et al., "Speculative Decoding with Big Little Decoder", NeurIPS 2023, used here
+to end a proposal rather than to hand over). The estimate learns from the tokens actually proposed.
 
 What the controller never touches: the acceptance rule. It only chooses, from the history of earlier
 steps, how many tokens to propose and which proposer makes them; every rule verifies whatever is
@@ -48,6 +57,14 @@ PRIOR_VERIFY_SLOPE = 0.03      # extra target time per extra verified token, rel
 # model leaves out (a draft catch-up after plain steps), so a predicted 1-3% gain measured as a loss on the
 # traffic-mix benchmark's low-acceptance categories (docs/benchmarks.md).
 MIN_GAIN = 0.05
+# Probing (RequestController.take) backs off to the longest gap at once when drafting would not pay at this
+# acceptance under the measured costs: a probe there costs most of a step and can only refresh the costs.
+HOPELESS_ALPHA = 0.9
+HOPELESS_PROBE_GAP = 128     # plain steps between such probes (a probe costs about one more step)
+# A draft chain ends after a token whose draft confidence (the largest probability of the draft's raw
+# softmax) is below this; the planned k is then an upper bound. Chosen on the bootstrap's held-out teacher
+# data (scripts/bench_confidence.py, docs/benchmarks.md); 0 turns the stop off.
+STOP_CONFIDENCE = 0.6
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -246,6 +263,7 @@ class RequestController:
     draft_key: str = "chain"          # cost key of the mode's proposer ("chain", "beams")
     use_ngram: bool = False
     min_gain: float = MIN_GAIN
+    stop_below: float = 0.0           # chains end after a token the draft doubts (STOP_CONFIDENCE; 0: off)
     probe_gap0: int = 4
     max_probe_gap: int = 32
     est: dict = field(default_factory=dict)
@@ -282,20 +300,34 @@ class RequestController:
 
     def take(self, plan: Plan) -> Plan:
         """Accept a plan made for this request (alone, or by `plan_batch` for its batch): while it drafts
-        nothing, count the plain steps and turn every `probe_gap`-th into a one-token probe."""
+        nothing, count the plain steps and turn every `probe_gap`-th into a one-token probe. Where the
+        measured costs say no acceptance could make drafting pay (`hopeless`), a probe only refreshes
+        those costs, so probes come every HOPELESS_PROBE_GAP plain steps."""
         if plan.k == 0:
             self.zero_run += 1
             if self.zero_run >= self.probe_gap:       # no evidence arrives while not drafting: probe
+                if self.probe_gap < HOPELESS_PROBE_GAP and self.hopeless():
+                    self.probe_gap = HOPELESS_PROBE_GAP
+                    return plan
                 plan = Plan("draft", 1, probe=True)
         return plan
 
-    def observe(self, plan: Plan, accepted: int) -> None:
+    def hopeless(self) -> bool:
+        """Whether, at the measured costs, drafting would not pay even if HOPELESS_ALPHA of the draft's
+        tokens were accepted (e.g. a CPU where verifying two tokens costs 1.7x one-token step)."""
+        return best_k(HOPELESS_ALPHA, self.gamma, lambda k: self.costs.step_s(self.draft_key, k),
+                      self.min_gain)[0] == 0
+
+    def observe(self, plan: Plan, accepted: int, proposed: int | None = None) -> None:
+        """After a step: `accepted` of the `proposed` tokens (default plan.k; fewer when the chain stopped on
+        the draft's doubt) were accepted."""
         self.steps += 1
-        if plan.k == 0:
+        proposed = plan.k if proposed is None else min(int(proposed), plan.k)
+        if plan.k == 0 or proposed == 0:
             return
-        self._estimate(plan.proposer).update(plan.k, accepted)
+        self._estimate(plan.proposer).update(proposed, accepted)
         key = self.draft_key if plan.proposer == "draft" else plan.proposer
-        self.priors.update(self.version, key, self.greedy, plan.k, accepted)
+        self.priors.update(self.version, key, self.greedy, proposed, accepted)
         if plan.proposer == "draft":
             if plan.probe:
                 self.probe_gap = self.probe_gap0 if accepted else min(self.max_probe_gap, 2 * self.probe_gap)

@@ -64,7 +64,7 @@ import torch
 
 from buffer.records import RecordSink, StepRecord
 from serving.config import ADAPTIVE_MODES, NGRAM_SWITCH_MODES, SamplingParams, SpecParams
-from serving.controller import CostModel, ReplicaPriors, RequestController
+from serving.controller import STOP_CONFIDENCE, CostModel, ReplicaPriors, RequestController
 from serving.decoding.bild import bild_should_fallback
 from serving.decoding.ngram import ngram_propose, staged_accept
 from serving.decoding.spectr import spectr_verify
@@ -261,6 +261,8 @@ class Engine:
         self._energy = EnergyMeter(device)
         self.costs = CostModel()          # measured step costs of this replica (serving/controller.py)
         self.priors = ReplicaPriors()     # acceptance of recent traffic: each new request's prior
+        # adaptive chains end after a token the draft doubts (serving/controller.py STOP_CONFIDENCE)
+        self.stop_confidence = STOP_CONFIDENCE
         self._broken: str | None = None
         self._failures = 0
 
@@ -471,14 +473,17 @@ class Engine:
                       cancel=cancel, arm=arm)
         if adaptive:
             # A seeded request must reproduce its output, so its controller decides from its own history
-            # only (prior costs, the default prior), never from the replica's timings or other traffic.
-            seeded = sampling.seed is not None
+            # only (prior costs, the default prior), never from the replica's timings or other traffic;
+            # except when its output cannot depend on the plan: greedy, in a mode that then emits exactly the
+            # target's greedy tokens (all but mentored, whose KL budget may keep a draft token at T=0), so a
+            # seeded greedy request gets the replica's measured costs like any other.
+            seeded = sampling.seed is not None and not (sampling.greedy and mode != "mentored")
             beams = mode == "mjsd" and sampling.temperature > 0 and spec.beams > 1
             req.controller = RequestController(
                 gamma=spec.gamma, costs=CostModel() if seeded else self.costs,
                 priors=ReplicaPriors() if seeded else self.priors, version=version,
                 greedy=sampling.greedy, draft_key="beams" if beams else "chain",
-                use_ngram=mode in NGRAM_SWITCH_MODES)
+                use_ngram=mode in NGRAM_SWITCH_MODES, stop_below=0.0 if beams else self.stop_confidence)
         self.scheduler.submit(req)
         try:
             while True:

@@ -586,14 +586,24 @@ class BatchScheduler:
                 state[i] = {"beam": False, "tokens": [int(sample(p, reqs[i].gen))], "probs": [p]}
                 width = 1
             state[i]["offset"] = len(fork_rows)
+            state[i]["k"] = plans[i].k
             fork_rows += [i] * width
-        K = max(plans[i].k for i in drafting)
+        stops = {i: reqs[i].controller.stop_below for i in drafting
+                 if not state[i]["beam"] and reqs[i].controller is not None and reqs[i].controller.stop_below > 0}
+        for i in stops:
+            _confidence_stop(state[i], first[i], stops[i], 0)
+        K = max(state[i]["k"] for i in drafting)
         fork = dkv.fork(fork_rows) if K > 1 else None
+        forwards = 1
         for step in range(1, K):
+            live = [i for i in drafting if step < state[i]["k"]]
+            if not live:      # every chain stopped on its draft's doubt: no forward left to run
+                break
+            forwards += 1
             blocks: list[list[int]] = [[] for _ in fork_rows]
             for i in drafting:
                 s = state[i]
-                if step >= plans[i].k:
+                if step >= s["k"]:
                     continue
                 if s["beam"]:
                     toks = s["tokens"][-1]
@@ -605,7 +615,7 @@ class BatchScheduler:
             perm = list(range(len(fork_rows)))
             for i in drafting:
                 s = state[i]
-                if step >= plans[i].k:
+                if step >= s["k"]:
                     continue
                 o = s["offset"]
                 if s["beam"]:
@@ -621,6 +631,8 @@ class BatchScheduler:
                     p = warps[i](logits[o]).exp()
                     s["tokens"].append(int(sample(p, reqs[i].gen)))
                     s["probs"].append(p)
+                    if i in stops:
+                        _confidence_stop(s, logits[o], stops[i], step)
             if step + 1 < K and perm != list(range(len(fork_rows))):
                 fork.reorder_tail(perm, step)
         for i in drafting:
@@ -632,7 +644,7 @@ class BatchScheduler:
                 full[:, out_ids] = rows
                 rows = full
             out[i] = (tokens, rows)
-        return len(fork_rows), K
+        return len(fork_rows), forwards
 
     def _warp_rows(self, reqs: list[Request], logits: torch.Tensor):
         """Every row's warped target distribution, one call per distinct (temperature, top-k, top-p) in the
@@ -694,7 +706,7 @@ class BatchScheduler:
                 stats.zero_draft_steps += 1
             elif plan.plan.probe:
                 stats.probe_steps += 1
-            req.controller.observe(plan.plan, n)
+            req.controller.observe(plan.plan, n, k)
             if batch == 1:   # the cost model describes a request stepping alone
                 self._observe_costs(req, plan, k, draft_s, target_s)
         recorded = req.sink is not None and spec.mode != "target" and (k or req.controller is not None)
@@ -716,6 +728,17 @@ class BatchScheduler:
         observed for every batch size by _observe_batch_costs)."""
         if plan.proposer in ("chain", "beams") and k and self._steady_draft:
             self.engine.costs.observe_draft(req.controller.draft_key, k, draft_s)
+
+
+def _confidence_stop(state: dict, logits: torch.Tensor, threshold: float, step: int) -> None:
+    """End a chain after its token of this `step` when the draft doubts it: the largest probability of the
+    draft's raw softmax (temperature 1, unwarped, in its own output space) below `threshold`
+    (controller.STOP_CONFIDENCE). A rejected token ends a step anyway, so tokens drafted after a doubtful
+    one are mostly wasted draft forwards and verified rows. The stop reads only the draft's own
+    distribution, never the target's, so every rule verifies what is proposed exactly as before (the
+    draft length is a stopping time of the draft's own draws: speculative sampling stays lossless)."""
+    if float(torch.softmax(logits.float(), dim=-1).max()) < threshold:
+        state["k"] = min(state["k"], step + 1)
 
 
 def _warper(sampling: SamplingParams):

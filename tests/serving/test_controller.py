@@ -74,6 +74,24 @@ def test_hopeless_draft_falls_to_zero_and_only_probes():
     assert sum(p.k for p in plans) / len(plans) < 0.1
 
 
+def test_where_no_acceptance_could_pay_probes_are_rare():
+    """Verifying a second token costs 1.7x a one-token step (measured in fp32 on this project's CPU): even
+    a draft accepted half the time never pays, so after its first plain steps the request probes only every
+    HOPELESS_PROBE_GAP steps, accepted probes or not. With cheap verification the same draft drafts."""
+    from serving.controller import HOPELESS_PROBE_GAP
+
+    rng = random.Random(3)
+    dear = costs(target_ms=70.0, draft_ms=10.0, slope=0.7)
+    ctrl = controller(prior=0.5, c=dear)
+    assert ctrl.hopeless() and not controller(c=costs()).hopeless()
+    plans = run(ctrl, accept_p=0.5, steps=200, rng=rng)
+    drafting = [i for i, p in enumerate(plans) if p.k > 0]
+    assert all(plans[i].probe and plans[i].k == 1 for i in drafting)
+    assert len(drafting) <= 200 / HOPELESS_PROBE_GAP + 1, drafting
+    cheap = run(controller(prior=0.5), accept_p=0.5, steps=200, rng=rng)
+    assert sum(p.k > 0 for p in cheap) > 150
+
+
 def test_recovers_when_the_draft_starts_to_pay():
     rng = random.Random(1)
     ctrl = controller(prior=0.5)
@@ -360,3 +378,122 @@ def test_plan_batch_uses_the_ngram_lookup_where_it_beats_the_draft_and_respects_
     assert plans[0].proposer == "ngram" and plans[0].k >= 1
     assert plans[1].proposer == "draft" and 1 <= plans[1].k <= 2
     assert plans[2].proposer == "none" and plans[2].k == 0
+
+
+# ---------------------------------------------------------------------------- the draft-confidence stop
+def always_draft(monkeypatch, k: int):
+    """Every step plans the draft model at k tokens, so only the confidence stop can shorten a chain."""
+    monkeypatch.setattr(engine_module.RequestController, "plan", lambda self, ngram_available=0: Plan("draft", k))
+
+
+@pytest.mark.parametrize("mode", ["speculative", "mjsd"])
+def test_confidence_stop_shortens_chains_and_keeps_greedy_exact(engines, monkeypatch, mode):
+    """Threshold above 1: every chain ends after its first token; 0: never; a middle threshold (the median
+    confidence of this draft) ends some chains early. Every output equals target greedy."""
+    always_draft(monkeypatch, 4)
+    eng = engines["same"]
+    prompt = eng.tokenizer(PROMPT)["input_ids"]
+    expected = reference_greedy(eng.target.model, prompt, GREEDY.max_tokens)
+    with torch.no_grad():
+        conf = torch.softmax(eng.draft.model(torch.tensor([prompt + expected])).logits[0].float(), -1).max(-1).values
+    drafted = {}
+    for threshold in (1.01, float(conf.median()), 0.0):
+        monkeypatch.setattr(eng, "stop_confidence", threshold)
+        res = eng.generate_all(prompt, GREEDY, SpecParams(mode=mode, gamma=4, beams=3))
+        assert res.token_ids == expected, threshold
+        st = res.stats
+        drafted[threshold] = st.draft_tokens / st.steps
+        assert sum(st.accepted_per_position) == st.accepted_tokens <= st.draft_tokens
+    low, mid, high = drafted[0.0], drafted[float(conf.median())], drafted[1.01]
+    assert high == 1.0                       # stopped after the first token, every step
+    assert low > 3.0                         # never stopped (the last step may be cut by max_tokens)
+    assert high < mid < low, drafted
+
+
+def test_controller_learns_from_the_tokens_actually_proposed():
+    ctrl = controller(gamma=4, prior=0.5)
+    ctrl.observe(Plan("draft", 4), accepted=1, proposed=1)      # a chain stopped after one token, accepted
+    est = ctrl._estimate("draft")
+    assert est.accepted == 1.0 and est.rejected == 0.0
+    ctrl.observe(Plan("draft", 4), accepted=0, proposed=2)
+    assert est.rejected == 1.0
+    ctrl.observe(Plan("draft", 4), accepted=0, proposed=0)      # nothing proposed: no evidence
+    assert est.observations == 2
+
+
+@pytest.mark.slow
+def test_speculative_sampling_stays_exact_with_the_confidence_stop(engines, monkeypatch):
+    """Chi-square, as above, with chains ending on the draft's doubt at the median confidence of this draft
+    after the prompt's one-token continuations: whether the second token is drafted depends on the first
+    draft sample, and the 2nd emitted token must still follow the target exactly."""
+    always_draft(monkeypatch, 3)
+    eng = engines["random"]
+    prompt = eng.tokenizer("the cat sat")["input_ids"]
+    V = len(eng.tokenizer)
+    with torch.no_grad():
+        conf = torch.softmax(eng.draft.model(torch.tensor([prompt + [t] for t in range(V)])).logits[:, -1].float(),
+                             -1).max(-1).values
+    monkeypatch.setattr(eng, "stop_confidence", float(conf.median()))
+    sampling = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, max_tokens=2)
+    n = 2000
+    counts = np.zeros(V + 1)
+    lengths = set()
+    for i in range(n):
+        s = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, max_tokens=2, seed=i)
+        res = eng.generate_all(prompt, s, SpecParams(mode="speculative", gamma=3))
+        out = res.token_ids
+        lengths.add(res.stats.draft_tokens)
+        counts[out[1] if len(out) > 1 else -1] += 1
+    assert len(lengths) > 1                   # the stop did cut some chains and not others
+    p = joint_second_token(eng.target.model, prompt, sampling)
+    exp = p * n
+    big = exp >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    ex = np.append(exp[big], exp[~big].sum())
+    keep = ex > 0
+    assert scipy_stats.chisquare(obs[keep], ex[keep] * obs[keep].sum() / ex[keep].sum()).pvalue > 1e-4
+
+
+def test_a_seeded_greedy_request_uses_the_replicas_costs_a_seeded_sampled_one_its_own(engines, monkeypatch):
+    """A seed must reproduce a sampled output, so a seeded T > 0 request plans from prior costs only; at T=0
+    the output is the target's greedy whatever the plan, so a seeded greedy request plans with the replica's
+    measured costs and recent acceptance, like an unseeded one (the OpenAI client's seed no longer turns the
+    controller blind)."""
+    eng = engines["same"]
+    seen = []
+    real_submit = eng.scheduler.submit
+
+    def submit(req):
+        seen.append(req.controller)
+        real_submit(req)
+
+    monkeypatch.setattr(eng.scheduler, "submit", submit)
+    prompt = eng.tokenizer(PROMPT)["input_ids"]
+    for sampling in (SamplingParams(temperature=0.0, max_tokens=4, seed=1),
+                     SamplingParams(temperature=0.0, max_tokens=4),
+                     SamplingParams(temperature=1.0, max_tokens=4, seed=1)):
+        eng.generate_all(prompt, sampling, SpecParams(mode="speculative", gamma=4))
+    greedy_seeded, greedy, sampled_seeded = seen
+    assert greedy_seeded.costs is eng.costs and greedy_seeded.priors is eng.priors
+    assert greedy.costs is eng.costs
+    assert sampled_seeded.costs is not eng.costs and sampled_seeded.priors is not eng.priors
+
+
+def test_confidence_replay_matches_greedy_speculative_decoding_by_hand():
+    """scripts/bench_confidence.py's replay: one example of 6 answer positions, the draft agreeing on all but
+    position 2 and doubting position 1."""
+    import numpy as np
+
+    from scripts.bench_confidence import simulate
+
+    agree = np.array([1, 1, 0, 1, 1, 1], dtype=bool)
+    conf = np.array([0.9, 0.3, 0.9, 0.9, 0.9, 0.9])
+    ex = np.zeros(6, dtype=int)
+    # fixed k=4, no stop: step 1 drafts 0..3, accepts 2, emits 3 (pos -> 3); step 2 drafts 3..5, accepts 3,
+    # emits min(4, 3) = 3: 6 tokens, 7 drafted, 5 accepted
+    r = simulate(conf, agree, ex, max_k=4, threshold=0.0, c=0.0, slope=0.0)
+    assert r["acceptance"] == pytest.approx(5 / 7) and r["speedup"] == pytest.approx(6 / 2)
+    # stop below 0.5: step 1 ends after position 1 (2 drafted, both accepted, emits 3: pos -> 3)
+    s = simulate(conf, agree, ex, max_k=4, threshold=0.5, c=0.1, slope=0.0)
+    assert s["acceptance"] == pytest.approx(5 / 5)
+    assert s["speedup"] == pytest.approx(6 / (5 * 0.1 + 2))
