@@ -251,7 +251,10 @@ def run_engine(args) -> int:
     temps = args.temperatures
 
     def sampling(T: float, max_tokens: int, seed: int) -> SamplingParams:
-        return SamplingParams(temperature=T, top_k=0, top_p=1.0, max_tokens=max_tokens, seed=seed)
+        # --no-seed: what an OpenAI client sends by default; the controller of an unseeded (or greedy)
+        # request plans with the replica's measured costs, a seeded sampled one with prior costs only
+        return SamplingParams(temperature=T, top_k=0, top_p=1.0, max_tokens=max_tokens,
+                              seed=None if args.no_seed else seed)
 
     # warm-up: one untimed generation per mode and temperature (first-call allocations, kernel choice)
     warm = ids[cats[0]][0]
@@ -306,7 +309,7 @@ def run_engine(args) -> int:
              f"dtype={next(engine.target.model.parameters()).dtype} threads={torch.get_num_threads()} "
              f"prompts=traffic_prompts x{args.n or 12}/category max_tokens={args.max_tokens} "
              f"T={','.join(f'{T:g}' for T in temps)} top_k=0 top_p=1.0 gamma={args.gamma} beams={args.beams} "
-             f"tau={args.tau}")
+             f"tau={args.tau} seeds={'none' if args.no_seed else 'per prompt'} stop_confidence={stop_confidence}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = dict(setup=setup, args={k: v for k, v in vars(args).items()}, date=time.strftime("%Y-%m-%d %H:%M"),
@@ -484,6 +487,9 @@ def main(argv=None) -> int:
     ap.add_argument("--fixed-gamma", action="store_true", help="add adaptive=False rows for default and speculative")
     ap.add_argument("--gamma", type=int, default=4, help="draft tokens per step (an upper bound when adaptive)")
     ap.add_argument("--beams", type=int, default=8)
+    ap.add_argument("--no-seed", action="store_true",
+                    help="send no seed (the OpenAI default): the controller then plans with the replica's measured "
+                         "costs at every temperature, not only at T=0")
     ap.add_argument("--stop-confidence", type=float, default=None,
                     help="adaptive chains end after a token the draft doubts below this (default: the engine's, "
                          "serving/controller.py STOP_CONFIDENCE; rows `+nostop` turn it off)")

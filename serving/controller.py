@@ -32,6 +32,8 @@ Where the numbers come from:
   accepted resets it. Where the measured costs say drafting would not pay even at an acceptance of
   HOPELESS_ALPHA (verification of a second token costing nearly a whole step, as in fp32 on a CPU without
   fast small-batch matmuls), the gap goes to HOPELESS_PROBE_GAP at once: such probes only refresh the costs.
+  And no gap is shorter than what keeps probes within PROBE_BUDGET (2%) of the time at the measured
+  cost of a probe (`affordable_gap`): 10 plain steps where a probe costs 0.2 of a step, 44 where it costs 0.87.
 
 The draft's own doubt: the planned k is an upper bound for a chain. After each drafted token the chain
 ends when the draft's confidence in it (the largest probability of its raw softmax) is below
@@ -47,6 +49,7 @@ current step's random draws).
 """
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass, field
 
@@ -61,6 +64,8 @@ MIN_GAIN = 0.05
 # acceptance under the measured costs: a probe there costs most of a step and can only refresh the costs.
 HOPELESS_ALPHA = 0.9
 HOPELESS_PROBE_GAP = 128     # plain steps between such probes (a probe costs about one more step)
+# Elsewhere probes are spaced so that they take at most this share of a request's time (affordable_gap).
+PROBE_BUDGET = 0.02
 # A draft chain ends after a token whose draft confidence (the largest probability of the draft's raw
 # softmax) is below this; the planned k is then an upper bound. Chosen on the bootstrap's held-out teacher
 # data (scripts/bench_confidence.py, docs/benchmarks.md); 0 turns the stop off.
@@ -309,8 +314,20 @@ class RequestController:
                 if self.probe_gap < HOPELESS_PROBE_GAP and self.hopeless():
                     self.probe_gap = HOPELESS_PROBE_GAP
                     return plan
+                floor = self.affordable_gap()
+                if self.zero_run < floor:
+                    self.probe_gap = floor
+                    return plan
                 plan = Plan("draft", 1, probe=True)
         return plan
+
+    def affordable_gap(self) -> int:
+        """The fewest plain steps between probes that keep probing within PROBE_BUDGET of the time: a probe
+        costs step_s(1) - step_s(0) more than the plain step it replaces (0.2 of a step where verifying a
+        second token is nearly free, most of a step where it is not)."""
+        plain = self.costs.step_s(self.draft_key, 0)
+        extra = max(0.0, self.costs.step_s(self.draft_key, 1) - plain) / max(plain, 1e-9)
+        return min(HOPELESS_PROBE_GAP, max(self.probe_gap0, math.ceil(extra / PROBE_BUDGET)))
 
     def hopeless(self) -> bool:
         """Whether, at the measured costs, drafting would not pay even if HOPELESS_ALPHA of the draft's

@@ -92,6 +92,22 @@ def test_where_no_acceptance_could_pay_probes_are_rare():
     assert sum(p.k > 0 for p in cheap) > 150
 
 
+def test_probes_stay_within_their_time_budget():
+    """A probe costs c + slope more than a plain step: probes are spaced to cost at most PROBE_BUDGET of the
+    time (cheap verification: about every 7 steps; a second token at 0.6 of a step: about every 35)."""
+    from serving.controller import PROBE_BUDGET
+
+    for slope, low, high in ((0.03, 7, 7), (0.6, 35, 36)):
+        ctrl = controller(prior=0.5, c=costs(target_ms=30.0, draft_ms=3.0, slope=slope))
+        gap = ctrl.affordable_gap()
+        assert low <= gap <= high, (slope, gap)
+        extra = (3.0 + 30.0 * slope) / 30.0
+        assert extra / gap <= PROBE_BUDGET + 1e-9
+        plans = run(ctrl, accept_p=0.0, steps=400, rng=random.Random(4))
+        probes = [i for i, p in enumerate(plans) if p.probe]
+        assert all(b - a >= gap for a, b in zip(probes, probes[1:])), (slope, probes)   # a probe per gap steps
+
+
 def test_recovers_when_the_draft_starts_to_pay():
     rng = random.Random(1)
     ctrl = controller(prior=0.5)
