@@ -16,6 +16,7 @@ import torch
 
 from tests import tiny_models
 from serving.config import SamplingParams, SpecParams
+from serving.controller import CostModel
 from serving.engine import Engine, canary_bucket, routes_to_canary
 
 PROMPTS = ["abc abc abd the cat sat on the mat the cat", "hello", "the mat the cat sat on the cat abc abd abc x",
@@ -85,6 +86,16 @@ def test_a_batch_with_rows_on_two_drafts_decodes_losslessly(pair, near_draft):
     goes away mid-request hands its rows to the champion, still lossless."""
     target, own = pair
     eng = Engine.from_paths(str(target), str(own), dtype=torch.float32, device="cpu", draft_version="1")
+    # The adaptive rows must keep drafting after the canary goes away: costs of a real pair (a draft token
+    # 0.1 of a step, +3% per verified token), not the tiny models' timings, where a draft forward costs
+    # about what a target forward does and the controller (rightly) stops drafting.
+    fixed = CostModel(weight=1.0)
+    for n in range(1, 18):
+        fixed.observe_target(n, 0.03 * (1 + 0.03 * (n - 1)))
+    fixed.observe_draft("chain", 1, 0.003)
+    fixed.observe_target = fixed.observe_draft = fixed.observe_draft_forward = fixed.observe_overhead = \
+        lambda *a, **k: None
+    eng.costs = fixed
     eng.set_canary(near_draft, "2", 0.5)
     assert eng.canary.output_token_ids is not None and eng.draft.output_token_ids is None
     sampling = SamplingParams(temperature=0.0, max_tokens=40)
