@@ -48,6 +48,7 @@ import torch
 from buffer.records import RecordSink, SequenceRecord, StepRecord
 from serving.config import SamplingParams, SpecParams
 from serving.controller import Plan, RequestController, RowOption, plan_batch
+from serving.decoding.bild import bild_should_fallback
 from serving.decoding.mjsd import beam_sample_finalize, beam_sample_step
 from serving.decoding.types import VerifyResult
 from serving.decoding.warp import sample, warp_logprobs
@@ -596,8 +597,7 @@ class BatchScheduler:
         fork = dkv.fork(fork_rows) if K > 1 else None
         forwards = 1
         for step in range(1, K):
-            live = [i for i in drafting if step < state[i]["k"]]
-            if not live:      # every chain stopped on its draft's doubt: no forward left to run
+            if all(step >= state[i]["k"] for i in drafting):   # every chain stopped on its draft's doubt
                 break
             forwards += 1
             blocks: list[list[int]] = [[] for _ in fork_rows]
@@ -733,11 +733,11 @@ class BatchScheduler:
 def _confidence_stop(state: dict, logits: torch.Tensor, threshold: float, step: int) -> None:
     """End a chain after its token of this `step` when the draft doubts it: the largest probability of the
     draft's raw softmax (temperature 1, unwarped, in its own output space) below `threshold`
-    (controller.STOP_CONFIDENCE). A rejected token ends a step anyway, so tokens drafted after a doubtful
+    (controller.STOP_CONFIDENCE): BiLD's fallback test (serving/decoding/bild.py). A rejected token ends a step anyway, so tokens drafted after a doubtful
     one are mostly wasted draft forwards and verified rows. The stop reads only the draft's own
     distribution, never the target's, so every rule verifies what is proposed exactly as before (the
     draft length is a stopping time of the draft's own draws: speculative sampling stays lossless)."""
-    if float(torch.softmax(logits.float(), dim=-1).max()) < threshold:
+    if bild_should_fallback(torch.softmax(logits.float(), dim=-1), threshold):
         state["k"] = min(state["k"], step + 1)
 
 
