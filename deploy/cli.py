@@ -142,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--medusa-heads", default=os.environ.get("DRAFTSMITH_MEDUSA_HEADS"), metavar="PATH",
                    help="Medusa heads folder (built by `python -m training.heads`) for requests with "
                         "speculative.mode 'medusa' (default $DRAFTSMITH_MEDUSA_HEADS; none: that mode answers 400)")
+    s.add_argument("--eagle-head", default=os.environ.get("DRAFTSMITH_EAGLE_HEAD"), metavar="PATH",
+                   help="EAGLE-style head folder (built by `python -m training.heads --kind eagle`) for requests "
+                        "with speculative.mode 'eagle' (default $DRAFTSMITH_EAGLE_HEAD; none: that mode answers 400)")
     s.add_argument("--replicas", type=_positive_int, default=1)
     s.add_argument("--api-key", default=os.environ.get("DRAFTSMITH_API_KEY"),
                    help="require this bearer token on the inference routes (default $DRAFTSMITH_API_KEY; "
@@ -328,6 +331,8 @@ def cmd_serve(args) -> int:
     keys = {"admin_api_key": args.admin_key} if args.admin_key else {}   # else serve_forever reads the env
     if args.medusa_heads:
         keys["medusa_heads"] = str(Path(args.medusa_heads).resolve())
+    if args.eagle_head:
+        keys["eagle_head"] = str(Path(args.eagle_head).resolve())
     serve_forever(host=args.host, port=args.port, target=args.target, draft=args.draft,
                   replicas=args.replicas, api_key=args.api_key, **keys)
     return EXIT_OK

@@ -10,7 +10,9 @@ draft)": our engine with the SAME draft weights over the full vocabulary (a seco
 the draft folder without the cut), next to "speculative" (the cut as served) and "HF assisted
 (full-vocab draft)". Every row gets one untimed warm-up generation first, HF included. A second draft
 kind joins with `--medusa-heads PATH --modes ...,medusa` (Medusa heads on the target's hidden state,
-serving/decoding/medusa.py); `medusa+typical` (or `tree+typical`) runs it with typical acceptance on the tree.
+serving/decoding/medusa.py), and the EAGLE-style head with `--eagle-head PATH --modes ...,eagle`
+(serving/decoding/eagle.py); `medusa+typical` (or `tree+typical`, `eagle+typical`) runs it with typical
+acceptance on the tree.
 
 Reports tokens/s, ratio to target-only, mean accepted length (draft tokens accepted per step),
 acceptance rate, output perplexity under the target (the MJSD paper's quality metric: exp of the
@@ -213,6 +215,8 @@ def main(argv=None) -> int:
     ap.add_argument("--draft", required=True, help="draft model folder (same tokenizer)")
     ap.add_argument("--medusa-heads", default=None,
                     help="Medusa heads folder (python -m training.heads): adds the draft kind as mode 'medusa'")
+    ap.add_argument("--eagle-head", default=None,
+                    help="EAGLE-style head folder (python -m training.heads --kind eagle): adds the kind as mode 'eagle'")
     ap.add_argument("--prompts", default="gsm8k", help="prompt source (training/prompts.py), held-out split")
     ap.add_argument("--n", type=int, default=10, help="number of prompts")
     ap.add_argument("--max-tokens", type=int, default=96)
@@ -233,6 +237,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if any(m.startswith("medusa") for m in args.modes.split(",")) and not args.medusa_heads:
         ap.error("mode 'medusa' needs --medusa-heads PATH (heads from `python -m training.heads`)")
+    if any(m.strip().startswith("eagle") for m in args.modes.split(",")) and not args.eagle_head:
+        ap.error("an `eagle` row needs --eagle-head PATH (a head from `python -m training.heads --kind eagle`)")
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype) if args.dtype else None
@@ -242,7 +248,8 @@ def main(argv=None) -> int:
 
 def _run(args, dtype, stack: contextlib.ExitStack) -> int:
     modes = args.modes.split(",")
-    engine = Engine.from_paths(args.target, args.draft, device=args.device, dtype=dtype, heads=args.medusa_heads)
+    engine = Engine.from_paths(args.target, args.draft, device=args.device, dtype=dtype, heads=args.medusa_heads,
+                                eagle=args.eagle_head)
     prompts = [chat_prompt_ids(engine.tokenizer, t) for t in load_prompts(args.prompts, "heldout", args.n)]
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               max_tokens=args.max_tokens)

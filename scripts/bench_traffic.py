@@ -74,7 +74,7 @@ def progress(msg: str) -> None:
 # ----------------------------------------------------------------------------- modes
 def make_spec(label: str, args):
     """SpecParams for a row label: default / default-fixed / speculative / speculative-fixed / any engine mode;
-    `tree+typical` / `medusa+typical`: that mode with Medusa's typical acceptance on the tree;
+    `tree+typical` / `medusa+typical` / `eagle+typical` (or `+mjsd`): that mode with Medusa's typical acceptance on the tree;
     `default+nostop` / `speculative+nostop`: adaptive chains without the draft-confidence stop."""
     from serving.config import DEFAULT_MODE, DRAFT_FREE_MODES, SpecParams
 
@@ -240,7 +240,8 @@ def run_engine(args) -> int:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     t_load = time.perf_counter()
-    engine = Engine.from_paths(args.target, args.draft, device=args.device, dtype=dtype, heads=args.medusa_heads)
+    engine = Engine.from_paths(args.target, args.draft, device=args.device, dtype=dtype, heads=args.medusa_heads,
+                                eagle=args.eagle_head)
     progress(f"[traffic] models loaded in {time.perf_counter() - t_load:.1f} s")
     stop_confidence = engine.stop_confidence if args.stop_confidence is None else args.stop_confidence
     labels = row_labels(args)
@@ -478,6 +479,7 @@ def main(argv=None) -> int:
     ap.add_argument("--draft", required=True, help="draft model folder (same tokenizer as the target)")
     ap.add_argument("--target", default=None, help="target model folder (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--medusa-heads", default=None, help="Medusa heads folder, for a `medusa` row in --modes")
+    ap.add_argument("--eagle-head", default=None, help="EAGLE-style head folder, for an `eagle` row in --modes")
     ap.add_argument("--n", type=int, default=12, help="prompts per category (at most 12)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--modes", default=DEFAULT_MODES,
@@ -510,6 +512,8 @@ def main(argv=None) -> int:
         ap.error(f"--draft {args.draft}: no such folder")
     if any(m.strip().startswith("medusa") for m in args.modes.split(",")) and not args.medusa_heads:
         ap.error("a `medusa` row needs --medusa-heads PATH (heads from `python -m training.heads`)")
+    if any(m.strip().startswith("eagle") for m in args.modes.split(",")) and not args.eagle_head:
+        ap.error("an `eagle` row needs --eagle-head PATH (a head from `python -m training.heads --kind eagle`)")
     return run_http(args) if args.http else run_engine(args)
 
 

@@ -10,11 +10,12 @@ import math
 from dataclasses import asdict, dataclass, field
 
 # Decoding modes the engine understands. "target" is plain target-only decoding (the baseline);
-# "target", "ngram" and "medusa" need no draft model (DRAFT_FREE_MODES); "medusa" needs the replica's Medusa
-# heads instead (serving/decoding/medusa.py, ServiceSettings.medusa_heads).
+# "target", "ngram", "medusa" and "eagle" need no draft model (DRAFT_FREE_MODES); "medusa" needs the replica's
+# Medusa heads instead (serving/decoding/medusa.py, ServiceSettings.medusa_heads), "eagle" its EAGLE-style head
+# (serving/decoding/eagle.py, ServiceSettings.eagle_head).
 MODES = ("mjsd", "speculative", "target", "typical", "mentored", "spectr", "bild", "ngram", "staged", "tree",
-         "medusa")
-DRAFT_FREE_MODES = ("target", "ngram", "medusa")
+         "medusa", "eagle")
+DRAFT_FREE_MODES = ("target", "ngram", "medusa", "eagle")
 # Modes whose draft length the adaptive controller chooses per step (the others keep gamma fixed: bild
 # has its own confidence stop, spectr / staged / ngram their own proposal structure).
 ADAPTIVE_MODES = ("mjsd", "speculative", "typical", "mentored")
@@ -35,7 +36,9 @@ DEFAULT_MODE = "mjsd"
 #   tree      width: top-k children of the root, branch: top-k children of each depth-1 node, one child
 #             deeper, depth gamma; verified in one target pass with a tree mask (serving/decoding/tree.py)
 #   medusa    the same width / branch, the tree read off the Medusa heads (depth min(gamma, heads))
-#   tree, medusa also: rule "exact" (greedy at T=0, the lossless deterministic-children rule otherwise) or
+#   eagle     the same width / branch, the tree grown by the EAGLE-style head (depth gamma: one head forward
+#             per depth, each depth reading the features the head predicted for the depth above)
+#   tree, medusa, eagle also: rule "exact" (greedy at T=0, the lossless deterministic-children rule otherwise) or
 #             "typical" (Medusa's typical acceptance on the tree at T > 0, lossy; posterior_threshold /
 #             posterior_alpha as for mode typical) or "mjsd" (MJSD's joint test on every tree path at T > 0,
 #             lossy: the deepest node with min(1, p/q) > tau, knob tau as mode mjsd's, default DEFAULT_TAU)
@@ -51,7 +54,10 @@ MODE_KNOBS: dict[str, dict[str, float | int | str]] = {
              "tau": DEFAULT_TAU},
     "medusa": {"width": 2, "branch": 1, "rule": "exact", "posterior_threshold": 0.09, "posterior_alpha": 0.3,
                "tau": DEFAULT_TAU},
+    "eagle": {"width": 2, "branch": 1, "rule": "exact", "posterior_threshold": 0.09, "posterior_alpha": 0.3,
+              "tau": DEFAULT_TAU},
 }
+TREE_MODES = ("tree", "medusa", "eagle")   # modes verified as a tree in one target pass (serving/decoding/tree.py)
 TREE_RULES = ("exact", "typical", "mjsd")
 MAX_TREE_WIDTH = 8
 MAX_NUM_DRAFTS = 16

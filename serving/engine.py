@@ -36,6 +36,10 @@ Modes (SpecParams.mode; rules in serving/decoding/, knobs in SpecParams.extra, s
 - medusa: the same tree verification, the tree read off the replica's Medusa heads
   (serving/decoding/medusa.py) from the target's hidden state that the previous verification pass left: no
   draft model and no draft forward. Needs heads (`Engine(heads=...)`, `--medusa-heads`).
+- eagle: the same tree verification, the tree grown by the replica's EAGLE-style head
+  (serving/decoding/eagle.py): one decoder layer at the target's feature level, fed the target's true features
+  from the verification pass it already runs (no extra target forward) and its own predicted features
+  deeper in the tree. Needs a head (`Engine(eagle=...)`, `--eagle-head`).
 
 Randomness: one torch.Generator per request, seeded from SamplingParams.seed, on the target's device
 (CPU or CUDA), so every rule draws where its probability rows live; a seed reproduces a run on the
@@ -63,9 +67,10 @@ from typing import Iterator
 import torch
 
 from buffer.records import RecordSink, StepRecord
-from serving.config import ADAPTIVE_MODES, NGRAM_SWITCH_MODES, SamplingParams, SpecParams
+from serving.config import ADAPTIVE_MODES, NGRAM_SWITCH_MODES, TREE_MODES, SamplingParams, SpecParams
 from serving.controller import STOP_CONFIDENCE, CostModel, ReplicaPriors, RequestController
 from serving.decoding.bild import bild_should_fallback
+from serving.decoding.eagle import EagleDrafter, EagleHead
 from serving.decoding.ngram import ngram_propose, staged_accept
 from serving.decoding.spectr import spectr_verify
 from serving.decoding.tree import ROOT as TREE_ROOT
@@ -94,6 +99,9 @@ log = logging.getLogger(__name__)
 MEDUSA_NEEDS_HEADS = ("mode 'medusa' needs Medusa heads and this replica has none; start it with --medusa-heads "
                       "PATH (heads built by `python -m training.heads`), or register and promote heads "
                       "(`draftsmith register PATH`, `draftsmith promote --kind medusa V`)")
+
+EAGLE_NEEDS_HEAD = ("mode 'eagle' needs an EAGLE-style head and this replica has none; start it with --eagle-head "
+                    "PATH (a head built by `python -m training.heads --kind eagle`)")
 
 # KV tokens a replica's running requests may reserve together (prompt + max_tokens + gamma, times the rows
 # a request fans out to: MJSD beams, SpecTr drafts). A request alone above it is refused (400); below it,
@@ -222,12 +230,17 @@ class Engine:
         prefill_chunk: int = 512,
         heads=None,
         heads_version: str = "none",
+        eagle: EagleHead | None = None,
+        eagle_version: str = "none",
     ) -> None:
         self.target = target
         # Medusa heads (mode "medusa", serving/decoding/medusa.py): a folder ("medusa:<folder>" in statistics
         # and records) or the heads registry's champion ("medusa-v<N>"), hot-swapped by load_heads
         self.heads = heads
         self.heads_version = heads_version if heads is not None else "none"
+        # the EAGLE-style head (mode "eagle", serving/decoding/eagle.py): a folder ("eagle:<folder>"), load_eagle
+        self.eagle = eagle
+        self.eagle_version = eagle_version if eagle is not None else "none"
         self.tokenizer = target.tokenizer
         self.vocab_size = len(self.tokenizer)
         self.draft = draft
@@ -278,6 +291,7 @@ class Engine:
         sink: RecordSink | None = None,
         draft_version: str = "none",
         heads: str | Path | None = None,
+        eagle: str | Path | None = None,
         **kwargs,
     ) -> "Engine":
         target_path = resolve_model_path(target)
@@ -287,7 +301,30 @@ class Engine:
         engine = cls(tgt, drf, draft_version=draft_version if drf else "none", sink=sink, device=device, **kwargs)
         if heads:
             engine.load_heads(heads)
+        if eagle:
+            engine.load_eagle(eagle)
         return engine
+
+    def load_eagle(self, path: str | Path, version: str | None = None) -> str:
+        """Load (or hot-swap) an EAGLE-style head for mode "eagle", bound to this target's rows; returns its
+        version name (`version`, or "eagle:<folder>"). A request whose head changes between steps rebuilds the
+        head's cache from the target's features at its next step. ModelLoadError saying what is wrong (the old
+        head, if any, stays)."""
+        try:
+            head = EagleHead.load(path, self.target.model).to(self.target_device)
+        except (OSError, ValueError, RuntimeError, KeyError) as e:   # not a head folder, other target, corrupt
+            raise ModelLoadError(f"cannot load an EAGLE head from {path}: {e}") from e
+        if max(head.output_token_ids) >= self.vocab_size:
+            raise ModelLoadError(f"the EAGLE head in {path} proposes token ids outside the target's tokenizer")
+        with self._lock:
+            self.eagle, self.eagle_version = head, version or f"eagle:{Path(path).name}"
+        log.info("EAGLE head loaded from %s (%d kept tokens)", path, len(head.output_token_ids))
+        return self.eagle_version
+
+    def version_of(self, mode: str) -> str:
+        """The version name a step of `mode` is proposed by: the heads' or the EAGLE head's for those modes,
+        the champion draft's otherwise."""
+        return {"medusa": self.heads_version, "eagle": self.eagle_version}.get(mode, self.draft_version)
 
     def load_heads(self, path: str | Path, version: str | None = None) -> str:
         """Load (or hot-swap) Medusa heads for mode "medusa", bound to this target's rows; returns their
@@ -420,7 +457,7 @@ class Engine:
             fan = spec.beams
         elif spec.mode == "spectr":
             fan = spec.extra["num_drafts"]
-        elif spec.mode in ("tree", "medusa"):
+        elif spec.mode in TREE_MODES:
             return context + tree_size(tree_branching(spec.gamma, spec.extra["width"], spec.extra["branch"]))
         return context * fan
 
@@ -449,6 +486,8 @@ class Engine:
             raise ValueError(f"mode {mode!r} needs a draft model and none is loaded; use mode 'target' or 'ngram'")
         if mode == "medusa" and self.heads is None:
             raise ValueError(MEDUSA_NEEDS_HEADS)
+        if mode == "eagle" and self.eagle is None:
+            raise ValueError(EAGLE_NEEDS_HEAD)
         footprint = self.footprint(len(prompt), sampling, spec)
         if footprint > self.max_batch_tokens:
             raise ValueError(
@@ -463,9 +502,10 @@ class Engine:
         arm = "canary" if (self.canary is not None and spec.needs_draft and MODE_TABLE[mode].batched
                            and routes_to_canary(request_id, self.canary_share)) else "champion"
         version = self.canary_version if arm == "canary" else self.draft_version
-        if mode == "medusa":
-            version = self.heads_version
-        stats = GenerationStats(mode=mode, draft_version=version if spec.needs_draft or mode == "medusa" else "none",
+        if mode in ("medusa", "eagle"):
+            version = self.version_of(mode)
+        stats = GenerationStats(mode=mode, draft_version=version if spec.needs_draft or mode in ("medusa", "eagle")
+                                else "none",
                                 gamma=gamma, accepted_per_position=[0] * gamma, adaptive=adaptive)
         req = Request(id=request_id, prompt=prompt, sampling=sampling, spec=spec, gen=gen, stats=stats,
                       stop_ids=self.eos_token_ids | set(sampling.stop_token_ids), footprint=footprint,
@@ -526,6 +566,7 @@ class _RequestState:
         self.tree_drafter: TreeDrafter | None = None
         self.hidden: torch.Tensor | None = None    # medusa: the target's hidden state at seq[-2]
         self.hidden_for = -1                       # ... valid while len(seq) equals this
+        self.eagle_drafter: EagleDrafter | None = None   # eagle: the head's cache, in step with seq[:-1]
 
     # -- helpers -----------------------------------------------------------------
     def _sync_draft(self) -> None:
@@ -566,13 +607,15 @@ class _RequestState:
         self._sync_draft()
         warp = lambda lg: warp_logprobs(lg, sampling.temperature, sampling.top_k, sampling.top_p)
         start = len(self.seq)
-        version = self.engine.draft_version if mode != "medusa" else self.engine.heads_version
+        version = self.engine.version_of(mode)
         if mode == "spectr":
             draft_tokens, target_logits, res = self._spectr_step(spec, warp, gen, stats)
         elif mode == "tree":
             draft_tokens, target_logits, res = self._tree_step(spec, sampling, warp, gen, stats)
         elif mode == "medusa":
             draft_tokens, target_logits, res = self._medusa_step(spec, sampling, warp, gen, stats)
+        elif mode == "eagle":
+            draft_tokens, target_logits, res = self._eagle_step(spec, sampling, warp, gen, stats)
         else:
             if mode == "staged":
                 draft_tokens, draft_probs = self._propose_staged(spec, warp, gen, stats)
@@ -762,6 +805,54 @@ class _RequestState:
         res = self._tree_accept(tree, logits, prefix, sampling, spec, warp, gen, node_logq)
         self.hidden = hid[res.path[-1] + 1 if res.path else 0]
         self.hidden_for = prefix + 2 + len(res.path)                        # len(seq) once the step is emitted
+        return self._tree_record(tree, logits, res)
+
+    def _eagle_step(self, spec: SpecParams, sampling: SamplingParams, warp, gen,
+                    stats) -> tuple[list[int], torch.Tensor, VerifyResult]:
+        """The EAGLE-style head (serving/decoding/eagle.py): its cache holds the inputs (f_t, x_{t+1}) of the
+        committed sequence, the true features coming from the verification passes; it grows a tree under
+        seq[-1] (`width`, `branch`, depth gamma: one head forward per depth), then as `_tree_step`: one target
+        pass with the tree mask, the rule, the path kept, and the pass's features of the root and the accepted
+        path queued for the head. Where the head lacks inputs (the first step, a swapped head, plain target
+        steps taken near the context end) one target pass over the missing positions gives their features (on
+        the first step that pass is the prompt's prefill)."""
+        eng = self.engine
+        head = eng.eagle
+        prefix = len(self.seq) - 1
+        t0 = time.perf_counter()
+        drafter = self.eagle_drafter
+        if drafter is None or drafter.head is not head:
+            drafter = self.eagle_drafter = EagleDrafter(
+                head, tree_branching(spec.gamma, spec.extra["width"], spec.extra["branch"]))
+        have = drafter.committed + len(drafter.pending_tokens)     # inputs (f_t, x_t+1) the head has, t < have
+        if have < prefix:          # the first step, a swapped head, or plain target steps (near the context end)
+            self.target.truncate(min(self.target.length, have))
+            keep = self.target.length
+            mask = torch.ones(prefix - keep, prefix, dtype=torch.bool).tril(keep)
+            _, hid, self.target.cache = feed_masked_hidden(eng.target.model, self.seq[keep:prefix], mask,
+                                                           torch.arange(keep, prefix), self.target.cache)
+            drafter.push(hid[have - keep:], self.seq[have + 1:prefix + 1])
+            self.target.length = prefix
+        t1 = time.perf_counter()
+        node_logq = None
+        if drafter.committed or drafter.pending_tokens:
+            tree, rows = drafter.propose_with_rows()
+            if self._tree_mjsd(spec, sampling):     # the head's warped log q of every node, kept vocabulary
+                kept = warp(torch.stack(rows).float())
+                full = kept.new_full((kept.shape[0], eng.vocab_size), float("-inf"))
+                full[:, head.token_ids.to(full.device)] = kept
+                node_logq = tree_node_logq(tree, full)
+        else:
+            tree = DraftTree((), ())                                  # a one-token prompt: no feature yet
+            node_logq = torch.zeros(0)
+        t2 = time.perf_counter()
+        stats.draft_time_s += t2 - t1
+        logits, hid, self.target.cache = tree_forward_hidden(eng.target.model, tree, self.seq[-1],
+                                                             self.target.cache, prefix)
+        logits = full_vocab_logits(logits, eng.target, eng.vocab_size)      # [N + 1, vocab]
+        stats.target_time_s += time.perf_counter() - t2 + (t1 - t0)
+        res = self._tree_accept(tree, logits, prefix, sampling, spec, warp, gen, node_logq)
+        drafter.accept(hid[[0] + [1 + i for i in res.path]], [tree.tokens[i] for i in res.path] + [int(res.next_token)])
         return self._tree_record(tree, logits, res)
 
     def _spectr_step(self, spec: SpecParams, warp, gen, stats) -> tuple[list[int], torch.Tensor, VerifyResult]:

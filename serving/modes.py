@@ -9,12 +9,13 @@ The engine and the batch scheduler look a mode up here instead of branching on i
   - "ngram": prompt lookup over the request's own context (no model);
   - "staged" / "bild" / "spectr" / "tree": the draft model in the mode's own pattern (see serving/engine.py);
   - "medusa": the replica's Medusa heads, a tree read off the target's own hidden state (no draft model);
+  - "eagle": the replica's EAGLE-style head, a tree grown at the target's feature level (no draft model);
 - `rule`: the verification rule, a pure function of serving/decoding/ with the uniform signature
   (draft tokens, draft rows, target rows, generator, SpecParams) -> VerifyResult; "spectr" verifies a
-  tree of chains and has its own path, as have "tree" and "medusa" (serving/decoding/tree.py); "target" verifies nothing;
+  tree of chains and has its own path, as have "tree", "medusa" and "eagle" (serving/decoding/tree.py); "target" verifies nothing;
 - `knobs`: the mode's extra parameters with defaults (serving/config.py MODE_KNOBS);
 - `batched`: whether the batch scheduler (serving/scheduler.py) runs it together with other requests in
-  one forward per model. The others (staged, bild, spectr, tree, medusa: their proposals need per-request control
+  one forward per model. The others (staged, bild, spectr, tree, medusa, eagle: their proposals need per-request control
   flow, a tree of rows or a tree mask) run alone, one step per scheduler round, between the batched steps, so they never
   block the batch.
 """
@@ -59,7 +60,7 @@ class Mode:
 
 _PROPOSERS = {"target": "none", "speculative": "chain", "mentored": "chain", "typical": "chain",
               "mjsd": "beams", "ngram": "ngram", "staged": "staged", "bild": "bild", "spectr": "spectr",
-              "tree": "tree", "medusa": "medusa"}
+              "tree": "tree", "medusa": "medusa", "eagle": "eagle"}
 BATCHED_PROPOSERS = ("none", "chain", "beams", "ngram")
 
 MODE_TABLE: dict[str, Mode] = {

@@ -88,7 +88,7 @@ class SpeculativeOptions(BaseModel):
     adaptive: StrictBool | None = Field(None, description="adapt the draft length per step with gamma as its "
                                         "upper bound (default true); false keeps a fixed gamma")
     params: dict[str, Union[StrictInt, float, StrictStr]] = Field(
-        default_factory=dict, description="the mode's other knobs (MODE_KNOBS; `rule` of tree / medusa is a string)")
+        default_factory=dict, description="the mode's other knobs (MODE_KNOBS; `rule` of tree / medusa / eagle is a string)")
 
 
 class StreamOptions(BaseModel):

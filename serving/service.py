@@ -95,6 +95,7 @@ class ServiceSettings:
     target: str | None = None               # model id or local HF folder (default: SmolLM2-135M-Instruct)
     draft: str | None = None                # explicit draft folder: served as version "local", no watching
     medusa_heads: str | None = None         # Medusa heads folder for mode "medusa" (python -m training.heads)
+    eagle_head: str | None = None           # EAGLE-style head folder for mode "eagle" (training.heads --kind eagle)
     served_model_name: str | None = None    # the `model` clients send (default: the target's name)
     registry_model: str | None = None       # registered model name (default draftsmith-<target>-draft)
     tracking_uri: str | None = None         # MLflow (default MLFLOW_TRACKING_URI or the local SQLite store)
@@ -191,6 +192,7 @@ class Service:
         self.sink = sink if sink is not None else self._make_sink()
         self.swap_error: str | None = None
         self.heads_error: str | None = None     # why the configured Medusa heads did not load
+        self.eagle_error: str | None = None     # why the configured EAGLE head did not load
         self._failed_version: str | None = None
         self._swap_lock = threading.Lock()
         self.engine = engine if engine is not None else self._make_engine()
@@ -239,6 +241,12 @@ class Service:
             except Exception as e:  # noqa: BLE001 - bad heads cost mode "medusa" only, never the endpoint
                 log.error("serving without Medusa heads: %s", e)
                 self.heads_error = str(e)
+        if self.s.eagle_head:
+            try:
+                engine.load_eagle(self.s.eagle_head)
+            except Exception as e:  # noqa: BLE001 - a bad head costs mode "eagle" only, never the endpoint
+                log.error("serving without an EAGLE head: %s", e)
+                self.eagle_error = str(e)
         if self.s.draft is not None:
             engine.swap_draft(self.s.draft, "local")
         else:
@@ -525,6 +533,7 @@ class Service:
         info = {"status": "ok" if ok else "unhealthy", "reason": why, "replica": self.s.replica_id,
                 "draft_version": self.engine.draft_version, "draft_loaded": self.engine.draft is not None,
                 "medusa_heads": getattr(self.engine, "heads_version", "none"), "heads_error": self.heads_error,
+                "eagle_head": getattr(self.engine, "eagle_version", "none"), "eagle_error": self.eagle_error,
                 "swap_error": self.swap_error, "running": self.running, "waiting": self.waiting,
                 "canary": {"version": getattr(self.engine, "canary_version", "none"),
                            "share": getattr(self.engine, "canary_share", 0.0),
@@ -601,13 +610,18 @@ class Service:
 
     def check_fits(self, prompt_len: int, sampling, spec) -> None:
         """InvalidRequest when the request could never fit this replica's KV budget, or asks for mode "medusa"
-        on a replica without heads (the engine would refuse it inside decoding, where the client would only
-        see an internal error)."""
+        ("eagle") on a replica without heads (an EAGLE head): the engine would refuse it inside decoding, where
+        the client would only see an internal error."""
         if spec.mode == "medusa" and self.engine.heads is None:
             from serving.engine import MEDUSA_NEEDS_HEADS
 
             why = f" (loading them failed: {self.heads_error})" if self.heads_error else ""
             raise InvalidRequest(MEDUSA_NEEDS_HEADS + why, param="speculative.mode", code="medusa_heads_unavailable")
+        if spec.mode == "eagle" and getattr(self.engine, "eagle", None) is None:
+            from serving.engine import EAGLE_NEEDS_HEAD
+
+            why = f" (loading it failed: {self.eagle_error})" if self.eagle_error else ""
+            raise InvalidRequest(EAGLE_NEEDS_HEAD + why, param="speculative.mode", code="eagle_head_unavailable")
         footprint, budget = self.engine.footprint(prompt_len, sampling, spec), self.engine.max_batch_tokens
         if footprint > budget:
             raise InvalidRequest(f"this request may hold {footprint} KV tokens (prompt + max_tokens + gamma, times "
@@ -746,6 +760,8 @@ def settings_from_env(**overrides) -> ServiceSettings:
     kw: dict = {}
     if env.get("DRAFTSMITH_MEDUSA_HEADS"):
         kw["medusa_heads"] = env["DRAFTSMITH_MEDUSA_HEADS"]
+    if env.get("DRAFTSMITH_EAGLE_HEAD"):
+        kw["eagle_head"] = env["DRAFTSMITH_EAGLE_HEAD"]
     for name, conv in (("max_running", int), ("max_waiting", int), ("max_batch_tokens", int), ("request_timeout_s", float),
                        ("max_tokens_limit", int), ("watch_interval_s", float), ("torch_threads", int),
                        ("live_interval_s", float)):

@@ -168,6 +168,11 @@ class EagleDrafter:
 
     def propose(self) -> DraftTree:
         """Feed the queued committed inputs, then grow the tree depth by depth (one head forward per depth)."""
+        return self.propose_with_rows()[0]
+
+    def propose_with_rows(self) -> tuple[DraftTree, list[torch.Tensor]]:
+        """`propose`, also returning the head's logit rows over the kept vocabulary (tree.py's
+        `grow_topk_tree` order: the root's row, then one per node that has children)."""
         if not self.pending_tokens:
             raise RuntimeError("nothing committed to draft from: push the features first")
         n, c = len(self.pending_tokens), self.committed
@@ -187,9 +192,8 @@ class EagleDrafter:
 
         with torch.no_grad():
             root_row = self.head.logits(states[-1])
-        tree, _ = grow_topk_tree(self.branching, root_row,
-                                 lambda row, k: self.head.token_ids[torch.topk(row, k).indices].tolist(), expand)
-        return tree
+        return grow_topk_tree(self.branching, root_row,
+                              lambda row, k: self.head.token_ids[torch.topk(row, k).indices].tolist(), expand)
 
     def accept(self, feats: torch.Tensor, tokens: Sequence[int]) -> None:
         """After verification: drop the tree's entries and queue the true inputs of the root and the accepted
