@@ -269,9 +269,9 @@ def test_kv_budget_refuses_a_request_too_large_and_queues_the_rest(pair):
 
 
 def test_unbatched_modes_run_beside_the_batch(engine):
-    """A mode that cannot batch (spectr, staged, bild, tree; medusa in tests/serving/test_medusa_mode.py) runs
+    """A mode that cannot batch (spectr, staged, bild, tree; medusa and eagle in tests/serving/test_medusa_mode.py, test_eagle_mode.py) runs
     alone between batched steps; all finish."""
-    assert set(UNBATCHED_MODES) == {"spectr", "staged", "bild", "tree", "medusa"}
+    assert set(UNBATCHED_MODES) == {"spectr", "staged", "bild", "tree", "medusa", "eagle"}
     sampling = SamplingParams(temperature=0.0, max_tokens=30)
     jobs = [(ids(engine, PROMPTS[0]), sampling, SpecParams(mode="speculative", gamma=3, adaptive=False)),
             (ids(engine, PROMPTS[2]), sampling, SpecParams(mode="spectr", gamma=3, extra={"num_drafts": 2})),

@@ -98,6 +98,20 @@ def test_lossy_rules_run_on_the_heads_tree(eagle_engine, rule):
     assert a.stats.accepted_tokens > 0
 
 
+def test_rule_mjsd_threshold_decides_on_the_heads_tree(eagle_engine):
+    """tau >= 1 accepts no node (the joint ratio never exceeds 1), tau <= 0 every node of the deepest path
+    (every ratio is > 0 when the target's warp keeps every token), T = 0 stays greedy whatever tau."""
+    prompt = ids(eagle_engine)
+    warm = SamplingParams(temperature=0.8, top_k=0, top_p=1.0, max_tokens=24, seed=3)
+    spec = lambda tau: SpecParams(mode="eagle", gamma=3, extra={"rule": "mjsd", "tau": tau})
+    none = eagle_engine.generate_all(prompt, warm, spec(1.0))
+    assert none.stats.accepted_tokens == 0 and none.stats.steps == len(none.token_ids)
+    every = eagle_engine.generate_all(prompt, warm, spec(0.0))
+    assert every.stats.accepted_tokens == 3 * every.stats.steps
+    assert eagle_engine.generate_all(prompt, GREEDY, spec(1.0)).token_ids == \
+        reference_greedy(eagle_engine.target.model, prompt, GREEDY.max_tokens)
+
+
 def test_mjsd_log_q_is_the_heads_row_over_its_kept_vocabulary(pair, tmp_path):
     """Rule mjsd reads each node's log q from the head's rows spread over the full vocabulary: for a head
     that keeps a third of the tokens, that is log_softmax over the kept columns at the node's token."""

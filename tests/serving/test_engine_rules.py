@@ -445,7 +445,7 @@ def test_staged_saves_draft_forwards(self_engine):
     assert len(calls) < chain_calls
 
 
-@pytest.mark.parametrize("mode", [m for m in MODES if m not in ("target", "medusa")])   # medusa: test_medusa_mode
+@pytest.mark.parametrize("mode", [m for m in MODES if m not in ("target", "medusa", "eagle")])   # test_*_mode
 def test_stats_are_consistent(engine, mode):
     s = run(engine, mode, gamma=3)
     assert 0 < s.tokens <= 32 and s.steps > 0 and s.mode == mode   # < 32 only after EOS (CUDA draws differ)
@@ -513,4 +513,4 @@ def test_knob_defaults_and_modes():
     with pytest.raises(ValueError, match="extra must be a dict"):
         SpecParams(adaptive=False, mode="typical", extra=[("posterior_alpha", 1)])
     with pytest.raises(ValueError, match="unknown decoding mode"):
-        SpecParams(adaptive=False, mode="eagle")
+        SpecParams(adaptive=False, mode="hydra")

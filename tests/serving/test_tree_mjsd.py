@@ -285,7 +285,7 @@ def test_a_draft_equal_to_the_target_passes_every_node_in_the_engine(self_engine
 
 
 def test_knob_tau_default_and_validation():
-    for mode in ("tree", "medusa"):
+    for mode in ("tree", "medusa", "eagle"):
         assert SpecParams(mode=mode).extra["tau"] == SpecParams().tau == 0.1    # mode mjsd's default tau
         assert SpecParams(mode=mode, extra={"rule": "mjsd", "tau": 2}).extra["tau"] == 2.0
         for bad in ("0.3", float("nan"), float("inf"), None, True):
