@@ -30,7 +30,9 @@ def pytest_configure(config):
 
     from buffer.embedded import EmbeddedRedis, ping
 
-    candidates = [u for u in (os.environ.get("REDIS_URL"), "redis://127.0.0.1:6379/0") if u]
+    # (a pytest-xdist worker inherits its controller's choice, an embedded server included)
+    candidates = [u for u in (os.environ.get("DRAFTSMITH_TEST_REDIS_URL"), os.environ.get("REDIS_URL"),
+                              "redis://127.0.0.1:6379/0") if u]
     url = next((u for u in candidates if ping(u)), None)
     if url is None:
         try:
@@ -52,3 +54,18 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def redis_url():
     return os.environ["DRAFTSMITH_TEST_REDIS_URL"]
+
+
+# ----------------------------------------------------------------------------- parallel runs
+# `make test` runs the suite on two pytest-xdist workers (--dist loadgroup): most tests hold one core (torch
+# on one thread) or wait on a subprocess, so two at once halve the wall time on 2 cores. The modules below
+# start Ray clusters, `mlflow server` or `draftsmith serve` process trees of their own and check that
+# things happen within seconds: they run on one worker, one after another, so two such trees never compete.
+PROCESS_TREE_MODULES = {"test_app_ray.py", "test_safe_defaults.py", "test_bench_online.py", "test_ray_jobs.py",
+                        "test_promotion_safety.py", "test_distill.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in PROCESS_TREE_MODULES:
+            item.add_marker(pytest.mark.xdist_group("process-trees"))

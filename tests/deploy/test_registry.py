@@ -393,7 +393,8 @@ def test_against_mlflow_server_backed_by_postgresql(tmp_path, monkeypatch):
         [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"postgresql://postgres@127.0.0.1:5432/{db}",
          "--artifacts-destination", str(tmp_path / "server-artifacts"), "--host", "127.0.0.1", "--port", str(port),
          "--workers", "1"],
-        stdout=subprocess.DEVNULL, stderr=open(tmp_path / "server.log", "wb"), start_new_session=True)
+        stdout=subprocess.DEVNULL, stderr=open(tmp_path / "server.log", "wb"), start_new_session=True,
+        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.time() + 90

@@ -530,31 +530,32 @@ def test_ray_serve_admin_loopback_only_then_sigterm_empties_the_process_tree(ser
     print(f"process tree empty {took:.1f} s after SIGTERM")
 
 
-@pytest.mark.slow
-@needs_ip
-def test_ray_serve_admin_key_from_the_environment_then_sigint_empties_the_process_tree(serve_env, pair, tmp_path):
-    port, log = free_port(), tmp_path / "serve.log"
-    proc = _start_service({**serve_env, "DRAFTSMITH_ADMIN_KEY": "adm-env"}, pair, port, log, "--api-key", "inf")
+def test_sigint_and_sigterm_take_the_same_shutdown_path():
+    """`draftsmith serve` stops the same way on SIGINT (Ctrl-C) and SIGTERM: both raise the same `_Stop` in the
+    main thread, so the end-to-end SIGTERM test above (process tree empty, exit 0) covers Ctrl-C too."""
+    from deploy.app import _install_stop_handlers, _Stop
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        with remote_client(port) as remote:
-            adm, inf = {"Authorization": "Bearer adm-env"}, {"Authorization": "Bearer inf"}
-            assert remote.get("/v1/admin/draft", headers=adm).json()["draft_version"] == "local"
-            assert_error(remote.get("/v1/admin/draft", headers=inf), 403, code="admin_key_required")
-            assert_error(remote.get("/v1/admin/draft"), 401, code="invalid_admin_key")
-            assert remote.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=inf).status_code == 200
-    except BaseException:
-        _stop_hard(proc)
-        raise
-    took = _signal_and_check_tree_empty(proc, signal.SIGINT, log)
-    print(f"process tree empty {took:.1f} s after SIGINT")
+        _install_stop_handlers()
+        handlers = {sig: signal.getsignal(sig) for sig in before}
+        assert handlers[signal.SIGINT] is handlers[signal.SIGTERM]
+        for sig in before:
+            with pytest.raises(_Stop) as stop:
+                handlers[sig](sig, None)
+            assert stop.value.args == (sig,)
+    finally:
+        for sig, h in before.items():
+            signal.signal(sig, h)
 
 
 @pytest.mark.slow
 @needs_ip
-def test_serve_config_yaml_takes_the_admin_key_from_the_environment(serve_env, pair, tmp_path):
+def test_serve_config_yaml_takes_the_keys_from_the_environment(serve_env, pair, tmp_path):
     """deploy/serve_config.yaml as `serve run` deploys it (Ray Serve builds the app from the config through
     app_builder), only pointed at the tiny models and a free port: the admin key exported in the
-    environment guards the admin routes from a remote address; the file itself holds none."""
+    environment guards the admin routes from a remote address, and the inference key exported beside it
+    guards inference and does not open the admin routes; the file itself holds neither."""
     cfg = yaml.safe_load((ROOT / "deploy" / "serve_config.yaml").read_text())
     port = free_port()
     cfg["http_options"]["port"] = port
@@ -565,7 +566,8 @@ def test_serve_config_yaml_takes_the_admin_key_from_the_environment(serve_env, p
     if not exe.exists():
         pytest.skip("Ray's `serve` command is not installed")
     log = tmp_path / "serve-run.log"
-    env = {**serve_env, "DRAFTSMITH_ADMIN_KEY": "adm-from-env", "PYTHONPATH": str(ROOT)}
+    env = {**serve_env, "DRAFTSMITH_ADMIN_KEY": "adm-from-env", "DRAFTSMITH_API_KEY": "inf-from-env",
+           "PYTHONPATH": str(ROOT)}
     with open(log, "wb") as out:
         proc = subprocess.Popen([str(exe), "run", str(path)], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -580,10 +582,13 @@ def test_serve_config_yaml_takes_the_admin_key_from_the_environment(serve_env, p
                 pass
             time.sleep(1)
         with remote_client(port) as remote:
-            r = remote.get("/v1/admin/draft", headers={"Authorization": "Bearer adm-from-env"})
+            adm, inf = {"Authorization": "Bearer adm-from-env"}, {"Authorization": "Bearer inf-from-env"}
+            r = remote.get("/v1/admin/draft", headers=adm)
             assert r.status_code == 200 and r.json()["draft_version"] == "local", r.text
             assert_error(remote.get("/v1/admin/draft"), 401, code="invalid_admin_key")
-            assert remote.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+            assert_error(remote.get("/v1/admin/draft", headers=inf), 403, code="admin_key_required")
+            assert remote.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=inf).status_code == 200
+            assert remote.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 401
         assert_error(httpx.get(f"http://127.0.0.1:{port}/v1/admin/draft", timeout=30), 401)   # loopback too
     finally:
         os.killpg(proc.pid, signal.SIGTERM)            # `serve run` is Ray's command: clean up its session

@@ -212,6 +212,19 @@ def engines(pair):
             "same": make_engine(target, target, draft_version="same")}
 
 
+def sampled_requests(eng, prompt, n, spec, chunk=50):
+    """n seeded requests (seeds 0..n-1) at T=1 for 2 tokens, sent `chunk` at a time so the batch scheduler
+    runs them together (the served path; each request keeps its own generator, so draws stay independent)."""
+    from tests.serving.test_batching import run_concurrently
+
+    out = []
+    for lo in range(0, n, chunk):
+        jobs = [(prompt, SamplingParams(temperature=1.0, top_k=0, top_p=1.0, max_tokens=2, seed=i), spec)
+                for i in range(lo, min(n, lo + chunk))]
+        out += run_concurrently(eng, jobs)
+    return out
+
+
 def reference_greedy(model, prompt, n):
     seq = list(prompt)
     with torch.no_grad():
@@ -311,9 +324,8 @@ def test_speculative_sampling_stays_exact_under_any_plan(engines, monkeypatch):
     sampling = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, max_tokens=2)
     n = 2000
     counts = np.zeros(len(eng.tokenizer) + 1)
-    for i in range(n):
-        s = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, max_tokens=2, seed=i)
-        out = eng.generate_all(prompt, s, SpecParams(mode="speculative", gamma=3)).token_ids
+    for res in sampled_requests(eng, prompt, n, SpecParams(mode="speculative", gamma=3)):
+        out = res.token_ids
         counts[out[1] if len(out) > 1 else -1] += 1
 
     def pvalue(p):
@@ -454,9 +466,7 @@ def test_speculative_sampling_stays_exact_with_the_confidence_stop(engines, monk
     n = 2000
     counts = np.zeros(V + 1)
     lengths = set()
-    for i in range(n):
-        s = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, max_tokens=2, seed=i)
-        res = eng.generate_all(prompt, s, SpecParams(mode="speculative", gamma=3))
+    for res in sampled_requests(eng, prompt, n, SpecParams(mode="speculative", gamma=3)):
         out = res.token_ids
         lengths.add(res.stats.draft_tokens)
         counts[out[1] if len(out) > 1 else -1] += 1
