@@ -310,12 +310,7 @@ class Engine:
         version name (`version`, or "eagle:<folder>"). A request whose head changes between steps rebuilds the
         head's cache from the target's features at its next step. ModelLoadError saying what is wrong (the old
         head, if any, stays)."""
-        try:
-            head = EagleHead.load(path, self.target.model).to(self.target_device)
-        except (OSError, ValueError, RuntimeError, KeyError) as e:   # not a head folder, other target, corrupt
-            raise ModelLoadError(f"cannot load an EAGLE head from {path}: {e}") from e
-        if max(head.output_token_ids) >= self.vocab_size:
-            raise ModelLoadError(f"the EAGLE head in {path} proposes token ids outside the target's tokenizer")
+        head = self._load_bound(EagleHead, path, "an EAGLE head")
         with self._lock:
             self.eagle, self.eagle_version = head, version or f"eagle:{Path(path).name}"
         log.info("EAGLE head loaded from %s (%d kept tokens)", path, len(head.output_token_ids))
@@ -333,16 +328,22 @@ class Engine:
         the new ones. ModelLoadError saying what is wrong (the old heads, if any, stay)."""
         from serving.decoding.medusa import MedusaHeads
 
-        try:
-            heads = MedusaHeads.load(path, self.target.model).to(self.target_device)
-        except (OSError, ValueError, RuntimeError, KeyError) as e:   # not a heads folder, other target, corrupt
-            raise ModelLoadError(f"cannot load Medusa heads from {path}: {e}") from e
-        if max(heads.output_token_ids) >= self.vocab_size:
-            raise ModelLoadError(f"Medusa heads in {path} propose token ids outside the target's tokenizer")
+        heads = self._load_bound(MedusaHeads, path, "Medusa heads")
         with self._lock:
             self.heads, self.heads_version = heads, version or f"medusa:{Path(path).name}"
         log.info("Medusa heads loaded from %s (%d heads)", path, heads.config.num_heads)
         return self.heads_version
+
+    def _load_bound(self, cls, path: str | Path, what: str):
+        """`cls.load(path, target)` (Medusa heads, an EAGLE head: modules bound to the target's rows) on the
+        target's device, its kept token ids checked against the tokenizer; ModelLoadError naming `what`."""
+        try:
+            module = cls.load(path, self.target.model).to(self.target_device)
+        except (OSError, ValueError, RuntimeError, KeyError) as e:   # not such a folder, other target, corrupt
+            raise ModelLoadError(f"cannot load {what} from {path}: {e}") from e
+        if max(module.output_token_ids) >= self.vocab_size:
+            raise ModelLoadError(f"{what} from {path} would propose token ids outside the target's tokenizer")
+        return module
 
     @staticmethod
     def _load_draft(draft: str | Path, target: LoadedModel, device: str, dtype) -> LoadedModel:
@@ -765,6 +766,21 @@ class _RequestState:
         rows = logits[[0] + [1 + i for i in chain]]
         return [tree.tokens[i] for i in chain], rows, VerifyResult(len(res.path), res.next_token)
 
+    def _verify_tree_hidden(self, tree: DraftTree, prefix: int, sampling: SamplingParams, spec: SpecParams, warp,
+                            gen, node_logq, stats, extra_s: float = 0.0) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                   TreeVerifyResult]:
+        """Modes medusa and eagle: one target pass over `tree` under seq[-1] that also returns the hidden rows
+        the heads read next, then the tree rule (`_tree_accept`: the target cache keeps the accepted path).
+        Returns logits over the full vocabulary [N + 1, vocab], hidden rows [N + 1, d] and the rule's result;
+        the pass, plus `extra_s` of target work done before drafting, counts as target time."""
+        eng = self.engine
+        t0 = time.perf_counter()
+        logits, hid, self.target.cache = tree_forward_hidden(eng.target.model, tree, self.seq[-1],
+                                                             self.target.cache, prefix)
+        logits = full_vocab_logits(logits, eng.target, eng.vocab_size)      # [N + 1, vocab]
+        stats.target_time_s += time.perf_counter() - t0 + extra_s
+        return logits, hid, self._tree_accept(tree, logits, prefix, sampling, spec, warp, gen, node_logq)
+
     def _medusa_step(self, spec: SpecParams, sampling: SamplingParams, warp, gen,
                      stats) -> tuple[list[int], torch.Tensor, VerifyResult]:
         """Medusa heads (serving/decoding/medusa.py): the heads read the target's hidden state at seq[-2]
@@ -796,13 +812,9 @@ class _RequestState:
         else:
             tree = DraftTree((), ())                                  # a one-token prompt: nothing to read yet
             node_logq = torch.zeros(0)
-        t2 = time.perf_counter()
-        stats.draft_time_s += t2 - t1
-        logits, hid, self.target.cache = tree_forward_hidden(eng.target.model, tree, self.seq[-1],
-                                                             self.target.cache, prefix)
-        logits = full_vocab_logits(logits, eng.target, eng.vocab_size)      # [N + 1, vocab]
-        stats.target_time_s += time.perf_counter() - t2 + (t1 - t0)
-        res = self._tree_accept(tree, logits, prefix, sampling, spec, warp, gen, node_logq)
+        stats.draft_time_s += time.perf_counter() - t1
+        logits, hid, res = self._verify_tree_hidden(tree, prefix, sampling, spec, warp, gen, node_logq, stats,
+                                                    extra_s=t1 - t0)
         self.hidden = hid[res.path[-1] + 1 if res.path else 0]
         self.hidden_for = prefix + 2 + len(res.path)                        # len(seq) once the step is emitted
         return self._tree_record(tree, logits, res)
@@ -836,22 +848,16 @@ class _RequestState:
         t1 = time.perf_counter()
         node_logq = None
         if drafter.committed or drafter.pending_tokens:
-            tree, rows = drafter.propose_with_rows()
-            if self._tree_mjsd(spec, sampling):     # the head's warped log q of every node, kept vocabulary
-                kept = warp(torch.stack(rows).float())
-                full = kept.new_full((kept.shape[0], eng.vocab_size), float("-inf"))
-                full[:, head.token_ids.to(full.device)] = kept
-                node_logq = tree_node_logq(tree, full)
+            if self._tree_mjsd(spec, sampling):                       # the head's warped log q of every node
+                tree, node_logq = drafter.propose_with_logq(warp)
+            else:
+                tree = drafter.propose()
         else:
             tree = DraftTree((), ())                                  # a one-token prompt: no feature yet
             node_logq = torch.zeros(0)
-        t2 = time.perf_counter()
-        stats.draft_time_s += t2 - t1
-        logits, hid, self.target.cache = tree_forward_hidden(eng.target.model, tree, self.seq[-1],
-                                                             self.target.cache, prefix)
-        logits = full_vocab_logits(logits, eng.target, eng.vocab_size)      # [N + 1, vocab]
-        stats.target_time_s += time.perf_counter() - t2 + (t1 - t0)
-        res = self._tree_accept(tree, logits, prefix, sampling, spec, warp, gen, node_logq)
+        stats.draft_time_s += time.perf_counter() - t1
+        logits, hid, res = self._verify_tree_hidden(tree, prefix, sampling, spec, warp, gen, node_logq, stats,
+                                                    extra_s=t1 - t0)
         drafter.accept(hid[[0] + [1 + i for i in res.path]], [tree.tokens[i] for i in res.path] + [int(res.next_token)])
         return self._tree_record(tree, logits, res)
 

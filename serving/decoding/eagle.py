@@ -26,7 +26,7 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -63,6 +63,7 @@ class EagleHead(nn.Module):
         self.register_buffer("out_rows", out_rows.detach().float().clone(), persistent=False)
         self.register_buffer("embed", embed.detach().float(), persistent=False)
         self.register_buffer("token_ids", torch.tensor(self.output_token_ids, dtype=torch.long), persistent=False)
+        self.column = {t: j for j, t in enumerate(self.output_token_ids)}   # token id -> its kept-vocabulary column
         self.fc = nn.Linear(2 * d, d)
         self.model = AutoModel.from_config(layer_config).float()
 
@@ -169,6 +170,19 @@ class EagleDrafter:
     def propose(self) -> DraftTree:
         """Feed the queued committed inputs, then grow the tree depth by depth (one head forward per depth)."""
         return self.propose_with_rows()[0]
+
+    def propose_with_logq(self, warp: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[DraftTree,
+                                                                                                torch.Tensor]:
+        """`propose`, also returning node_logq [N] for tree.py's `verify_mjsd` (as `MedusaHeads.propose_with_logq`):
+        each node's token under the head's row at its parent, log-probabilities from `warp` (kept-vocabulary
+        logits -> warped log-probs, e.g. warp.py's `warp_logprobs` with the request's settings; None: plain
+        log-softmax). Over the kept vocabulary this equals warping the full row with every other token
+        impossible. Candidates stay the top-k of the raw rows."""
+        tree, rows = self.propose_with_rows()
+        used = torch.stack(rows).float()
+        logq = warp(used) if warp is not None else torch.log_softmax(used, dim=-1)
+        col = self.head.column
+        return tree, logq[[p + 1 for p in tree.parents], [col[t] for t in tree.tokens]]
 
     def propose_with_rows(self) -> tuple[DraftTree, list[torch.Tensor]]:
         """`propose`, also returning the head's logit rows over the kept vocabulary (tree.py's

@@ -11,7 +11,6 @@ import torch
 
 from serving.config import SamplingParams, SpecParams
 from serving.decoding.eagle import EagleDrafter, eagle_generate
-from serving.decoding.tree import feed_masked_hidden, tree_node_logq
 from serving.engine import EAGLE_NEEDS_HEAD, Engine, _RequestState
 from serving.metrics import MetricsHub
 from serving.models import ModelLoadError
@@ -19,7 +18,8 @@ from serving.service import Service, ServiceSettings
 from tests import tiny_models
 from tests.api_helpers import LiveServer
 from tests.serving.test_batching import run_concurrently
-from tests.serving.test_eagle import random_head
+from tests.serving.test_eagle import features, random_head, teacher_forced
+from tests.serving.test_medusa_mode import assert_records_rebuild_the_sequence
 from tests.serving.test_engine_rules import GREEDY, ids, make_engine, one_thread, reference_greedy  # noqa: F401
 
 
@@ -112,26 +112,29 @@ def test_rule_mjsd_threshold_decides_on_the_heads_tree(eagle_engine):
         reference_greedy(eagle_engine.target.model, prompt, GREEDY.max_tokens)
 
 
-def test_mjsd_log_q_is_the_heads_row_over_its_kept_vocabulary(pair, tmp_path):
-    """Rule mjsd reads each node's log q from the head's rows spread over the full vocabulary: for a head
-    that keeps a third of the tokens, that is log_softmax over the kept columns at the node's token."""
+def test_mjsd_log_q_is_the_heads_row_over_its_kept_vocabulary(pair):
+    """Rule mjsd reads each node's log q from the head's row at its parent over the kept vocabulary (a head
+    that keeps a third of the tokens), warped as the request's target rows are: checked against the head run
+    teacher-forced over each path (the root's row; a depth-1 node's row from its fed-back feature)."""
     target = Engine.from_paths(str(pair[0]), None, dtype=torch.float32).target.model
     kept = list(range(0, 259, 3))
     head = random_head(target, seed=2, ids=kept)
     prompt = [5, 9, 100, 42, 7, 13]
-    n = len(prompt) - 1
-    hid = feed_masked_hidden(target, prompt[:-1], torch.ones(n, n, dtype=torch.bool).tril(), torch.arange(n), None)[1]
-    drafter = EagleDrafter(head, (2, 1))
-    drafter.push(hid, prompt[1:])
-    tree, rows = drafter.propose_with_rows()
-    kept_logq = torch.log_softmax(torch.stack(rows), dim=-1)
-    full = kept_logq.new_full((len(rows), 259), float("-inf"))
-    full[:, kept] = kept_logq
-    logq = tree_node_logq(tree, full)
-    for i, (tok, parent) in enumerate(zip(tree.tokens, tree.parents)):
-        assert tok in kept
-        assert float(logq[i]) == pytest.approx(float(kept_logq[parent + 1, kept.index(tok)]))
-    assert torch.all(logq <= 0) and torch.all(torch.isfinite(logq))
+    feats = features(target, prompt[:-1])
+    states = teacher_forced(head, feats, prompt[1:])
+    for temperature in (1.0, 0.5):
+        warp = lambda x: torch.log_softmax(x / temperature, dim=-1)
+        drafter = EagleDrafter(head, (2, 1))
+        drafter.push(feats, prompt[1:])
+        tree, logq = drafter.propose_with_logq(warp)
+        assert len(logq) == len(tree) == 4 and torch.all(torch.isfinite(logq))
+        for i, (tok, parent) in enumerate(zip(tree.tokens, tree.parents)):
+            if parent == -1:
+                row = head.logits(states[-1])
+            else:
+                st = teacher_forced(head, list(feats) + [states[-1]], list(prompt[1:]) + [tree.tokens[parent]])
+                row = head.logits(st[-1])
+            assert float(logq[i]) == pytest.approx(float(warp(row)[kept.index(tok)]), abs=1e-5)
 
 
 def test_records_rebuild_the_sequence_under_the_heads_version(pair, head_dir):
@@ -140,15 +143,7 @@ def test_records_rebuild_the_sequence_under_the_heads_version(pair, head_dir):
     prompt = ids(eng)
     res = eng.generate_all(prompt, SamplingParams(temperature=1.0, max_tokens=30, seed=2),
                            SpecParams(mode="eagle", gamma=3), request_id="r1", source="unit")
-    assert len(sink.seqs) == 1 and 0 < len(sink.steps) <= res.stats.steps
-    assert list(sink.seqs[0].token_ids) == prompt + res.token_ids
-    for rec in sink.steps:
-        g, n = len(rec.draft_tokens), rec.num_accepted
-        assert rec.algorithm == "eagle" and rec.draft_version == "eagle:tiny-eagle"
-        assert 1 <= g <= 3 and rec.target_topk_ids.shape == (g + 1, 5)
-        got = list(sink.seqs[0].token_ids[rec.position: rec.position + n + 1])
-        want = list(rec.draft_tokens[:n]) + [rec.next_token]
-        assert got[: len(want)] == want[: len(got)]
+    assert_records_rebuild_the_sequence(sink, prompt, res, "eagle", "eagle:tiny-eagle", gamma=3, top_k=5)
 
 
 def test_runs_beside_the_batch_and_from_a_one_token_prompt(eagle_engine):

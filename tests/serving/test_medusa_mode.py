@@ -71,13 +71,19 @@ def test_records_rebuild_the_sequence_under_the_heads_version(pair, heads_dir):
     prompt = ids(eng)
     res = eng.generate_all(prompt, SamplingParams(temperature=1.0, max_tokens=30, seed=2),
                            SpecParams(mode="medusa", gamma=3), request_id="r1", source="unit")
+    assert_records_rebuild_the_sequence(sink, prompt, res, "medusa", "medusa:tiny-heads", gamma=3, top_k=5)
+
+
+def assert_records_rebuild_the_sequence(sink, prompt, res, mode, version, gamma, top_k):
+    """One sequence record holding prompt + output, and step records (at most one per step) whose accepted
+    draft tokens and next token are the sequence's tokens at their position, under the mode and version."""
     assert len(sink.seqs) == 1 and 0 < len(sink.steps) <= res.stats.steps
     seq = sink.seqs[0]
     assert list(seq.token_ids) == prompt + res.token_ids
     for rec in sink.steps:
         g, n = len(rec.draft_tokens), rec.num_accepted
-        assert rec.algorithm == "medusa" and rec.draft_version == "medusa:tiny-heads"
-        assert 1 <= g <= 3 and rec.target_topk_ids.shape == (g + 1, 5)
+        assert rec.algorithm == mode and rec.draft_version == version
+        assert 1 <= g <= gamma and rec.target_topk_ids.shape == (g + 1, top_k)
         got = list(seq.token_ids[rec.position: rec.position + n + 1])
         want = list(rec.draft_tokens[:n]) + [rec.next_token]
         assert got[: len(want)] == want[: len(got)]
