@@ -50,7 +50,9 @@ def pick_id(i: int, heldout: bool) -> str:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, redis_url):
     """16 requests served with speculative sampling: source "a" at temperature 1, "b" greedy. The
-    draft restricts its output vocabulary (draftsmith.json), as the bootstrap draft does."""
+    draft restricts its output vocabulary (draftsmith.json), as the bootstrap draft does. Fixed gamma: the
+    adaptive controller plans seeded greedy requests from the replica's measured step times, which would make
+    the records (and every figure the tests below compute from them) depend on the machine's load."""
     root = tmp_path_factory.mktemp("distill")
     target, draft = save_pair(root)
     keep = [i for i in range(259) if i % 7 != 3 or i >= 256]
@@ -66,7 +68,7 @@ def served(tmp_path_factory, redis_url):
             [{"role": "user", "content": f"{source} prompt {i}: add {i} and {2 * i}"}], add_generation_prompt=True,
             tokenize=True, return_dict=False)
         engine.generate_all(prompt, SamplingParams(temperature=1.0 if source == "a" else 0.0, max_tokens=24, seed=i),
-                            SpecParams(mode="speculative", gamma=4), request_id=ids[i], source=source)
+                            SpecParams(mode="speculative", gamma=4, adaptive=False), request_id=ids[i], source=source)
     writer.close()
     reader = ReplayBufferReader(redis_url, cfg)
     steps = reader.newest(10_000)
