@@ -155,7 +155,7 @@ def train_draft(draft, train_ex: list[dict], held_ex: list[dict], subset: torch.
                 batch_size: int = 16, lr: float = 3e-3, train_head: bool = False, soft_weight: float = 0.5,
                 bf16: bool = True, progress=print) -> dict:
     """Train `draft` (decoder layers + final norm; the kept output rows too when `train_head`) on the
-    teacher examples until `deadline` (a time.time() value). The input embedding stays frozen.
+    teacher examples until `deadline` (a time.time() value), at least one step. The input embedding stays frozen.
     With `bf16` the forward runs under CPU autocast (bf16 matmuls; fp32 weights, optimizer state
     and log-softmax of the loss): about 1.5x the steps/s of fp32 on this project's CPU (native bf16).
     With `train_head` the draft is untied at the end (its own output layer, see `untie_output`).
@@ -187,10 +187,10 @@ def train_draft(draft, train_ex: list[dict], held_ex: list[dict], subset: torch.
     # group by length for less padding; shuffle the groups
     by_len = sorted(train_ex, key=lambda e: len(e["tokens"]))
     batches = [by_len[i: i + batch_size] for i in range(0, len(by_len), batch_size)]
-    while time.time() < deadline:
+    while batches and (step == 0 or time.time() < deadline):
         random.shuffle(batches)
         for group in batches:
-            if time.time() >= deadline:
+            if step > 0 and time.time() >= deadline:
                 break
             b = _batch(group, vocab_index)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):

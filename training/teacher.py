@@ -118,7 +118,7 @@ def generate_teacher_data(target, tokenizer, prompts: list[list[int]], *, max_ne
                           sources: list[str] | None = None, sort_window: int | None = None,
                           progress=print) -> list[dict]:
     """Greedy target answers + top-k raw log-probs. Stops early (keeping what is done) at `deadline`
-    (a time.time() value). `sources` (one label per prompt) is carried into each example's "source"."""
+    (a time.time() value), after at least one batch: a slow or loaded machine gets less data, never none. `sources` (one label per prompt) is carried into each example's "source"."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = tokenizer.eos_token_id
     examples: list[dict] = []
@@ -126,7 +126,7 @@ def generate_teacher_data(target, tokenizer, prompts: list[list[int]], *, max_ne
     n_tokens = 0
     order = _batch_order([len(p) for p in prompts], batch_size, sort_window)
     for b in range(0, len(order), batch_size):
-        if deadline is not None and time.time() > deadline:
+        if deadline is not None and time.time() > deadline and examples:
             progress(f"[teacher] time budget reached after {len(examples)} prompts")
             break
         rows = order[b: b + batch_size]
@@ -170,7 +170,8 @@ def synthesize_prompts(target, tokenizer, n: int, *, seeds: list[str] = ("",), b
 
     Returns up to `n` (user text, messages) pairs, where messages is the conversation including the new
     user turn, ready for `apply_chat_template(..., add_generation_prompt=True)`. Texts that never closed
-    the turn, are very short, or repeat an earlier one are dropped. Stops at `deadline`."""
+    the turn, are very short, or repeat an earlier one are dropped. Stops at `deadline`, after at least one
+    batch."""
     end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     if not isinstance(end_id, int) or end_id == tokenizer.unk_token_id:
         end_id = tokenizer.eos_token_id
@@ -180,7 +181,7 @@ def synthesize_prompts(target, tokenizer, n: int, *, seeds: list[str] = ("",), b
     out: list[tuple[str, list[dict]]] = []
     seen: set[str] = set()
     t0, made, i = time.time(), 0, 0
-    while len(out) < n and (deadline is None or time.time() < deadline):
+    while len(out) < n and (deadline is None or i == 0 or time.time() < deadline):
         prefixes, starts, convs = [], [], []
         for _ in range(batch_size):
             conv = list(history[i % len(history)]) if history else []

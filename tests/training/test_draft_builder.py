@@ -77,7 +77,7 @@ def test_training_raises_agreement_with_the_teacher(teacher, train_head, bf16):
 
 
 def test_bootstrap_writes_a_folder_the_engine_decodes_losslessly(target_dir, tmp_path):
-    out = bootstrap(tmp_path / "draft", target_dir, budget_s=32, teacher_share=0.3, layers=[0, 3], train_head=True,
+    out = bootstrap(tmp_path / "draft", target_dir, budget_s=24, teacher_share=0.5, layers=[0, 3], train_head=True,
                     max_new_tokens=8, vocab_size=200, synth_prompts=64, progress=lambda m: None)
     meta = json.loads((out / "draftsmith.json").read_text())
     # the general recipe: packaged maths / science / code prompts beside self-synthesised ones, and

@@ -2,6 +2,8 @@
 tiny GQA Llama (4 query heads over 2 key/value heads), in fp32 where both must agree to rounding."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -85,3 +87,24 @@ def test_teacher_data_is_the_targets_greedy_answer_with_its_top_k():
         top_lp, top_ids = torch.topk(lp, 5, -1)
         assert torch.equal(torch.as_tensor(e["topk_ids"]).long(), top_ids)
         torch.testing.assert_close(torch.as_tensor(e["topk_logprobs"]).float(), top_lp, atol=1e-3, rtol=2e-3)
+
+
+def test_a_passed_deadline_still_gives_one_batch_of_teacher_data_and_one_training_step():
+    """A loaded machine (CI's parallel workers) can reach a phase's deadline before it starts: the phase
+    then does one batch / one step instead of handing the bootstrap nothing to train on."""
+    from training.draft_builder import train_draft
+
+    tok = tiny_models.make_tokenizer()
+    model = tiny_models.make_model(0, layers=2, sharp=8.0)
+    prompts, _, _ = _padded_batch(tok, ["add two and three", "hi", "multiply seven by a number", "ok"])
+    past = time.time() - 1
+    examples = generate_teacher_data(model, tok, prompts, max_new_tokens=4, batch_size=3, deadline=past,
+                                     progress=lambda m: None)
+    assert len(examples) == 3          # the first batch, not the second
+    draft = tiny_models.make_model(1, layers=2)
+    subset = torch.arange(draft.get_input_embeddings().weight.shape[0])
+    fig = train_draft(draft, examples, examples, subset, deadline=past,
+                      bf16=False, progress=lambda m: None)
+    assert fig["train_steps"] == 1
+    assert train_draft(tiny_models.make_model(1, layers=2), [], [], subset, deadline=past, bf16=False,
+                       progress=lambda m: None)["train_steps"] == 0
