@@ -63,7 +63,7 @@ class DraftsmithDeployment:
             log.warning("metrics hub %s not found; this replica keeps its own metrics", HUB_NAME)
         s = ServiceSettings(**settings)
         self.service = Service(s, registry=draft_source(s), hub=hub if hub is not None else MetricsHub(),
-                               heads_source=heads_source(s))
+                               heads_source=heads_source(s), eagle_source=heads_source(s, "eagle"))
 
     def __serve_build_asgi_app__(self):
         from serving.api import build_app
@@ -91,14 +91,14 @@ def draft_source(settings: ServiceSettings):
     return Registry(settings.target, name=settings.registry_model, tracking_uri=settings.tracking_uri)
 
 
-def heads_source(settings: ServiceSettings):
-    """The replica's Medusa heads source: the heads registry of its target (deploy/registry.py "Draft kinds"),
-    or None when an explicit heads folder is configured (`--medusa-heads`)."""
-    if settings.medusa_heads:
+def heads_source(settings: ServiceSettings, kind: str = "medusa"):
+    """The replica's source of `kind` heads: that heads registry of its target (deploy/registry.py "Draft
+    kinds"), or None when an explicit folder is configured (`--medusa-heads`, `--eagle-head`)."""
+    if settings.medusa_heads if kind == "medusa" else settings.eagle_head:
         return None
     from deploy.registry import heads_registry
 
-    return heads_registry(settings.target, name=settings.registry_model, tracking_uri=settings.tracking_uri)
+    return heads_registry(settings.target, kind, name=settings.registry_model, tracking_uri=settings.tracking_uri)
 
 
 def start_hub(settings: ServiceSettings):

@@ -33,7 +33,10 @@ from pathlib import Path
 from buffer.paths import DEFAULT_TARGET
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-KINDS = ("draft", "medusa")                  # draft kinds with a registry (deploy/registry.py "Draft kinds")
+KINDS = ("draft", "medusa", "eagle")         # draft kinds with a registry (deploy/registry.py "Draft kinds")
+HEADS = ("medusa", "eagle")                  # the kinds served from the target's hidden states
+KIND_HELP = ("which draft kind: 'draft' (the standalone draft model, default), 'medusa' (Medusa heads) or 'eagle' "
+             "(the EAGLE head); each heads kind has its own registered model, <name>-medusa / <name>-eagle")
 
 
 class CommandFailed(Exception):
@@ -141,10 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--draft", default=None, help="draft folder or registry version (default: the champion)")
     s.add_argument("--medusa-heads", default=os.environ.get("DRAFTSMITH_MEDUSA_HEADS"), metavar="PATH",
                    help="Medusa heads folder (built by `python -m training.heads`) for requests with "
-                        "speculative.mode 'medusa' (default $DRAFTSMITH_MEDUSA_HEADS; none: that mode answers 400)")
+                        "speculative.mode 'medusa' (default $DRAFTSMITH_MEDUSA_HEADS; none: the heads registry's "
+                        "champion, hot-swapped as it changes; none there either: that mode answers 400)")
     s.add_argument("--eagle-head", default=os.environ.get("DRAFTSMITH_EAGLE_HEAD"), metavar="PATH",
                    help="EAGLE-style head folder (built by `python -m training.heads --kind eagle`) for requests "
-                        "with speculative.mode 'eagle' (default $DRAFTSMITH_EAGLE_HEAD; none: that mode answers 400)")
+                        "with speculative.mode 'eagle' (default $DRAFTSMITH_EAGLE_HEAD; none: the eagle registry's "
+                        "champion, hot-swapped as it changes; none there either: that mode answers 400)")
     s.add_argument("--replicas", type=_positive_int, default=1)
     s.add_argument("--api-key", default=os.environ.get("DRAFTSMITH_API_KEY"),
                    help="require this bearer token on the inference routes (default $DRAFTSMITH_API_KEY; "
@@ -165,11 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("distill", parents=[common], help="run one distillation job now, or on a schedule")
     d.add_argument("--every", type=_duration, default=None, help="run a job every DURATION (e.g. 10m)")
     d.add_argument("--kind", choices=KINDS, default="draft",
-                   help="'draft' (default): distill the draft model; 'medusa': an online job for the Medusa heads "
-                        "(training/heads_job.py) from the champion heads, registered and gated (deploy/heads.py); "
-                        "now, or with --every on a schedule")
+                   help="'draft' (default): distill the draft model; 'medusa' / 'eagle': an online job for the "
+                        "Medusa heads / the EAGLE head (training/heads_job.py) from the champion, registered and "
+                        "gated (deploy/heads.py); now, or with --every on a schedule")
     d.add_argument("--heads-budget", type=_duration, default=120.0,
-                   help="training time of a --kind medusa job (default 2m; the hidden-state pass comes on top)")
+                   help="training time of a --kind medusa|eagle job (default 2m; the hidden-state pass comes on "
+                        "top)")
     d.add_argument("--min-records", type=_positive_int, default=None,
                    help="run when at least N new records are in the buffer")
     d.add_argument("--poll", type=_duration, default=10.0, help="how often the schedule is checked (default 10s)")
@@ -209,8 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("version", type=_version, metavar="VERSION")
     pr.add_argument("--force", action="store_true", help="skip the gate (artifacts are still verified)")
     pr.add_argument("--kind", choices=KINDS, default="draft",
-                    help="which draft kind: 'draft' (the standalone draft model, default) or 'medusa' (Medusa heads, "
-                         "their own registered model <name>-medusa)")
+                    help=KIND_HELP)
     pr.add_argument("--ignore-pause", action="store_true",
                     help="promote although promotions are paused after a rollback (default: refuse)")
     pr.add_argument("--canary-share", type=_canary_fraction, default=0.0, metavar="S",
@@ -225,20 +230,17 @@ def build_parser() -> argparse.ArgumentParser:
     rb.add_argument("--to", type=_version, default=None, metavar="VERSION")
     rb.add_argument("--reason", default="operator rollback")
     rb.add_argument("--kind", choices=KINDS, default="draft",
-                    help="which draft kind: 'draft' (the standalone draft model, default) or 'medusa' (Medusa heads, "
-                         "their own registered model <name>-medusa)")
+                    help=KIND_HELP)
     rb.add_argument("--no-pause", action="store_true",
                     help="do not pause scheduled distillation (by default a rollback pauses it until "
                          "`draftsmith resume`)")
     rs = sub.add_parser("resume", parents=[common], help="let scheduled distillation promote again after a rollback")
     rs.add_argument("--kind", choices=KINDS, default="draft",
-                    help="which draft kind: 'draft' (the standalone draft model, default) or 'medusa' (Medusa heads, "
-                         "their own registered model <name>-medusa)")
+                    help=KIND_HELP)
 
     vs = sub.add_parser("versions", parents=[common], help="list draft versions with aliases and metrics")
     vs.add_argument("--kind", choices=KINDS, default="draft",
-                    help="which draft kind: 'draft' (the standalone draft model, default) or 'medusa' (Medusa heads, "
-                         "their own registered model <name>-medusa)")
+                    help=KIND_HELP)
 
     sub.add_parser("status", parents=[common], help="champion, aliases, scheduler state")
     _watch_parser(sub, common)
@@ -267,8 +269,8 @@ def _registry(args, kind: str | None = None):
     from deploy.registry import Registry, heads_registry
 
     kind = kind or getattr(args, "kind", "draft")
-    if kind == "medusa":
-        return heads_registry(args.target, name=args.model_name, tracking_uri=args.tracking_uri)
+    if kind in HEADS:
+        return heads_registry(args.target, kind, name=args.model_name, tracking_uri=args.tracking_uri)
     return Registry(args.target, name=args.model_name, tracking_uri=args.tracking_uri)
 
 
@@ -481,7 +483,7 @@ def cmd_distill(args) -> int:
     from deploy.scheduler import DistillScheduler, LiveWatchdog, ScheduleConfig, WatchdogPolicy
 
     policy = _gate_policy(args)
-    if args.kind == "medusa":
+    if args.kind in HEADS:
         return _distill_heads(args, policy)
     schedule = None
     if args.every is not None or args.min_records is not None:
@@ -516,13 +518,13 @@ def cmd_distill(args) -> int:
 
 
 def _distill_heads(args, policy) -> int:
-    """`draftsmith distill --kind medusa`: one heads cycle now (deploy/heads.py `run_heads_cycle`), or with
+    """`draftsmith distill --kind medusa|eagle`: one heads cycle now (deploy/heads.py `run_heads_cycle`), or with
     --every a heads job every DURATION when the buffer has new records (`run_heads_schedule`)."""
     from deploy.heads import HeadsEvidence, run_heads_cycle
     from training.heads_job import NotEnoughRows
 
     if args.min_records is not None and args.every is None:
-        raise BadInput("--kind medusa schedules by time: pass --every DURATION (and --min-records N for the new "
+        raise BadInput(f"--kind {args.kind} schedules by time: pass --every DURATION (and --min-records N for the new "
                        "step records a job needs, default 1)")
     overrides = _read_config(args.config)
     reg = _registry(args)
@@ -531,7 +533,8 @@ def _distill_heads(args, policy) -> int:
     try:
         evidence = HeadsEvidence(args.target or reg.target, redis_url=job.get("redis_url"),
                                  buffer_prefix=job.get("buffer_prefix", "draftsmith:buf"),
-                                 heldout_fraction=job.get("heldout_fraction", 0.1), records=args.gate_records)
+                                 heldout_fraction=job.get("heldout_fraction", 0.1), records=args.gate_records,
+                                 kind=args.kind)
         if args.every is not None:
             import threading
 
@@ -564,11 +567,12 @@ def cmd_register(args) -> int:
     has its records acked now that it is registered."""
     from deploy.registry import short_hash
 
-    from deploy.registry import is_heads_folder
+    from deploy.registry import heads_kind_of
 
-    reg = _registry(args, "medusa" if is_heads_folder(args.path) else "draft")
+    kind = heads_kind_of(args.path)
+    reg = _registry(args, kind or "draft")
     note = ""
-    if is_heads_folder(args.path):
+    if kind is not None:
         version = reg.register_heads(args.path)
     elif (args.path / "candidate.json").exists():
         version = reg.register_candidate(args.path)
@@ -597,7 +601,7 @@ def cmd_promote(args) -> int:
 
     reg = _registry(args)
     canary = args.canary_share > 0
-    if canary and args.kind == "medusa":
+    if canary and args.kind in HEADS:
         raise BadInput("--canary-share is for drafts only: replicas do not split traffic between two heads "
                        "versions yet; promote the heads through the gate (or --force) and roll back if needed")
     if canary and reg.champion() is None:
@@ -616,14 +620,15 @@ def cmd_promote(args) -> int:
         if not args.ignore_pause and reg.promotions_paused():
             raise PromotionsPaused(f"promotions are paused ({reg.promotions_paused().get('reason')}); "
                                    "`draftsmith resume` first, or pass --ignore-pause")
-        if args.kind == "medusa":
+        if args.kind in HEADS:
             from deploy.heads import HeadsEvidence, heads_smoke_check
 
             ov = _read_config(args.config)
-            smoke = heads_smoke_check(args.target)
+            smoke = heads_smoke_check(args.target, kind=args.kind)
             evidence = HeadsEvidence(args.target or reg.target, redis_url=ov.get("redis_url"),
                                      buffer_prefix=ov.get("buffer_prefix", "draftsmith:buf"),
-                                     heldout_fraction=ov.get("heldout_fraction", 0.1), records=args.gate_records)
+                                     heldout_fraction=ov.get("heldout_fraction", 0.1), records=args.gate_records,
+                                     kind=args.kind)
         else:
             smoke, evidence = engine_smoke_check(args.target), _evidence(args, _read_config(args.config))
         verdict = run_gate(reg, args.version, smoke, policy=_gate_policy(args), evidence=evidence,
@@ -750,11 +755,13 @@ def cmd_status(args) -> int:
         paused = reg.promotions_paused()
         history = reg.history()
         _print_canary(reg, history)
-        heads = _registry(args, "medusa")
-        if heads.exists():
-            h = heads.aliases()
-            print(f"medusa heads: {heads.name}: champion {h.get('champion', '-')}, previous {h.get('previous', '-')}, "
-                  f"candidate {h.get('candidate', '-')}" + ("; promotions paused" if heads.promotions_paused() else ""))
+        for kind in HEADS:
+            heads = _registry(args, kind)
+            if heads.exists():
+                h = heads.aliases()
+                print(f"{kind} heads: {heads.name}: champion {h.get('champion', '-')}, previous "
+                      f"{h.get('previous', '-')}, candidate {h.get('candidate', '-')}"
+                      + ("; promotions paused" if heads.promotions_paused() else ""))
     except RegistryUnavailable as e:
         raise CommandFailed(f"{e}; replicas keep serving their current draft and nothing is promoted until "
                             "MLflow answers") from None

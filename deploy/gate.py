@@ -60,8 +60,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
-from deploy.registry import (HEADS_FILES, TAG, ArtifactError, PromotionsPaused, Registry, VersionInfo,
-                             is_heads_folder, short_hash, target_fingerprint, vocabulary_digest)
+from deploy.registry import (HEADS_KINDS, TAG, ArtifactError, PromotionsPaused, Registry, VersionInfo,
+                             heads_kind_of, is_heads_folder, short_hash, target_fingerprint, vocabulary_digest)
 
 log = logging.getLogger(__name__)
 
@@ -529,16 +529,18 @@ def check_vocabulary(info: VersionInfo, path: Path) -> str:
 
 
 def _heads_vocabulary(path: Path) -> list[int] | None:
-    """The kept vocabulary of a Medusa heads folder (its `medusa_heads.json` `output_token_ids`)."""
+    """The kept vocabulary of a heads folder (its config's `output_token_ids`: `medusa_heads.json`,
+    `eagle_head.json`)."""
     from serving.models import ModelLoadError
 
+    cfg = path / HEADS_KINDS[heads_kind_of(path) or "medusa"].files[0]
     try:
-        doc = json.loads((path / HEADS_FILES[0]).read_text())
+        doc = json.loads(cfg.read_text())
     except (OSError, ValueError) as e:
-        raise ModelLoadError(f"{path / HEADS_FILES[0]} is not valid JSON: {e}") from None
+        raise ModelLoadError(f"{cfg} is not valid JSON: {e}") from None
     ids = doc.get("output_token_ids") if isinstance(doc, dict) else None
     if ids is not None and (not isinstance(ids, list) or not all(isinstance(i, int) and i >= 0 for i in ids)):
-        raise ModelLoadError(f"{path / HEADS_FILES[0]}: output_token_ids must be a list of token ids")
+        raise ModelLoadError(f"{cfg}: output_token_ids must be a list of token ids")
     return ids or None
 
 
@@ -573,15 +575,16 @@ def start_canary_after_gate(registry: Registry, verdict: GateVerdict, share: flo
 def engine_smoke_check(target: str | None, *, prompts: tuple[str, ...] = DEFAULT_SMOKE_PROMPTS,
                        max_tokens: int = 24, gamma: int = 4, device: str = "cpu", kind: str = "draft") -> SmokeCheck:
     """The real smoke check: for each prompt, greedy (temperature 0) decoding with lossless
-    speculative sampling (kind "draft": the folder is a draft) or mode medusa (kind "medusa": the folder is
-    Medusa heads, deploy/heads.py) must emit exactly the target-only greedy tokens. fp32, so rounding
-    differences between one-token and (gamma+1)-token target passes cannot flip an argmax in practice.
+    speculative sampling (kind "draft": the folder is a draft), mode medusa (kind "medusa": Medusa heads) or
+    mode eagle (kind "eagle": an EAGLE head; deploy/heads.py) must emit exactly the target-only greedy
+    tokens. fp32, so rounding differences between one-token and (gamma+1)-token target passes cannot flip an
+    argmax in practice.
     """
     if max_tokens < 1 or not prompts:
         raise ValueError("the smoke check needs at least one prompt and max_tokens >= 1")
-    if kind not in ("draft", "medusa"):
-        raise ValueError(f"kind must be 'draft' or 'medusa', got {kind!r}")
-    mode, what = ("medusa", "heads") if kind == "medusa" else ("speculative", "draft")
+    if kind not in ("draft", *HEADS_KINDS):
+        raise ValueError(f"kind must be one of {('draft', *HEADS_KINDS)}, got {kind!r}")
+    mode, what = (kind, HEADS_KINDS[kind].label) if kind in HEADS_KINDS else ("speculative", "the draft")
 
     def check(path: Path) -> tuple[bool, str]:
         import torch
@@ -591,11 +594,12 @@ def engine_smoke_check(target: str | None, *, prompts: tuple[str, ...] = DEFAULT
         from serving.models import ModelLoadError
 
         try:
-            engine = (Engine.from_paths(target, None, device=device, dtype=torch.float32, heads=str(path))
-                      if kind == "medusa" else
+            engine = (Engine.from_paths(target, None, device=device, dtype=torch.float32, **{
+                          "heads" if kind == "medusa" else "eagle": str(path)})
+                      if kind in HEADS_KINDS else
                       Engine.from_paths(target, str(path), device=device, dtype=torch.float32, draft_version="smoke"))
         except ModelLoadError as e:
-            return False, f"{what} do{'' if kind == 'medusa' else 'es'} not load next to the target: {e}"
+            return False, f"{what}: does not load next to the target: {e}"
         sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens)
         accepted = drafted = 0
         for i, text in enumerate(prompts):
@@ -612,7 +616,8 @@ def engine_smoke_check(target: str | None, *, prompts: tuple[str, ...] = DEFAULT
             accepted += spec.stats.accepted_tokens
             drafted += spec.stats.draft_tokens
         rate = accepted / drafted if drafted else 0.0
-        rows = engine.draft.output_token_ids if kind == "draft" else engine.heads.output_token_ids
+        rows = {"draft": lambda: engine.draft.output_token_ids, "medusa": lambda: engine.heads.output_token_ids,
+                "eagle": lambda: engine.eagle.output_token_ids}[kind]()
         return True, (f"{len(prompts)} prompts x <= {max_tokens} tokens identical to target greedy; "
                       f"greedy acceptance {rate:.3f}; {what} output vocabulary "
                       f"{'full' if rows is None else f'{len(rows)} rows'}")

@@ -1,26 +1,31 @@
-"""Medusa heads as versioned drafts (issue 19, step 3): the gate's evidence and smoke check for heads, and
-one online cycle (buffer -> heads job -> registered candidate -> gate -> champion).
+"""Medusa heads and EAGLE heads as versioned drafts (issue 19, step 3): the gate's evidence and smoke check
+for heads, and one online cycle (buffer -> heads job -> registered candidate -> gate -> champion).
 
-    HeadsEvidence(target, ...).collect(champion_dir, candidate_dir) -> PairedEvidence
-    heads_smoke_check(target) -> SmokeCheck
+    HeadsEvidence(target, ..., kind="medusa"|"eagle").collect(champion_dir, candidate_dir) -> PairedEvidence
+    heads_smoke_check(target, kind=...) -> SmokeCheck
     run_heads_cycle(registry, target, job_cfg, policy, evidence) -> (candidate version, GateVerdict)
-    run_heads_schedule(registry, target, job_cfg, every_s=600, ...) -> [HeadsTick]   # `distill --kind medusa --every`
+    run_heads_schedule(registry, target, job_cfg, every_s=600, ...) -> [HeadsTick]   # `distill --kind K --every`
 
-Heads versions live in their own registered model (deploy/registry.py `heads_registry`, "Draft kinds"), so
-aliases, promotion, canary, rollback, pause and retention are the draft's, unchanged; replicas watch its
-champion alias and hot-swap the heads (serving/service.py `check_heads`).
+Each kind's versions live in their own registered model (deploy/registry.py `heads_registry`, "Draft kinds"),
+so aliases, promotion, canary, rollback, pause and retention are the draft's, unchanged; replicas watch its
+champion alias and hot-swap the heads (serving/service.py `check_heads`). The registry's kind picks the job,
+the evidence and the smoke check.
 
 **The gate's evidence for heads** is drawn like the draft's (deploy/gate.py): the newest held-out step
 records of the buffer (read-only; `training.data.is_heldout`, so no heads job trained on them), rebuilt
 into examples (training/heads_job.py `examples_from_buffer`), one teacher-forced target pass for the hidden
 states, then both heads scored per request: acceptance = accepted / proposed tokens of a greedy chain of K
 heads at T = 0 (mean over the request's positions of the number of leading heads that match the target's
-greedy tokens, divided by K), weight = the request's positions. `judge_evidence` then applies the same
-paired bootstrap, margin and per-category regression test as for drafts.
+greedy tokens, divided by K), weight = the request's positions. An EAGLE head is scored on the same
+examples by its teacher-forced first-token agreement (the share of answer positions where the head's top-1,
+fed the target's features and the true tokens, is the target's greedy token; training/heads.py
+`eagle_agreement`): the head's deeper tokens depend on its own features, which a teacher-forced pass does
+not give. `judge_evidence` then applies the same paired bootstrap, margin and per-category regression test
+as for drafts.
 
-**Smoke check**: heads loaded next to the target decode a few prompts at T = 0 in mode "medusa" (fp32), and
-the tokens must equal target-only greedy: it proves the heads load and the tree path runs (lossless at T=0
-whatever the heads).
+**Smoke check**: heads loaded next to the target decode a few prompts at T = 0 in mode "medusa" / "eagle"
+(fp32), and the tokens must equal target-only greedy: it proves the heads load and the tree path runs
+(lossless at T=0 whatever the heads).
 """
 from __future__ import annotations
 
@@ -31,7 +36,7 @@ from pathlib import Path
 
 from deploy.gate import (DEFAULT_SMOKE_PROMPTS, EvidenceSource, GatePolicy, GateVerdict, PairedEvidence,
                          SmokeCheck, engine_smoke_check, run_gate)
-from deploy.registry import Registry, UsageError, target_fingerprint
+from deploy.registry import HEADS_KINDS, Registry, UsageError, target_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -39,16 +44,20 @@ log = logging.getLogger(__name__)
 @dataclass
 class HeadsEvidence:
     """Where the heads gate draws its sample (as deploy/gate.py EvidenceSource) and the target that gives the
-    hidden states (loaded once per HeadsEvidence, in the dtype serving uses on this device)."""
+    hidden states (loaded once per HeadsEvidence, in the dtype serving uses on this device); `kind` says
+    which heads the folders hold."""
 
     target: str | None = None
     redis_url: str | None = None
     buffer_prefix: str = "draftsmith:buf"
     heldout_fraction: float = 0.1
     records: int = 2000
+    kind: str = "medusa"
     _target_model: object = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        if self.kind not in HEADS_KINDS:
+            raise ValueError(f"kind must be one of {tuple(HEADS_KINDS)}, got {self.kind!r}")
         EvidenceSource(redis_url=self.redis_url, buffer_prefix=self.buffer_prefix,        # same validation
                        heldout_fraction=self.heldout_fraction, records=self.records)
 
@@ -67,8 +76,9 @@ class HeadsEvidence:
         target = self._model()
         hidden = None
         scores = {}
+        score = score_eagle if self.kind == "eagle" else score_heads
         for name, path in (("champion", champion_path), ("candidate", candidate_path)):
-            scores[name], hidden = score_heads(target, Path(path), examples, hidden)
+            scores[name], hidden = score(target, Path(path), examples, hidden)
         ids = [e["request_id"] for e in examples if e["request_id"] in scores["champion"]]
         ch, ca = scores["champion"], scores["candidate"]
         cats = {e["request_id"]: e["source"] for e in examples}
@@ -85,14 +95,12 @@ def score_heads(target, heads_dir: Path, examples: list[dict], hidden=None) -> t
     import torch
 
     from serving.decoding.medusa import MedusaHeads
-    from training.heads import HeadData, target_hidden_rows
+    from training.heads import HeadData, kept_index, target_hidden_rows
 
     heads = MedusaHeads.load(heads_dir, target).eval()
     if hidden is None:
         hidden = target_hidden_rows(target, examples, progress=log.debug)
-    vocab = target.get_output_embeddings().weight.shape[0]
-    vocab_index = torch.full((vocab + 1,), -1, dtype=torch.long)
-    vocab_index[torch.as_tensor(heads.output_token_ids)] = torch.arange(len(heads.output_token_ids))
+    vocab_index = kept_index(target, heads.output_token_ids)
     K = heads.config.num_heads
     out = {}
     with torch.no_grad():
@@ -114,10 +122,32 @@ def score_heads(target, heads_dir: Path, examples: list[dict], hidden=None) -> t
     return out, hidden
 
 
+def score_eagle(target, head_dir: Path, examples: list[dict], feats=None) -> tuple[dict[str, dict], list]:
+    """({request id: {"acceptance", "positions"}}, the target's features) of the EAGLE head folder on
+    `examples`: acceptance = teacher-forced first-token agreement (module docstring); `feats` re-uses the
+    features of an earlier call on the same examples."""
+    from serving.decoding.eagle import EagleHead
+    from training.heads import eagle_agreement, kept_index, target_hidden_states
+
+    head = EagleHead.load(head_dir, target).eval()
+    if feats is None:
+        feats = target_hidden_states(target, examples, progress=log.debug)
+    vocab_index = kept_index(target, head.output_token_ids)
+    out = {}
+    for e, f in zip(examples, feats):
+        positions = len(e["topk_ids"]) - max(0, 2 - e["prompt_len"])
+        if positions < 1:
+            continue
+        out[e["request_id"]] = {"acceptance": eagle_agreement(head, [e], [f], vocab_index),
+                                "positions": float(positions)}
+    return out, feats
+
+
 def heads_smoke_check(target: str | None, *, prompts: tuple[str, ...] = DEFAULT_SMOKE_PROMPTS,
-                      max_tokens: int = 24) -> SmokeCheck:
-    """Module docstring: mode "medusa" at T = 0 in fp32 must emit target-only greedy's tokens."""
-    return engine_smoke_check(target, prompts=prompts, max_tokens=max_tokens, gamma=3, kind="medusa")
+                      max_tokens: int = 24, kind: str = "medusa") -> SmokeCheck:
+    """Module docstring: mode `kind` ("medusa", "eagle") at T = 0 in fp32 must emit target-only greedy's
+    tokens."""
+    return engine_smoke_check(target, prompts=prompts, max_tokens=max_tokens, gamma=3, kind=kind)
 
 
 def run_heads_cycle(registry: Registry, target: str | None, job_cfg: dict | None = None, *,
@@ -127,25 +157,33 @@ def run_heads_cycle(registry: Registry, target: str | None, job_cfg: dict | None
     """One heads job from the champion heads on the buffer, registered as the heads' candidate, then gated
     (and promoted when it passes and `promote`). UsageError when the heads registry has no champion yet
     (`draftsmith register <heads folder>` then `draftsmith promote --kind medusa 1 --force`);
-    training.heads_job.NotEnoughRows when the buffer is too thin."""
+    training.heads_job.NotEnoughRows when the buffer is too thin. The registry's kind (medusa, eagle) picks
+    the job, the evidence and the smoke check."""
     from training.heads_job import run_heads_distillation
 
+    kind = registry.heads_kind
+    if kind is None:
+        raise UsageError(f"{registry.name} holds drafts, not heads; use heads_registry(target, kind)")
     champion = registry.champion()
     if champion is None:
-        raise UsageError(f"{registry.name} has no champion heads to start from: register a heads folder "
-                         "(`draftsmith register DIR`) and promote it (`draftsmith promote --kind medusa V --force`)")
+        raise UsageError(f"{registry.name} has no champion {HEADS_KINDS[kind].label} to start from: register a "
+                         f"folder (`draftsmith register DIR`) and promote it (`draftsmith promote --kind {kind} V "
+                         "--force`)")
     target = target or registry.target
     cfg = dict(job_cfg or {})
     ev = evidence or HeadsEvidence(target, redis_url=cfg.get("redis_url"),
                                    buffer_prefix=cfg.get("buffer_prefix", "draftsmith:buf"),
-                                   heldout_fraction=cfg.get("heldout_fraction", 0.1))
+                                   heldout_fraction=cfg.get("heldout_fraction", 0.1), kind=kind)
+    if ev.kind != kind:
+        raise ValueError(f"the evidence scores {ev.kind} heads, the registry holds {kind}")
     t0 = time.time()
-    out = run_heads_distillation({**cfg, "parent_heads": str(registry.materialize(champion, verify=True)),
+    out = run_heads_distillation({**cfg, "kind": kind, "parent_heads": str(registry.materialize(champion, verify=True)),
                                   "parent_version": champion, "target": target,
                                   "target_sha256": target_fingerprint(target)},
                                  progress=progress)
     version = registry.register_heads(out, candidate=True)
-    verdict = run_gate(registry, version, smoke_check or heads_smoke_check(target), policy=policy, promote=promote,
+    verdict = run_gate(registry, version, smoke_check or heads_smoke_check(target, kind=kind), policy=policy,
+                       promote=promote,
                        evidence=ev)
     progress(f"[heads] candidate version {version}: {'accepted' if verdict.accepted else 'rejected'} "
              f"({verdict.reason}); cycle {time.time() - t0:.0f} s")

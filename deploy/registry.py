@@ -66,14 +66,15 @@ pause that cannot be read refuses as well.
 files, computed once per folder and cached by file size and mtime). The gate refuses a candidate for
 another target and replicas refuse to load one (serving/service.py).
 
-**Draft kinds.** Medusa heads (serving/decoding/medusa.py, issue 19) are versioned the same way in their
-own registered model, `<draft model name>-medusa` (`heads_registry`), so every alias, promotion, canary,
-rollback, pause, lock and retention rule above applies to them unchanged and a rollback of the heads never
-moves the draft's aliases (or the reverse). A heads version is kind `heads`: the folder's
-`medusa_heads.json` + `medusa_heads.safetensors` as the artifacts `heads/...` (full weights: about 1M
-parameters, so an online update stores the whole heads rather than an adapter, and the chain is always
-one version deep); `parent_version` records the heads it was trained from. `register` tells the kinds
-apart by their files.
+**Draft kinds.** Medusa heads (serving/decoding/medusa.py) and the EAGLE-style head
+(serving/decoding/eagle.py, issue 19) are versioned the same way, each kind in its own registered model,
+`<draft model name>-medusa` and `<draft model name>-eagle` (`heads_registry(target, kind)`), so every alias,
+promotion, canary, rollback, pause, lock and retention rule above applies to them unchanged, and a rollback
+of one kind never moves another kind's aliases. A heads version is kind `heads` (tag `heads_kind`: medusa
+or eagle): the folder's config + safetensors (`HEADS_KINDS`) as the artifacts `heads/...` (full weights:
+about 1M parameters for Medusa's heads, 2.4M for the EAGLE layer at the default target, so an online update
+stores the whole weights rather than an adapter, and the chain is always one version deep);
+`parent_version` records the weights it was trained from. `register` tells the kinds apart by their files.
 
 Default store: `sqlite:///<DRAFTSMITH_DATA>/mlflow.db` with artifacts in `<DRAFTSMITH_DATA>/mlartifacts`
 (`DRAFTSMITH_DATA` defaults to `./data`), created on first use; `MLFLOW_TRACKING_URI` (or the
@@ -130,8 +131,31 @@ DEFAULT_GC_GRACE_S = 600.0                      # folders used (materialised, lo
 STALE_STAGING_S = 6 * 3600.0                    # a '.'-staging folder this old was left by a crash
 VERIFIED = ".verified.json"                     # beside the cache: (version, run, manifest) already verified
 NOT_FOUND = "RESOURCE_DOES_NOT_EXIST"
-HEADS_SUFFIX = "-medusa"                        # registered model of a target's Medusa heads: <draft model>-medusa
-HEADS_FILES = ("medusa_heads.json", "medusa_heads.safetensors")   # serving/decoding/medusa.py CONFIG/WEIGHTS_FILE
+
+
+@dataclass(frozen=True)
+class HeadsKind:
+    """A draft kind served from the target's hidden states (module docstring, "Draft kinds")."""
+
+    name: str                       # the kind, the serving mode and the registered model's suffix
+    label: str                      # for messages: "Medusa heads", "EAGLE head"
+    files: tuple[str, str]          # (config JSON, weights) of its folder
+    build: str                      # the command that builds a folder of this kind
+    folder: str                     # for messages: "a Medusa heads folder"
+
+    @property
+    def suffix(self) -> str:
+        return "-" + self.name
+
+
+HEADS_KINDS = {   # serving/decoding/medusa.py and eagle.py CONFIG_FILE / WEIGHTS_FILE
+    "medusa": HeadsKind("medusa", "Medusa heads", ("medusa_heads.json", "medusa_heads.safetensors"),
+                        "python -m training.heads", "a Medusa heads folder"),
+    "eagle": HeadsKind("eagle", "EAGLE head", ("eagle_head.json", "eagle_head.safetensors"),
+                       "python -m training.heads --kind eagle", "an EAGLE head folder"),
+}
+HEADS_SUFFIX = HEADS_KINDS["medusa"].suffix     # registered model of a target's Medusa heads: <draft model>-medusa
+HEADS_FILES = HEADS_KINDS["medusa"].files
 
 
 def _not_found(exc: BaseException) -> bool:
@@ -147,16 +171,32 @@ def _is_local_store(uri: str) -> bool:
     return uri.startswith("sqlite:") or uri.startswith("file:") or "://" not in uri
 
 
+def heads_kind_of(path: str | os.PathLike) -> str | None:
+    """The heads kind whose files the folder holds (`MedusaHeads.save` / `EagleHead.save`), else None."""
+    return next((k for k, hk in HEADS_KINDS.items() if all((Path(path) / f).is_file() for f in hk.files)), None)
+
+
 def is_heads_folder(path: str | os.PathLike) -> bool:
-    """A Medusa heads folder (serving/decoding/medusa.py `MedusaHeads.save`)."""
-    return all((Path(path) / f).is_file() for f in HEADS_FILES)
+    """A folder of any heads kind (Medusa heads, an EAGLE head)."""
+    return heads_kind_of(path) is not None
 
 
-def heads_registry(target: str | os.PathLike | None = None, **kw) -> "Registry":
-    """The registry of `target`'s Medusa heads (module docstring, "Draft kinds"); keyword arguments as
-    `Registry` (a `name` names the draft's registered model, the heads' is it + HEADS_SUFFIX)."""
+def heads_kind_of_model(name: str) -> str | None:
+    """The heads kind a registered model holds, by its name's suffix; None for a draft model."""
+    return next((k for k, hk in HEADS_KINDS.items() if name.endswith(hk.suffix)), None)
+
+
+def heads_registry(target: str | os.PathLike | None = None, kind: str = "medusa", **kw) -> "Registry":
+    """The registry of `target`'s heads of `kind` (module docstring, "Draft kinds"); keyword arguments as
+    `Registry` (a `name` names the draft's registered model, the heads' is it + "-<kind>")."""
+    if kind not in HEADS_KINDS:
+        raise UsageError(f"unknown heads kind {kind!r}; known: {', '.join(HEADS_KINDS)}")
+    suffix = HEADS_KINDS[kind].suffix
     name = kw.pop("name", None) or model_name_for(target)
-    return Registry(target, name=name if name.endswith(HEADS_SUFFIX) else name + HEADS_SUFFIX, **kw)
+    other = heads_kind_of_model(name)
+    if other is not None:                               # the draft's name is wanted; strip another kind's suffix
+        name = name[: -len(HEADS_KINDS[other].suffix)]
+    return Registry(target, name=name + suffix, **kw)
 
 
 def target_slug(target: str | os.PathLike | None) -> str:
@@ -464,6 +504,11 @@ class Registry:
             return db.parent / f".{db.name}.{slug}.aliases.lock"
         uri_id = hashlib.sha256(self.tracking_uri.encode()).hexdigest()[:12]
         return data_dir() / "locks" / f"{slug}-{uri_id}.aliases.lock"
+
+    @property
+    def heads_kind(self) -> str | None:
+        """The heads kind this registered model holds ("medusa", "eagle"), None for drafts."""
+        return heads_kind_of_model(self.name)
 
     # ------------------------------------------------------------------ plumbing
     @property
@@ -878,14 +923,16 @@ class Registry:
         p = Path(path)
         if not p.is_dir():
             raise UsageError(f"{p} is not a folder; pass a candidate folder (with candidate.json) or a model folder")
-        if is_heads_folder(p):
-            if not self.name.endswith(HEADS_SUFFIX):
-                raise UsageError(f"{p} holds Medusa heads; register them in the heads registry "
-                                 f"(`draftsmith heads register {p}`), not in {self.name}")
+        folder_kind, own_kind = heads_kind_of(p), self.heads_kind
+        if folder_kind is not None:
+            if folder_kind != own_kind:
+                raise UsageError(f"{p} holds {HEADS_KINDS[folder_kind].label}; register it in the {folder_kind} heads "
+                                 f"registry (`draftsmith register {p}` picks it by the files), not in {self.name}")
             return self.register_heads(p, candidate=(p / "candidate.json").exists())
-        if self.name.endswith(HEADS_SUFFIX):
-            raise UsageError(f"{p} is not a Medusa heads folder (no {HEADS_FILES[0]} / {HEADS_FILES[1]}); "
-                             "build one with `python -m training.heads` or `draftsmith heads distill`")
+        if own_kind is not None:
+            hk = HEADS_KINDS[own_kind]
+            raise UsageError(f"{p} is not {hk.folder} (no {hk.files[0]} / {hk.files[1]}); build one with "
+                             f"`{hk.build}` or `draftsmith distill --kind {own_kind}`")
         if (p / "candidate.json").exists():
             return self.register_candidate(p)
         if (p / "config.json").exists():
@@ -896,18 +943,24 @@ class Registry:
     def register_heads(self, folder: str | os.PathLike, *, candidate: bool = False, metrics: dict | None = None,
                        params: dict | None = None, set_champion_if_none: bool = False,
                        target_sha256: str | None = None, description: str = "") -> str:
-        """Register a Medusa heads folder (kind `heads`, module docstring "Draft kinds"). Its
-        `candidate.json`, when present (`draftsmith heads distill` writes one), gives the parent version,
-        the target pin, the data window and the job's figures, and the version gets the `candidate` alias
-        (also with `candidate=True`). Numeric fields of `medusa_heads.json` become run metrics. The target
-        pin: candidate.json `target_sha256`, else `target_sha256`, else this registry's target's."""
+        """Register a heads folder of this registry's kind (kind `heads`, module docstring "Draft kinds"). Its
+        `candidate.json`, when present (`draftsmith distill --kind medusa|eagle` writes one), gives the parent
+        version, the target pin, the data window and the job's figures, and the version gets the `candidate`
+        alias (also with `candidate=True`). Numeric fields of the folder's config become run metrics. The
+        target pin: candidate.json `target_sha256`, else `target_sha256`, else this registry's target's."""
         folder = Path(folder)
-        if not is_heads_folder(folder):
-            raise UsageError(f"{folder} is not a Medusa heads folder (needs {' and '.join(HEADS_FILES)})")
+        own = self.heads_kind
+        if own is None:
+            raise UsageError(f"{self.name} holds drafts, not heads; use heads_registry(target, kind)")
+        hk = HEADS_KINDS[own]
+        if heads_kind_of(folder) != own:
+            raise UsageError(f"{folder} is not {hk.folder} (needs {' and '.join(hk.files)})")
         try:
-            cfg = json.loads((folder / HEADS_FILES[0]).read_text())
+            cfg = json.loads((folder / hk.files[0]).read_text())
         except (OSError, ValueError) as e:
-            raise UsageError(f"{folder / HEADS_FILES[0]} is not valid JSON: {e}") from None
+            raise UsageError(f"{folder / hk.files[0]} is not valid JSON: {e}") from None
+        if not isinstance(cfg, dict):
+            raise UsageError(f"{folder / hk.files[0]} must hold a JSON object")
         meta = {}
         if (folder / "candidate.json").exists():
             try:
@@ -927,20 +980,22 @@ class Registry:
         all_params = _flatten("train", meta.get("train_config") or {}, {})
         all_params.update(_flatten("data", meta.get("data_window") or {}, {}))
         all_params.update(_flatten("", params or {}, {}))
+        layer = cfg.get("layer_config") if isinstance(cfg.get("layer_config"), dict) else {}
         for k in ("num_heads", "num_layers", "use_token", "hidden_size"):
-            if k in cfg:
-                all_params[k] = str(cfg[k])
+            if k in cfg or k in layer:
+                all_params[k] = str(cfg.get(k, layer.get(k)))
         target_sha = meta.get("target_sha256") or target_sha256 or target_fingerprint(self.target)
         files = {"heads": folder}
-        tags = {TAG + "source_path": str(folder.resolve())[:5000], **_vocab_tags(ids if ids else None),
+        tags = {TAG + "source_path": str(folder.resolve())[:5000], TAG + "heads_kind": own,
+                **_vocab_tags(ids if ids else None),
                 **({TARGET_HASH_TAG: str(target_sha)} if target_sha else {}),
                 **({TAG + "parent_version": parent} if parent not in (None, "") else {}),
                 **({TAG + "data_window": _canonical_json(meta.get("data_window") or {})[:5000]} if meta else {}),
                 **({CANDIDATE_PATH_TAG: str(folder.resolve())[:5000]} if meta else {})}
         version = self._create_version(
             kind="heads", files=files, run_name=f"{self.name}-heads", params=all_params, metrics=all_metrics,
-            tags=tags, description=description or (f"Medusa heads trained from version {parent}" if parent
-                                                   else "Medusa heads"))
+            tags=tags, description=description or (f"{hk.label} trained from version {parent}" if parent
+                                                   else hk.label))
         if candidate or meta:
             with self.alias_lock:
                 self.client.set_registered_model_alias(self.name, CANDIDATE, version)

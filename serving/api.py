@@ -8,7 +8,7 @@
     GET  /metrics                                Prometheus text, merged over every replica
     GET  /v1/admin/draft                         this replica's draft version, the registry champion
     POST /v1/admin/reload                        load the champion now (other replicas: within seconds)
-    POST /v1/admin/rollback {"to": v?, "kind"?}  move the champion alias back (`draftsmith rollback [--kind medusa]`)
+    POST /v1/admin/rollback {"to": v?, "kind"?}  move the champion alias back (`draftsmith rollback [--kind medusa|eagle]`)
 
 Keys. The inference key (`api_key`) guards /v1/models and the completion routes: with one configured they
 need `Authorization: Bearer <key>` (401 otherwise). The admin routes /v1/admin/* never accept the

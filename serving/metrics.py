@@ -20,7 +20,7 @@ Names (prefix `draftsmith:`; vLLM's spec-decode counters are `vllm:spec_decode_*
     num_requests_running / num_requests_waiting (queue depth) (gauges)
     buffer_records_written_total / buffer_records_dropped_total (replay buffer writer)
     draft_swaps_total{result} / draft_version_info{replica, version}
-    heads_swaps_total{result}                    Medusa heads hot-swaps from the heads registry
+    heads_swaps_total{kind,result}               Medusa / EAGLE head hot-swaps from their registries
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ HELP = {
     "buffer_records_written_total": ("counter", "Replay-buffer records written to Redis."),
     "buffer_records_dropped_total": ("counter", "Replay-buffer records dropped (Redis down, queue full, ...)."),
     "draft_swaps_total": ("counter", "Draft hot-swaps, by result."),
-    "heads_swaps_total": ("counter", "Medusa heads hot-swaps, by result."),
+    "heads_swaps_total": ("counter", "Medusa / EAGLE head hot-swaps, by kind and result."),
     "e2e_request_latency_seconds": ("histogram", "Request latency from arrival to last token."),
     "time_to_first_token_seconds": ("histogram", "Time from arrival to the first token."),
     "num_requests_running": ("gauge", "Requests decoding now."),

@@ -180,7 +180,8 @@ class RollbackRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     to: str | StrictInt | None = Field(None, description="version to roll back to (default: the previous one)")
     reason: str = Field("", max_length=500)
-    kind: Literal["draft", "medusa"] = Field("draft", description="which draft kind: the draft model or the Medusa heads")
+    kind: Literal["draft", "medusa", "eagle"] = Field(
+        "draft", description="which draft kind: the draft model, the Medusa heads or the EAGLE head")
 
 
 # ----------------------------------------------------------------------------- translation

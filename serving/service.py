@@ -56,6 +56,12 @@ from serving.metrics import MetricsHub, Telemetry
 
 log = logging.getLogger(__name__)
 
+# draft kinds served from the target's hidden states, each with its own registry (deploy/registry.py
+# "Draft kinds"): the engine's loader, its live-version attribute, the Service's error attribute (/health),
+# what to call it, and the key of the live version in an admin rollback's answer
+HEADS_KINDS = {"medusa": ("load_heads", "heads_version", "heads_error", "Medusa heads", "replica_medusa_heads"),
+               "eagle": ("load_eagle", "eagle_version", "eagle_error", "EAGLE head", "replica_eagle_head")}
+
 
 class ServiceError(Exception):
     """A request the service refuses or cannot finish; `param` names the offending field, `code` the reason."""
@@ -175,7 +181,7 @@ class Service:
     explicit `draft` folder the replica serves the target alone."""
 
     def __init__(self, settings: ServiceSettings | None = None, *, engine=None, registry=None, sink=None,
-                 hub=None, heads_source=None) -> None:
+                 hub=None, heads_source=None, eagle_source=None) -> None:
         self.s = settings or ServiceSettings()
         if self.s.torch_threads:
             import torch
@@ -186,9 +192,11 @@ class Service:
             hub = MetricsHub()                 # this replica's figures only; deploy/app.py passes the shared hub
         self.hub = _LocalHub(hub) if isinstance(hub, MetricsHub) else _RayHub(hub)
         self.registry = registry
-        # where registered Medusa heads come from (deploy.registry.heads_registry; None: the configured folder
-        # or none): its champion is hot-swapped in by check_heads, as the draft's is by check_champion
+        # where registered Medusa heads / EAGLE heads come from (deploy.registry.heads_registry; None: the
+        # configured folder or none): their champions are hot-swapped in by check_heads, as the draft's is by
+        # check_champion
         self.heads_source = heads_source if not self.s.medusa_heads else None
+        self.eagle_source = eagle_source if not self.s.eagle_head else None
         self.sink = sink if sink is not None else self._make_sink()
         self.swap_error: str | None = None
         self.heads_error: str | None = None     # why the configured Medusa heads did not load
@@ -203,7 +211,8 @@ class Service:
         self.waiting = 0
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._publish_loop, name="telemetry", daemon=True)]
-        if (self.registry is not None and self.s.draft is None) or self.heads_source is not None:
+        if ((self.registry is not None and self.s.draft is None) or self.heads_source is not None
+                or self.eagle_source is not None):
             self._threads.append(threading.Thread(target=self._watch_loop, name="draft-watcher", daemon=True))
         for t in self._threads:
             t.start()
@@ -252,7 +261,8 @@ class Service:
         else:
             self.check_champion(engine)
             self.check_canary(engine)
-        self.check_heads(engine)
+        for kind in HEADS_KINDS:
+            self.check_heads(engine, kind=kind)
         return engine
 
     # ------------------------------------------------------------------ hot-swap
@@ -392,60 +402,64 @@ class Service:
                     self.check_canary()
                 except Exception as e:  # noqa: BLE001
                     log.warning("draft watcher (canary): %s", e)
-            try:
-                self.check_heads(due_only=True)
-            except Exception as e:  # noqa: BLE001
-                log.warning("draft watcher (heads): %s", e)
+            for kind in HEADS_KINDS:
+                try:
+                    self.check_heads(due_only=True, kind=kind)
+                except Exception as e:  # noqa: BLE001
+                    log.warning("draft watcher (%s): %s", kind, e)
 
-    def check_heads(self, engine=None, *, due_only: bool = False) -> str:
-        """Load the heads registry's champion (`heads_source`) if it is not the live heads; returns the live
-        heads version ("medusa-v<N>", "medusa:<folder>" or "none"). As `check_champion`: an unreadable
-        registry keeps the current heads; a version that fails to load, or was built for another target, is
-        not served (the old heads, or none, stay: mode "medusa" answers 400 without heads, every other mode
-        is untouched), the reason is in /health `heads_error`, and the load is retried with back-off."""
+    def check_heads(self, engine=None, *, due_only: bool = False, kind: str = "medusa") -> str:
+        """Load the champion of the `kind` heads registry (`heads_source` for "medusa", `eagle_source` for
+        "eagle") if it is not the live one; returns the live version ("medusa-v<N>", "medusa:<folder>",
+        "eagle-v<N>", ... or "none"). As `check_champion`: an unreadable registry keeps the current heads; a
+        version that fails to load, or was built for another target, is not served (the old heads, or none,
+        stay: that mode answers 400 without them, every other mode is untouched), the reason is in /health
+        `heads_error` / `eagle_error`, and the load is retried with back-off."""
         engine = engine or self.engine
-        src = self.heads_source
-        if src is None or not hasattr(engine, "load_heads"):
-            return getattr(engine, "heads_version", "none")
-        st = self._watch_state().setdefault("heads", {"version": None, "attempts": 0, "next": 0.0})
+        load, version_attr, error_attr, label, _ = HEADS_KINDS[kind]
+        src = self.heads_source if kind == "medusa" else self.eagle_source
+        if src is None or not hasattr(engine, load):
+            return getattr(engine, version_attr, "none")
+        live = lambda: getattr(engine, version_attr)  # noqa: E731
+        st = self._watch_state().setdefault(kind, {"version": None, "attempts": 0, "next": 0.0})
         with self._swap_lock:
             try:
                 v = src.champion()
             except Exception as e:  # noqa: BLE001 - MLflow down: keep what we have
-                self.heads_error = (f"cannot read the heads' champion alias ({type(e).__name__}: {e}); still "
-                                    f"serving heads {engine.heads_version}")
-                return engine.heads_version
+                setattr(self, error_attr, f"cannot read the {label}' champion alias ({type(e).__name__}: {e}); "
+                                          f"still serving {live()}")
+                return live()
             if v is None:
-                return engine.heads_version
-            name = f"medusa-v{v}"
-            if name == engine.heads_version:
+                return live()
+            name = f"{kind}-v{v}"
+            if name == live():
                 st.update(version=None, attempts=0, next=0.0)
-                self.heads_error = None
+                setattr(self, error_attr, None)
                 return name
             now = time.monotonic()
             if due_only and st["version"] == v and now < st["next"]:
-                return engine.heads_version
+                return live()
             try:
                 theirs = src.get(v).target_sha256
                 path = getattr(getattr(engine, "target", None), "path", None)
                 mine = src.target_fingerprint(path) if path is not None else None
                 if theirs and mine and theirs != mine:
-                    raise ValueError(f"they were built for another target (fingerprint {theirs[:12]}), this "
+                    raise ValueError(f"it was built for another target (fingerprint {theirs[:12]}), this "
                                      f"replica serves {mine[:12]}")
-                engine.load_heads(src.materialize(v, verify=True), version=name)
-            except Exception as e:  # noqa: BLE001 - bad heads cost mode "medusa" only, never the endpoint
+                getattr(engine, load)(src.materialize(v, verify=True), version=name)
+            except Exception as e:  # noqa: BLE001 - bad heads cost their mode only, never the endpoint
                 attempts = st["attempts"] + 1 if st["version"] == v else 1
                 delay = min(300.0, max(1.0, self.s.watch_interval_s) * 2 ** (attempts - 1))
                 st.update(version=v, attempts=attempts, next=now + delay)
-                self.heads_error = (f"heads version {v} not loaded ({type(e).__name__}: {e}); serving heads "
-                                    f"{engine.heads_version}; retry {attempts} in {delay:.0f} s")
-                log.error("replica %s: %s", self.s.replica_id, self.heads_error)
-                self.telemetry.inc("heads_swaps_total", result="failed")
-                return engine.heads_version
+                setattr(self, error_attr, f"{label} version {v} not loaded ({type(e).__name__}: {e}); serving "
+                                          f"{live()}; retry {attempts} in {delay:.0f} s")
+                log.error("replica %s: %s", self.s.replica_id, getattr(self, error_attr))
+                self.telemetry.inc("heads_swaps_total", kind=kind, result="failed")
+                return live()
             st.update(version=None, attempts=0, next=0.0)
-            self.heads_error = None
-            self.telemetry.inc("heads_swaps_total", result="ok")
-            log.info("replica %s now serves Medusa heads version %s", self.s.replica_id, v)
+            setattr(self, error_attr, None)
+            self.telemetry.inc("heads_swaps_total", kind=kind, result="ok")
+            log.info("replica %s now serves %s version %s", self.s.replica_id, label, v)
             return name
 
     def check_canary(self, engine=None) -> str:
@@ -654,18 +668,22 @@ class Service:
                 "note": "other replicas load the champion within their watch interval"}
 
     def rollback(self, to: str | None = None, *, reason: str | None = None, kind: str = "draft") -> dict:
-        """Move the registry's champion back (as `draftsmith rollback`) and load it here; `kind` "medusa": the
-        heads registry's (as `draftsmith rollback --kind medusa`). InvalidRequest for a wrong `to` (the
+        """Move the registry's champion back (as `draftsmith rollback`) and load it here; `kind` "medusa" /
+        "eagle": that heads registry's (as `draftsmith rollback --kind medusa|eagle`). InvalidRequest for a wrong `to` (the
         source's ValueError), Conflict when there is no registry or it refuses."""
         from serving.sources import DraftSourceError
 
-        source, reload, loaded = ((self.heads_source, self.check_heads, "replica_medusa_heads") if kind == "medusa"
-                                  else (self.registry, self.check_champion, "replica_draft_version"))
-        if source is None:
-            raise Conflict("this server serves a fixed Medusa heads folder (--medusa-heads) or none; there is no "
-                           "heads registry to roll back" if kind == "medusa" else
-                           "this server serves an explicit draft folder (--draft); nothing to roll back",
-                           code="no_registry")
+        if kind in HEADS_KINDS:
+            source = self.heads_source if kind == "medusa" else self.eagle_source
+            reload, loaded = (lambda: self.check_heads(kind=kind)), HEADS_KINDS[kind][4]
+            if source is None:
+                raise Conflict(f"this server serves a fixed {HEADS_KINDS[kind][3]} folder or none; there is no "
+                               f"{kind} registry to roll back", code="no_registry")
+        else:
+            source, reload, loaded = self.registry, self.check_champion, "replica_draft_version"
+            if source is None:
+                raise Conflict("this server serves an explicit draft folder (--draft); nothing to roll back",
+                               code="no_registry")
         try:
             move = source.rollback(to, reason=reason or "http admin")
         except ValueError as e:

@@ -246,3 +246,35 @@ def synthetic_evidence(delta: float, n: int = 40, seed: int = 0):
 
     collect.calls = calls
     return collect
+
+
+class LoadClients:
+    """`n` threads calling `call()` until stopped, keeping each result and every exception (a hot-swap or a
+    rollback under load must not fail one request): `with LoadClients(fn) as load: ...; load.stop()`."""
+
+    def __init__(self, call, n: int = 3) -> None:
+        import threading
+
+        self.call, self.results, self.errors = call, [], []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(n)]
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.results.append(self.call())
+            except BaseException as e:  # noqa: BLE001 - reported by the test
+                self.errors.append(e)
+
+    def __enter__(self) -> "LoadClients":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(60)
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -36,6 +36,14 @@ from training.draft_builder import distill_loss
 HEAD_DECAY = 0.8
 
 
+def kept_index(target, ids) -> torch.Tensor:
+    """Token id -> its column in the kept vocabulary `ids`, -1 for every other token (and one extra cell)."""
+    vocab = target.get_output_embeddings().weight.shape[0]
+    index = torch.full((vocab + 1,), -1, dtype=torch.long)
+    index[torch.as_tensor(ids, dtype=torch.long)] = torch.arange(len(ids))
+    return index
+
+
 def target_hidden_states(target, examples: list[dict], *, batch_size: int = 16, select=None,
                          progress=print) -> list[torch.Tensor]:
     """Per example, the target's last hidden states (fp32 [len(tokens), d]) from one teacher-forced pass per
@@ -265,9 +273,7 @@ def build_heads(target, tok, train_ex: list[dict], held_ex: list[dict], out_dir:
                   target_hidden_rows(target, held_ex, progress=progress))
     hid_s = time.time() - t_start
     subset, _ = choose_output_vocabulary(train_ex, tok, vocab_size or DEFAULT_VOCAB_SIZE)
-    vocab = target.get_output_embeddings().weight.shape[0]
-    vocab_index = torch.full((vocab + 1,), -1, dtype=torch.long)
-    vocab_index[subset] = torch.arange(len(subset))
+    vocab_index = kept_index(target, subset)
     train = HeadData(train_ex, hidden[0], num_heads, vocab_index)
     held = HeadData(held_ex, hidden[1], num_heads, vocab_index)
     config = HeadsConfig(target.config.hidden_size, num_heads, num_layers, use_token)
@@ -330,41 +336,27 @@ def eagle_agreement(head, examples, feats, vocab_index, batch_size: int = 16) ->
     return round(hit / max(1, tot), 4)
 
 
-def build_eagle(target, tok, train_ex: list[dict], held_ex: list[dict], out_dir: str | Path, *,
-                vocab_size: int | None = None, budget_s: float = 300, batch_size: int = 8, lr: float = 5e-4,
-                feature_weight: float = 1.0, noise: float = 0.1, max_epochs: int = 50, seed: int = 0,
-                progress=print) -> dict:
-    """An EAGLE-style head for `target`, trained on teacher examples within about `budget_s` seconds (the
-    hidden-state pass included): loss = distill_loss on the next-next token (answer positions) +
-    `feature_weight` * smooth-L1 between predicted and true next features (all positions), inputs with
-    uniform noise of +-`noise` x their RMS (EAGLE's augmentation against its own prediction errors).
-    Keeps the epoch of best held-out agreement; saves into `out_dir`; returns the figures."""
-    from serving.decoding.eagle import EagleHead
-    from training.draft_builder import choose_output_vocabulary
-    from training.vocab import DEFAULT_VOCAB_SIZE
-
-    t_start = time.time()
-    random.seed(seed)
-    torch.manual_seed(seed)
-    train_f = target_hidden_states(target, train_ex, progress=progress)
-    held_f = target_hidden_states(target, held_ex, progress=progress)
-    hid_s = time.time() - t_start
-    subset, _ = choose_output_vocabulary(train_ex, tok, vocab_size or DEFAULT_VOCAB_SIZE)
-    vocab_index = torch.full((target.get_output_embeddings().weight.shape[0] + 1,), -1, dtype=torch.long)
-    vocab_index[subset] = torch.arange(len(subset))
-    head = EagleHead.for_target(target, subset.tolist())
+def train_eagle(head, train_ex: list[dict], train_f: list[torch.Tensor], held_ex: list[dict],
+                held_f: list[torch.Tensor], vocab_index: torch.Tensor, *, deadline: float, batch_size: int = 8,
+                lr: float = 5e-4, feature_weight: float = 1.0, noise: float = 0.1, max_epochs: int = 50,
+                tag: str = "eagle", progress=print) -> dict:
+    """Train an EagleHead on teacher examples and their target features until `deadline` (a time.time()
+    value) or `max_epochs`, at least one batch: loss = distill_loss on the next-next token (answer
+    positions) + `feature_weight` * smooth-L1 between predicted and true next features (all positions),
+    inputs with uniform noise of +-`noise` x their RMS (EAGLE's augmentation against its own prediction
+    errors). Keeps the epoch of best held-out agreement (restored in `head`); returns the figures."""
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    progress(f"[eagle] {len(train_ex)} training sequences, {sum(p.numel() for p in params) / 1e6:.1f}M "
-             f"parameters, vocabulary {len(subset)}; before training: held-out agreement "
-             f"{eagle_agreement(head, held_ex, held_f, vocab_index)}")
+    before = eagle_agreement(head, held_ex, held_f, vocab_index)
+    progress(f"[{tag}] {len(train_ex)} training sequences, {sum(p.numel() for p in params) / 1e6:.1f}M "
+             f"parameters, vocabulary {len(head.output_token_ids)}; before training: held-out agreement {before}")
     order = sorted(range(len(train_ex)), key=lambda i: len(train_ex[i]["tokens"]))
     batches = [order[i: i + batch_size] for i in range(0, len(order), batch_size)]   # similar lengths together
-    deadline = t_start + budget_s
     best, steps, epoch = BestEpoch(), 0, 0
+    best.update(before, 0, head)                      # a job that cannot improve keeps what it started from
     t0 = time.time()
     head.train()
-    while epoch < max_epochs and time.time() < deadline:
+    while batches and epoch < max_epochs and (steps == 0 or time.time() < deadline):
         random.shuffle(batches)
         for idx in batches:
             b = _eagle_batch([train_ex[i] for i in idx], [train_f[i] for i in idx], vocab_index)
@@ -379,28 +371,56 @@ def build_eagle(target, tok, train_ex: list[dict], held_ex: list[dict], out_dir:
             _optimizer_step(opt, cls + feature_weight * reg, params, clip=1.0)
             steps += 1
             if steps % 50 == 0:
-                progress(f"[eagle] epoch {epoch} step {steps}: token loss {float(cls.detach()):.3f}, feature loss "
+                progress(f"[{tag}] epoch {epoch} step {steps}: token loss {float(cls.detach()):.3f}, feature loss "
                          f"{float(reg.detach()):.4f}, {steps / (time.time() - t0):.2f} steps/s")
             if time.time() >= deadline:
                 break
         epoch += 1
         agree = eagle_agreement(head, held_ex, held_f, vocab_index)
         improved = best.update(agree, epoch, head)
-        progress(f"[eagle] epoch {epoch} done after {time.time() - t0:.0f} s; held-out agreement {agree}"
+        progress(f"[{tag}] epoch {epoch} done after {time.time() - t0:.0f} s; held-out agreement {agree}"
                  f"{' (best so far)' if improved else ''}")
     best.restore(head)
+    head.eval()
+    return {"steps": steps, "epochs": epoch, "best_epoch": best.epoch, "heldout_agreement_before": before,
+            "heldout_agreement": best.score}
+
+
+def build_eagle(target, tok, train_ex: list[dict], held_ex: list[dict], out_dir: str | Path, *,
+                vocab_size: int | None = None, budget_s: float = 300, batch_size: int = 8, lr: float = 5e-4,
+                feature_weight: float = 1.0, noise: float = 0.1, max_epochs: int = 50, seed: int = 0,
+                progress=print) -> dict:
+    """An EAGLE-style head for `target`, trained on teacher examples within about `budget_s` seconds (the
+    hidden-state pass included; `train_eagle` for the loss). Saves into `out_dir`; returns the figures."""
+    from serving.decoding.eagle import EagleHead
+    from training.draft_builder import choose_output_vocabulary
+    from training.vocab import DEFAULT_VOCAB_SIZE
+
+    t_start = time.time()
+    random.seed(seed)
+    torch.manual_seed(seed)
+    train_f = target_hidden_states(target, train_ex, progress=progress)
+    held_f = target_hidden_states(target, held_ex, progress=progress)
+    hid_s = time.time() - t_start
+    subset, _ = choose_output_vocabulary(train_ex, tok, vocab_size or DEFAULT_VOCAB_SIZE)
+    vocab_index = kept_index(target, subset)
+    head = EagleHead.for_target(target, subset.tolist())
+    fig = train_eagle(head, train_ex, train_f, held_ex, held_f, vocab_index, deadline=t_start + budget_s,
+                      batch_size=batch_size, lr=lr, feature_weight=feature_weight, noise=noise,
+                      max_epochs=max_epochs, progress=progress)
     by_src = {}
     for src in sorted({e.get("source", "") for e in held_ex}):
         idx = [i for i, e in enumerate(held_ex) if e.get("source", "") == src]
         by_src[src or "unlabelled"] = eagle_agreement(head, [held_ex[i] for i in idx], [held_f[i] for i in idx],
                                                       vocab_index)
-    figures = {"steps": steps, "epochs": epoch, "best_epoch": best.epoch, "heldout_agreement": best.score,
+    figures = {"steps": fig["steps"], "epochs": fig["epochs"], "best_epoch": fig["best_epoch"],
+               "heldout_agreement": fig["heldout_agreement"],
                "heldout_agreement_by_source": by_src, "hidden_state_seconds": round(hid_s, 1),
                "seconds": round(time.time() - t_start, 1), "training_sequences": len(train_ex),
                "feature_weight": feature_weight, "noise": noise, "lr": lr}
     head.save(out_dir, built_by="training.heads.build_eagle", **figures)
-    progress(f"[eagle] held-out agreement {best.score} (epoch {best.epoch}), by category {by_src}; wrote {out_dir} in "
-             f"{time.time() - t_start:.0f} s")
+    progress(f"[eagle] held-out agreement {fig['heldout_agreement']} (epoch {fig['best_epoch']}), by category "
+             f"{by_src}; wrote {out_dir} in {time.time() - t_start:.0f} s")
     return figures
 
 

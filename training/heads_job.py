@@ -1,8 +1,9 @@
-"""Online distillation of Medusa heads from the replay buffer (issue 19, step 3): buffer -> heads candidate.
+"""Online distillation of Medusa heads or an EAGLE-style head from the replay buffer (issue 19, step 3):
+buffer -> heads candidate.
 
     examples_from_buffer(entries, sequences) -> list[dict]      # training/heads.py's example format
-    run_heads_distillation(cfg, progress) -> Path               # a candidate heads folder
-    python -m training.heads_job --parent-heads DIR [--parent-version 3] [--budget 120] [--out DIR]
+    run_heads_distillation(cfg, progress) -> Path               # a candidate heads folder (cfg "kind")
+    python -m training.heads_job --parent-heads DIR [--kind eagle] [--parent-version 3] [--budget 120] [--out DIR]
 
 **Where the target's opinion comes from.** Every verification step in the buffer stores the target's top-k
 log-probabilities for rows 0..gamma; row i is the target's distribution of sequence token `position + i`
@@ -15,16 +16,22 @@ target pass per request (training/heads.py `target_hidden_rows`, measured at boo
 100k tokens on 2 CPU threads, while storing the 576-wide states of every position would add 1.2 KB per
 token to the buffer, about 5x its step records).
 
-**What is trained.** The heads' own weights (residual blocks; the output rows stay the target's frozen
-rows on the parent's kept vocabulary): about 1M parameters, as small as a LoRA adapter on the draft would
-be, so an online version stores full weights and needs no adapter chain. Training starts from the parent
-heads (the champion) and keeps the epoch of best held-out agreement (training/heads.py `train_heads`).
+**What is trained.** Medusa (kind "medusa"): the heads' own weights (residual blocks; the output rows stay
+the target's frozen rows on the parent's kept vocabulary): about 1M parameters, as small as a LoRA adapter on
+the draft would be, so an online version stores full weights and needs no adapter chain. Training starts
+from the parent heads (the champion) and keeps the epoch of best held-out agreement (training/heads.py
+`train_heads`). EAGLE (kind "eagle"): the head's decoder layer and its feature projection (2.4M parameters
+at the default target, still small enough to store whole; a LoRA on one layer would save storage, not
+time), trained from the parent head with `train_eagle` on the same examples and the target's features
+at every position (one teacher-forced pass per request, as for Medusa); the epoch of best held-out
+first-token agreement is kept, the parent's own score included, so a job never hands on a worse head.
 
 **Which records.** Read-only (no consumer group, so the draft's distillation jobs keep every record): the
 newest `max_records` training steps and the newest `eval_records` held-out steps (`training.data.is_heldout`,
 the split every job and the gate use), of any decoding mode.
 
-The candidate folder: `medusa_heads.json` + `medusa_heads.safetensors` (MedusaHeads.save) + `candidate.json`
+The candidate folder: `medusa_heads.json` + `medusa_heads.safetensors` (MedusaHeads.save; EAGLE: eagle_head.*,
+EagleHead.save) + `candidate.json`
 (parent_version, target, target_sha256, metrics before/after, train_config, data_window), which
 `Registry.register_heads` reads (deploy/registry.py). Importing this module does not import torch.
 """
@@ -46,7 +53,9 @@ log = logging.getLogger(__name__)
 DEFAULTS = {"max_records": 4000, "eval_records": 1000, "heldout_fraction": 0.1, "budget_s": 120.0, "lr": 3e-4,
             "batch_size": 256, "max_epochs": 20, "min_train_rows": 64, "min_heldout_rows": 16,
             "buffer_prefix": "draftsmith:buf", "redis_url": None, "target": None, "parent_heads": None,
-            "parent_version": None, "target_sha256": None, "out_dir": None, "seed": 0}
+            "parent_version": None, "target_sha256": None, "out_dir": None, "seed": 0, "kind": "medusa"}
+EAGLE_DEFAULTS = {"lr": 2e-4, "batch_size": 8}   # an EAGLE batch is sequences (Medusa's is rows); a gentler step
+KINDS = ("medusa", "eagle")
 
 
 class NotEnoughRows(RuntimeError):
@@ -116,7 +125,10 @@ def _config(cfg: dict) -> dict:
     unknown = sorted(set(cfg) - set(DEFAULTS))
     if unknown:
         raise ValueError(f"unknown heads-job settings {unknown}; known: {sorted(DEFAULTS)}")
-    out = {**DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
+    given = {k: v for k, v in cfg.items() if v is not None}
+    if given.get("kind", "medusa") not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {given.get('kind')!r}")
+    out = {**DEFAULTS, **(EAGLE_DEFAULTS if given.get("kind") == "eagle" else {}), **given}
     if not out["parent_heads"]:
         raise ValueError("parent_heads (the heads folder to start from, e.g. the materialised champion) is required")
     for key in ("max_records", "eval_records", "batch_size", "max_epochs"):
@@ -135,9 +147,7 @@ def run_heads_distillation(cfg: dict, progress: Callable[[str], None] = print) -
     parent heads do not load on the target."""
     import torch
 
-    from serving.decoding.medusa import MedusaHeads
-    from serving.models import ModelLoadError, default_dtype, load_causal_lm, resolve_model_path
-    from training.heads import HeadData, chain_acceptance, head_agreement, target_hidden_rows, train_heads
+    from serving.models import default_dtype, load_causal_lm, resolve_model_path
 
     c = _config(cfg)
     t0 = time.time()
@@ -150,13 +160,51 @@ def run_heads_distillation(cfg: dict, progress: Callable[[str], None] = print) -
              f"requests ({held_window['steps']} steps) from the buffer in {time.time() - t0:.1f} s")
     tpath = resolve_model_path(c["target"])
     target = load_causal_lm(tpath, "cpu", default_dtype("cpu"))      # the hidden states serving sees
+    train_fn = _train_eagle if c["kind"] == "eagle" else _train_medusa
+    heads, metrics = train_fn(c, target, train_ex, held_ex, progress)
+    measure = metrics.pop("_measure")
+    metrics.update(heldout_records=held_window["steps"], seconds=round(time.time() - t0, 1))
+    out = Path(c["out_dir"]) if c["out_dir"] else _default_out_dir(c["parent_version"], c["kind"])
+    heads.save(out, built_by="training.heads_job", parent_heads=str(c["parent_heads"]))
+    meta = {"kind": c["kind"], "parent_version": c["parent_version"], "target": c["target"] or str(tpath),
+            "target_sha256": c["target_sha256"], "metrics": metrics,
+            "train_config": {k: c[k] for k in ("kind", "max_records", "eval_records", "budget_s", "lr",
+                                                "batch_size", "max_epochs", "heldout_fraction", "seed")},
+            # last_id: the newest step the job looked at, training or held out (a schedule's cursor)
+            "data_window": {**{k: train_window[k] for k in ("stream", "first_id", "steps")},
+                            "last_id": _newest_id(train_window["last_id"], held_window["last_id"]),
+                            "last_training_id": train_window["last_id"],
+                            "requests": len(train_ex), "heldout_steps": held_window["steps"],
+                            "heldout_requests": len(held_ex)}}
+    (out / "candidate.json").write_text(json.dumps(meta, indent=1, default=str))
+    progress(f"[heads-job] {measure} {metrics['offline_acceptance_before']:.4f} -> "
+             f"{metrics['offline_acceptance_after']:.4f}; wrote {out} in {time.time() - t0:.0f} s")
+    return out
+
+
+def _load_parent(cls, c: dict, target):
+    from serving.models import ModelLoadError
+
     try:
-        heads = MedusaHeads.load(c["parent_heads"], target)
+        return cls.load(c["parent_heads"], target)
     except (OSError, ValueError, RuntimeError, KeyError) as e:
         raise ModelLoadError(f"cannot load the parent heads {c['parent_heads']}: {e}") from e
-    vocab = target.get_output_embeddings().weight.shape[0]
-    vocab_index = torch.full((vocab + 1,), -1, dtype=torch.long)
-    vocab_index[torch.as_tensor(heads.output_token_ids)] = torch.arange(len(heads.output_token_ids))
+
+
+def _check_rows(c: dict, n_train: int, n_held: int) -> None:
+    if n_train < c["min_train_rows"] or n_held < c["min_heldout_rows"]:
+        raise NotEnoughRows(f"the buffer holds {n_train} training and {n_held} held-out scored positions; a heads "
+                            f"job needs at least {c['min_train_rows']} and {c['min_heldout_rows']}")
+
+
+def _train_medusa(c: dict, target, train_ex: list[dict], held_ex: list[dict], progress):
+    """Medusa heads from the parent on the examples (module docstring); (heads, metrics)."""
+    from serving.decoding.medusa import MedusaHeads
+    from training.heads import (HeadData, chain_acceptance, head_agreement, kept_index, target_hidden_rows,
+                                train_heads)
+
+    heads = _load_parent(MedusaHeads, c, target)
+    vocab_index = kept_index(target, heads.output_token_ids)
     K = heads.config.num_heads
     th = time.time()
     train = HeadData(train_ex, target_hidden_rows(target, train_ex, progress=progress), K, vocab_index) \
@@ -164,9 +212,7 @@ def run_heads_distillation(cfg: dict, progress: Callable[[str], None] = print) -
     held = HeadData(held_ex, target_hidden_rows(target, held_ex, progress=progress), K, vocab_index) \
         if held_ex else None
     n_train, n_held = (len(train) if train else 0), (len(held) if held else 0)
-    if n_train < c["min_train_rows"] or n_held < c["min_heldout_rows"]:
-        raise NotEnoughRows(f"the buffer holds {n_train} training and {n_held} held-out scored positions; a heads "
-                            f"job needs at least {c['min_train_rows']} and {c['min_heldout_rows']}")
+    _check_rows(c, n_train, n_held)
     hidden_s = time.time() - th
     before_agree, before_chain = head_agreement(heads, held), chain_acceptance(heads, held)
     progress(f"[heads-job] {n_train} training rows, {n_held} held-out rows (hidden states {hidden_s:.1f} s); "
@@ -178,30 +224,45 @@ def run_heads_distillation(cfg: dict, progress: Callable[[str], None] = print) -
                "heldout_chain_acceptance_after": sum(after_chain) / K,
                "heldout_head1_agreement_before": before_agree[0],
                "heldout_head1_agreement_after": figures["heldout_head_agreement"][0],
-               "training_rows": n_train, "heldout_rows": n_held, "heldout_records": held_window["steps"],
-               "train_steps": figures["steps"],
+               "training_rows": n_train, "heldout_rows": n_held, "train_steps": figures["steps"],
                "epochs": figures["epochs"], "best_epoch": figures["best_epoch"] or 0,
-               "hidden_state_seconds": round(hidden_s, 1), "seconds": round(time.time() - t0, 1)}
+               "hidden_state_seconds": round(hidden_s, 1),
+               "_measure": f"chain acceptance (accepted / proposed, greedy chain of {K})"}
     # the registry and the gate read "offline_acceptance_*": here accepted / proposed of a greedy chain of K heads
     metrics["offline_acceptance_before"] = metrics["heldout_chain_acceptance_before"]
     metrics["offline_acceptance_after"] = metrics["heldout_chain_acceptance_after"]
-    out = Path(c["out_dir"]) if c["out_dir"] else _default_out_dir(c["parent_version"])
-    heads.save(out, built_by="training.heads_job", parent_heads=str(c["parent_heads"]))
-    meta = {"kind": "medusa", "parent_version": c["parent_version"], "target": c["target"] or str(tpath),
-            "target_sha256": c["target_sha256"], "metrics": metrics,
-            "train_config": {k: c[k] for k in ("max_records", "eval_records", "budget_s", "lr", "batch_size",
-                                                "max_epochs", "heldout_fraction", "seed")},
-            # last_id: the newest step the job looked at, training or held out (a schedule's cursor)
-            "data_window": {**{k: train_window[k] for k in ("stream", "first_id", "steps")},
-                            "last_id": _newest_id(train_window["last_id"], held_window["last_id"]),
-                            "last_training_id": train_window["last_id"],
-                            "requests": len(train_ex), "heldout_steps": held_window["steps"],
-                            "heldout_requests": len(held_ex)}}
-    (out / "candidate.json").write_text(json.dumps(meta, indent=1, default=str))
-    progress(f"[heads-job] chain acceptance (accepted / proposed, greedy chain of {K}) "
-             f"{metrics['offline_acceptance_before']:.4f} -> {metrics['offline_acceptance_after']:.4f}; wrote {out} "
-             f"in {time.time() - t0:.0f} s")
-    return out
+    return heads, metrics
+
+
+def _train_eagle(c: dict, target, train_ex: list[dict], held_ex: list[dict], progress):
+    """An EAGLE head from the parent on the examples (module docstring); (head, metrics)."""
+    from serving.decoding.eagle import EagleHead
+    from training.heads import kept_index, target_hidden_states, train_eagle
+
+    head = _load_parent(EagleHead, c, target)
+    vocab_index = kept_index(target, head.output_token_ids)
+    # rows the loss scores: answer positions whose token is in the head's vocabulary (as `_eagle_batch`)
+    n_train = sum(max(0, len(e["topk_ids"]) - max(0, 2 - e["prompt_len"])) for e in train_ex)
+    n_held = sum(max(0, len(e["topk_ids"]) - max(0, 2 - e["prompt_len"])) for e in held_ex)
+    _check_rows(c, n_train, n_held)
+    th = time.time()
+    train_f = target_hidden_states(target, train_ex, progress=progress)
+    held_f = target_hidden_states(target, held_ex, progress=progress)
+    hidden_s = time.time() - th
+    progress(f"[heads-job] {n_train} training rows, {n_held} held-out rows (hidden states {hidden_s:.1f} s)")
+    figures = train_eagle(head, train_ex, train_f, held_ex, held_f, vocab_index,
+                          deadline=time.time() + float(c["budget_s"]), batch_size=c["batch_size"], lr=float(c["lr"]),
+                          max_epochs=c["max_epochs"], tag="heads-job", progress=progress)
+    metrics = {"heldout_agreement_before": figures["heldout_agreement_before"],
+               "heldout_agreement_after": figures["heldout_agreement"],
+               "training_rows": n_train, "heldout_rows": n_held, "train_steps": figures["steps"],
+               "epochs": figures["epochs"], "best_epoch": figures["best_epoch"] or 0,
+               "hidden_state_seconds": round(hidden_s, 1),
+               "_measure": "held-out first-token agreement (the head's top-1 = the target's, teacher-forced)"}
+    # the registry and the gate read "offline_acceptance_*": here the head's teacher-forced first-token agreement
+    metrics["offline_acceptance_before"] = metrics["heldout_agreement_before"]
+    metrics["offline_acceptance_after"] = metrics["heldout_agreement_after"]
+    return head, metrics
 
 
 def _newest_id(*ids: str | None) -> str | None:
@@ -211,16 +272,18 @@ def _newest_id(*ids: str | None) -> str | None:
     return max(known, key=stream_id_key) if known else None
 
 
-def _default_out_dir(parent_version) -> Path:
+def _default_out_dir(parent_version, kind: str = "medusa") -> Path:
     from buffer.paths import data_dir
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    return data_dir() / "candidates" / f"heads-from-v{parent_version or 'none'}-{stamp}-{uuid.uuid4().hex[:6]}"
+    name = "heads" if kind == "medusa" else kind
+    return data_dir() / "candidates" / f"{name}-from-v{parent_version or 'none'}-{stamp}-{uuid.uuid4().hex[:6]}"
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parent-heads", type=Path, required=True, help="heads folder to start from")
+    ap.add_argument("--kind", choices=KINDS, default="medusa", help="what the folder holds (default medusa)")
     ap.add_argument("--parent-version", default=None, help="its registry version (recorded as the parent)")
     ap.add_argument("--target", default=None, help="target model folder (default: the served default)")
     ap.add_argument("--out", type=Path, default=None, help="candidate folder (default under <data>/candidates)")
@@ -231,7 +294,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     try:
-        run_heads_distillation({"parent_heads": str(args.parent_heads), "parent_version": args.parent_version,
+        run_heads_distillation({"parent_heads": str(args.parent_heads), "kind": args.kind,
+                                "parent_version": args.parent_version,
                                 "target": args.target, "out_dir": args.out, "budget_s": args.budget,
                                 "max_records": args.max_records, "redis_url": args.redis_url,
                                 "buffer_prefix": args.buffer_prefix})

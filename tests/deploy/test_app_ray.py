@@ -178,50 +178,60 @@ def test_hot_swap_and_rollback_under_load_lose_no_request(stack):
     assert {stack["v1"], *cand} <= logged
 
 
-def test_replicas_follow_the_heads_registry(stack):
-    """Medusa heads promoted in their own registered model reach both Ray Serve replicas (the heads source
-    deploy/app.py gives each Service) and serve mode medusa over HTTP; the admin route's rollback of the heads
-    moves them back (and not the draft)."""
+def test_replicas_follow_the_heads_registries(stack):
+    """Medusa heads and an EAGLE head promoted in their own registered models reach both Ray Serve replicas
+    (the heads sources deploy/app.py gives each Service) and serve modes medusa / eagle over HTTP; the admin
+    route's rollback of one kind moves it back (and not the draft, nor the other kind)."""
     import torch
 
     from deploy.registry import heads_registry
+    from serving.decoding.eagle import EagleHead
     from serving.decoding.medusa import HeadsConfig, MedusaHeads
     from serving.engine import Engine
 
     reg, root = stack["reg"], stack["root"]
-    heads = heads_registry(reg.target, name=reg.name, tracking_uri=reg.tracking_uri)
     model = Engine.from_paths(reg.target, None, dtype=torch.float32).target.model
-    versions = []
-    for seed in (1, 2):
-        torch.manual_seed(seed)
-        h = MedusaHeads.for_target(model, HeadsConfig(model.config.hidden_size, 2, 1, True), list(range(259)))
-        versions.append(heads.register(h.save(root / f"heads-{seed}")))
-    for v in versions:
-        heads.promote(v, reason="test")
+    regs, versions = {}, {}
+    for kind in ("medusa", "eagle"):
+        regs[kind] = heads_registry(reg.target, kind, name=reg.name, tracking_uri=reg.tracking_uri)
+        versions[kind] = []
+        for seed in (1, 2):
+            torch.manual_seed(seed)
+            h = (MedusaHeads.for_target(model, HeadsConfig(model.config.hidden_size, 2, 1, True), list(range(259)))
+                 if kind == "medusa" else EagleHead.for_target(model, list(range(259 - seed))))
+            versions[kind].append(regs[kind].register(h.save(root / f"{kind}-{seed}")))
+        for v in versions[kind]:
+            regs[kind].promote(v, reason="test")
 
-    def heads_on(want: str, timeout_s: float = 15.0) -> None:
+    def heads_on(want: dict, timeout_s: float = 15.0) -> None:
         t0, seen = time.monotonic(), {}
         with httpx.Client(base_url=stack["url"], timeout=10) as c:
             while time.monotonic() - t0 < timeout_s:
                 h = c.get("/health").json()
-                seen[h["replica"]] = h["medusa_heads"]
-                if len(seen) == 2 and set(seen.values()) == {want}:
+                seen[h["replica"]] = (h["medusa_heads"], h["eagle_head"])
+                if len(seen) == 2 and set(seen.values()) == {(want["medusa"], want["eagle"])}:
                     return
                 time.sleep(0.1)
         raise AssertionError(f"replicas not all on heads {want} within {timeout_s} s: {seen}")
 
-    heads_on(f"medusa-v{versions[1]}")
+    heads_on({k: f"{k}-v{versions[k][1]}" for k in regs})
     with httpx.Client(base_url=stack["url"], timeout=60) as c:
-        r = c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 8, "temperature": 0,
-                                            "speculative": {"mode": "medusa"}})
-        assert r.status_code == 200, r.text
-        assert r.json()["metrics"]["speculative_decoding"]["draft_version"] == f"medusa-v{versions[1]}"
+        for kind in regs:
+            r = c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 8, "temperature": 0,
+                                                "speculative": {"mode": kind}})
+            assert r.status_code == 200, r.text
+            assert r.json()["metrics"]["speculative_decoding"]["draft_version"] == f"{kind}-v{versions[kind][1]}"
     draft_champion = reg.champion()
     with httpx.Client(base_url=stack["url"], timeout=60) as c:          # loopback: the admin route is open
         r = c.post("/v1/admin/rollback", json={"kind": "medusa", "reason": "test heads rollback"})
         assert r.status_code == 200, r.text
-        assert r.json()["champion"] == versions[0] and r.json()["replica_medusa_heads"] == f"medusa-v{versions[0]}"
-        bad = c.post("/v1/admin/rollback", json={"kind": "eagle"})
+        assert r.json()["champion"] == versions["medusa"][0]
+        assert r.json()["replica_medusa_heads"] == f"medusa-v{versions['medusa'][0]}"
+        r = c.post("/v1/admin/rollback", json={"kind": "eagle", "reason": "test eagle rollback"})
+        assert r.status_code == 200, r.text
+        assert r.json()["replica_eagle_head"] == f"eagle-v{versions['eagle'][0]}"
+        bad = c.post("/v1/admin/rollback", json={"kind": "hydra"})
         assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
-    assert heads.champion() == versions[0] and reg.champion() == draft_champion
-    heads_on(f"medusa-v{versions[0]}")
+    assert regs["medusa"].champion() == versions["medusa"][0] and regs["eagle"].champion() == versions["eagle"][0]
+    assert reg.champion() == draft_champion
+    heads_on({k: f"{k}-v{versions[k][0]}" for k in regs})

@@ -3,7 +3,6 @@ store, gated on the gate's own held-out sample from real Redis, hot-swapped into
 rolled back; a heads job trained from real served records; a corrupt or foreign version never served."""
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -17,7 +16,8 @@ from serving.decoding.medusa import HeadsConfig, MedusaHeads
 from serving.engine import Engine
 from serving.service import Service, ServiceSettings
 from tests import tiny_models
-from tests.deploy_helpers import artifact_dir, drop_prefix, fresh_store, serve_records, template_db
+from tests.deploy_helpers import (LoadClients, artifact_dir, drop_prefix, fresh_store, serve_records,
+                                  template_db)
 from tests.serving.test_engine_rules import reference_greedy
 
 PREFIX = "draftsmith:test-heads"
@@ -93,31 +93,17 @@ def test_replica_hot_swaps_registered_heads_under_load_and_refuses_a_corrupt_ver
     try:
         assert svc.check_heads() == f"medusa-v{v1}" and engine.heads_version == f"medusa-v{v1}"
         prompt = engine.tokenizer("the cat sat on the mat")["input_ids"]
-        results, errors, stop = [], [], threading.Event()
-
-        def client():
-            while not stop.is_set():
-                try:
-                    results.append(_served_ok(engine, prompt))
-                except BaseException as e:  # noqa: BLE001
-                    errors.append(e)
-
-        threads = [threading.Thread(target=client) for _ in range(3)]
-        for t in threads:
-            t.start()
-        time.sleep(0.5)
-        heads.promote(v2)
-        assert svc.check_heads() == f"medusa-v{v2}"
-        time.sleep(0.5)
-        heads.rollback(reason="test")
-        assert svc.check_heads() == f"medusa-v{v1}"
-        time.sleep(0.3)
-        stop.set()
-        for t in threads:
-            t.join(60)
-        assert not errors, errors
-        versions = {r.stats.draft_version for r in results}
-        assert {f"medusa-v{v1}", f"medusa-v{v2}"} <= versions or len(results) >= 3, versions
+        with LoadClients(lambda: _served_ok(engine, prompt)) as load:
+            time.sleep(0.5)
+            heads.promote(v2)
+            assert svc.check_heads() == f"medusa-v{v2}"
+            time.sleep(0.5)
+            heads.rollback(reason="test")
+            assert svc.check_heads() == f"medusa-v{v1}"
+            time.sleep(0.3)
+        assert not load.errors, load.errors
+        versions = {r.stats.draft_version for r in load.results}
+        assert {f"medusa-v{v1}", f"medusa-v{v2}"} <= versions or len(load.results) >= 3, versions
         assert svc.health()[1]["medusa_heads"] == f"medusa-v{v1}"
 
         # a version whose stored weights were altered after registration is never served
@@ -133,7 +119,6 @@ def test_replica_hot_swaps_registered_heads_under_load_and_refuses_a_corrupt_ver
         assert engine.generate_all(prompt, SamplingParams(temperature=0.0, max_tokens=4),
                                    SpecParams(mode="speculative", gamma=2)).token_ids
     finally:
-        stop.set()
         svc.close()
 
 
