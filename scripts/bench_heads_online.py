@@ -1,17 +1,18 @@
-"""Do Medusa heads learn online from served traffic? (issue 19, step 3)
+"""Do Medusa heads (or an EAGLE head) learn online from served traffic? (issue 19, step 3)
 
     .venv/bin/python scripts/bench_heads_online.py --heads data/medusa-heads --out docs/results/heads-online
-    .venv/bin/python scripts/bench_heads_online.py --tiny --out /tmp/heads-online-smoke      # seconds
+    .venv/bin/python scripts/bench_heads_online.py --kind eagle --heads data/eagle-head --out docs/results/eagle-online
+    .venv/bin/python scripts/bench_heads_online.py --tiny [--kind eagle] --out /tmp/heads-online-smoke   # seconds
 
 Everything real except HTTP (the engine runs in-process, as a replica's does): a real Redis buffer (REDIS_URL,
 else the embedded server), a real MLflow store (SQLite in a fresh --work folder), the real heads job, gate and
 promotion (deploy/heads.py `run_heads_cycle`).
 
-1. The bootstrap heads (--heads) are registered as version 1 of the heads registry and promoted.
+1. The bootstrap heads (--heads) are registered as version 1 of the --kind heads registry and promoted.
 2. Before: --eval prompts of a category the bootstrap never saw (scripts/online_traffic.py, default `sql`,
-   seed 999: prompts not served in step 3) are decoded with mode medusa and with the target alone, interleaved,
+   seed 999: prompts not served in step 3) are decoded with mode --kind and with the target alone, interleaved,
    T=0, --max-tokens each; acceptance (accepted / proposed draft tokens) and tokens/s.
-3. Traffic: --requests prompts of the same category (seed 0) are served with mode medusa at T=0 into the
+3. Traffic: --requests prompts of the same category (seed 0) are served with mode --kind at T=0 into the
    buffer as requests `<category>-<i>` (about 10% of request ids are held out, the split every job and the gate
    use: for `sql`, 3 of the first 16 and 16 of the first 120).
 4. One heads cycle: job from the champion heads on the buffer (--budget s of training), candidate registered,
@@ -37,6 +38,10 @@ import torch
 
 ROOT_DIR = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT_DIR))
+
+
+LABEL = {"medusa": "Medusa heads", "eagle": "EAGLE head"}
+TREE = {"medusa": "tree (2,1,1)", "eagle": "the EAGLE head's default tree"}
 
 
 def progress(msg: str) -> None:
@@ -65,6 +70,7 @@ def decode_set(engine, prompts, mode: str, max_tokens: int, *, request_tag: str 
 
 def plot(result: dict, path: Path) -> None:
     """Two panels, before / after the heads job: acceptance and speed-up over target-only."""
+    kind = result["setting"].get("kind", "medusa")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -74,7 +80,7 @@ def plot(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
     for ax, key, title in ((axes[0], "acceptance", "acceptance (accepted / proposed)"),
                            (axes[1], "speedup", "speed-up over target-only")):
-        vals = [result[p]["medusa"]["acceptance"] if key == "acceptance" else result[p]["speedup"]
+        vals = [result[p][kind]["acceptance"] if key == "acceptance" else result[p]["speedup"]
                 for p in ("before", "after")]
         bars = ax.bar(labels, vals, color=["#999999", "#3a7dc9"])
         ax.bar_label(bars, fmt="%.2f")
@@ -83,7 +89,7 @@ def plot(result: dict, path: Path) -> None:
         if key == "speedup":
             ax.axhline(1.0, color="black", lw=0.8, ls="--")
     st = result["setting"]
-    fig.suptitle(f"Medusa heads, {st['category']} traffic: one heads job on {st['requests']} served requests "
+    fig.suptitle(f"{LABEL[kind]}, {st['category']} traffic: one heads job on {st['requests']} served requests "
                  f"(T={st['temperature']}, {st['max_tokens']} tokens)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -92,7 +98,9 @@ def plot(result: dict, path: Path) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--heads", type=Path, default=None, help="bootstrap heads folder (python -m training.heads)")
+    ap.add_argument("--kind", choices=tuple(LABEL), default="medusa", help="which heads (default medusa)")
+    ap.add_argument("--heads", type=Path, default=None,
+                    help="bootstrap heads folder (python -m training.heads [--kind eagle])")
     ap.add_argument("--target", default=None, help="target folder (default: the served default)")
     ap.add_argument("--category", default="sql", help="scripts/online_traffic.py category (default sql)")
     ap.add_argument("--requests", type=int, default=120, help="served requests in step 3")
@@ -128,9 +136,12 @@ def main(argv=None) -> int:
 
         target_path, _ = tm.save_pair(work / "pair")
         dtype = torch.float32
+        from serving.decoding.eagle import EagleHead
+
         tmodel = Engine.from_paths(str(target_path), None, dtype=dtype).target.model
-        heads_dir = MedusaHeads.for_target(tmodel, HeadsConfig(tmodel.config.hidden_size, 3, 1, True),
-                                           list(range(259))).save(work / "heads")
+        heads_dir = (MedusaHeads.for_target(tmodel, HeadsConfig(tmodel.config.hidden_size, 3, 1, True),
+                                            list(range(259))) if args.kind == "medusa" else
+                     EagleHead.for_target(tmodel, list(range(259)))).save(work / "heads")
         target = str(target_path)
         args.requests, args.eval, args.max_tokens, args.budget = min(args.requests, 16), min(args.eval, 4), 16, 5.0
     else:
@@ -138,18 +149,21 @@ def main(argv=None) -> int:
         dtype = default_dtype("cpu")
         heads_dir = args.heads
         if heads_dir is None or not heads_dir.is_dir():
-            print("error: --heads must be a heads folder (python -m training.heads --out data/medusa-heads)",
+            print(f"error: --heads must be a {LABEL[args.kind]} folder (python -m training.heads"
+                  f"{' --kind eagle --out data/eagle-head' if args.kind == 'eagle' else ' --out data/medusa-heads'})",
                   file=sys.stderr)
             return 2
     redis_url = resolve_redis_url(None)
     prefix = f"draftsmith:bench-heads:{uuid.uuid4().hex[:8]}"
     writer = ReplayBufferWriter(redis_url, BufferConfig(prefix=prefix, flush_interval_s=0.01))
     engine = Engine.from_paths(target, None, dtype=dtype, sink=writer)
-    reg = heads_registry(target, tracking_uri=f"sqlite:///{work / 'mlflow.db'}", cache_root=work / "cache",
+    kind = args.kind
+    load = engine.load_eagle if kind == "eagle" else engine.load_heads
+    reg = heads_registry(target, kind, tracking_uri=f"sqlite:///{work / 'mlflow.db'}", cache_root=work / "cache",
                          candidates_root=work / "candidates")
     v1 = reg.register_heads(heads_dir)
     reg.promote(v1, reason="bootstrap heads")
-    engine.load_heads(reg.materialize(v1, verify=True), version=f"medusa-v{v1}")
+    load(reg.materialize(v1, verify=True), version=f"{kind}-v{v1}")
 
     def prompts(seed: int, n: int) -> list[list[int]]:
         stream = PromptStream(args.category, seed=seed)
@@ -164,14 +178,14 @@ def main(argv=None) -> int:
     result = {"setting": {"category": args.category, "temperature": 0, "max_tokens": args.max_tokens,
                           "requests": args.requests, "eval_prompts": args.eval, "budget_s": args.budget,
                           "threads": args.threads, "dtype": str(dtype), "target": target, "heads": str(heads_dir),
-                          "tiny": args.tiny, "acceptance": "accepted / proposed draft tokens, mode medusa (2,1,1) "
-                                                         "tree, gamma 3"}}
-    progress(f"before: {args.eval} eval prompts, mode medusa and target-only")
-    result["before"] = {"medusa": decode_set(engine, eval_prompts, "medusa", args.max_tokens),
+                          "tiny": args.tiny, "kind": kind,
+                          "acceptance": f"accepted / proposed draft tokens, mode {kind}, {TREE[kind]}, gamma 3"}}
+    progress(f"before: {args.eval} eval prompts, mode {kind} and target-only")
+    result["before"] = {kind: decode_set(engine, eval_prompts, kind, args.max_tokens),
                         "target": decode_set(engine, eval_prompts, "target", args.max_tokens)}
     progress(f"before: {result['before']}")
     t0 = time.time()
-    served = decode_set(engine, traffic, "medusa", args.max_tokens, request_tag=args.category, source=args.category)
+    served = decode_set(engine, traffic, kind, args.max_tokens, request_tag=args.category, source=args.category)
     writer.flush(30)
     result["traffic"] = {**served, "wall_s": round(time.time() - t0, 1)}
     progress(f"served {args.requests} requests into the buffer: {result['traffic']}")
@@ -188,8 +202,8 @@ def main(argv=None) -> int:
     t1 = time.time()
     version, verdict = run_heads_cycle(
         reg, target, job, policy=GatePolicy(min_requests=3 if args.tiny else 8, category_min_requests=10),
-        evidence=HeadsEvidence(target, redis_url=redis_url, buffer_prefix=prefix),
-        smoke_check=heads_smoke_check(target, max_tokens=8 if args.tiny else 24), progress=log_line)
+        evidence=HeadsEvidence(target, redis_url=redis_url, buffer_prefix=prefix, kind=kind),
+        smoke_check=heads_smoke_check(target, max_tokens=8 if args.tiny else 24, kind=kind), progress=log_line)
     info = reg.get(version)
     result["job"] = {"version": version, "seconds": round(time.time() - t1, 1), "accepted": verdict.accepted,
                      "promoted": verdict.promoted, "reason": verdict.reason,
@@ -197,32 +211,33 @@ def main(argv=None) -> int:
                      "gate_champion_acceptance": verdict.champion_acceptance, "gate_requests": verdict.requests,
                      "job_metrics": {k: v for k, v in info.metrics.items() if not k.startswith("gate_")}}
     after_version = reg.champion() if verdict.promoted else version
-    engine.load_heads(reg.materialize(after_version, verify=True), version=f"medusa-v{after_version}")
+    load(reg.materialize(after_version, verify=True), version=f"{kind}-v{after_version}")
     progress(f"after: heads version {after_version} ({'promoted' if verdict.promoted else 'NOT promoted'})")
     result["after"] = {"version": after_version, "promoted": verdict.promoted,
-                       "medusa": decode_set(engine, eval_prompts, "medusa", args.max_tokens),
+                       kind: decode_set(engine, eval_prompts, kind, args.max_tokens),
                        "target": decode_set(engine, eval_prompts, "target", args.max_tokens)}
     for k in ("before", "after"):
         r = result[k]
-        r["speedup"] = round(r["medusa"]["tokens_per_s"] / r["target"]["tokens_per_s"], 3)
+        r["speedup"] = round(r[kind]["tokens_per_s"] / r["target"]["tokens_per_s"], 3)
     writer.close()
     (args.out / "summary.json").write_text(json.dumps(result, indent=1, default=str))
     (args.out / "job.log").write_text("\n".join(lines) + "\n")
     plot(result, args.out / "heads_online.png")
     b, a = result["before"], result["after"]
-    md = [f"# Medusa heads learning online: {args.category} traffic", "",
+    md = [f"# {LABEL[kind]} learning online: {args.category} traffic", "",
           f"T=0, {args.max_tokens} tokens, {args.eval} eval prompts (seed 999) never served; {args.requests} served "
           f"requests (seed 0) in the buffer; heads job {args.budget:g} s of training; {args.threads} threads, {dtype}.",
-          "Acceptance = accepted / proposed draft tokens (mode medusa, tree (2,1,1), gamma 3). Speed-up = medusa "
+          f"Acceptance = accepted / proposed draft tokens (mode {kind}, {TREE[kind]}, gamma 3). Speed-up = {kind} "
           "tokens/s / target-only tokens/s on the same prompts in the same phase.", "",
-          "| heads | acceptance | medusa tokens/s | target tokens/s | speed-up |", "|---|---:|---:|---:|---:|",
-          f"| v{v1} (bootstrap) | {b['medusa']['acceptance']} | {b['medusa']['tokens_per_s']} | "
+          f"| heads | acceptance | {kind} tokens/s | target tokens/s | speed-up |", "|---|---:|---:|---:|---:|",
+          f"| v{v1} (bootstrap) | {b[kind]['acceptance']} | {b[kind]['tokens_per_s']} | "
           f"{b['target']['tokens_per_s']} | {b['speedup']}x |",
           f"| v{after_version} ({'promoted' if verdict.promoted else 'candidate, not promoted'}) | "
-          f"{a['medusa']['acceptance']} | {a['medusa']['tokens_per_s']} | {a['target']['tokens_per_s']} | "
+          f"{a[kind]['acceptance']} | {a[kind]['tokens_per_s']} | {a['target']['tokens_per_s']} | "
           f"{a['speedup']}x |", "",
           f"Gate: {'accepted' if verdict.accepted else 'rejected'}: {verdict.reason}", "",
-          f"Job (held-out, greedy chain accepted / proposed): {info.metrics.get('offline_acceptance_before')} -> "
+          f"Job (held-out, {'teacher-forced first-token agreement' if kind == 'eagle' else 'greedy chain accepted / proposed'}): "
+          f"{info.metrics.get('offline_acceptance_before')} -> "
           f"{info.metrics.get('offline_acceptance_after')}; {int(info.metrics.get('training_rows', 0))} training rows; "
           f"cycle {result['job']['seconds']} s."]
     (args.out / "summary.md").write_text("\n".join(md) + "\n")
