@@ -551,13 +551,17 @@ def _distill_heads(args, policy) -> int:
                 stop.set()
                 return EXIT_OK
             return EXIT_OK if all(t.status != "failed" for t in ticks) else EXIT_FAILED
-        version, verdict = run_heads_cycle(reg, args.target, job, policy=policy, evidence=evidence)
+        version, verdict = run_heads_cycle(reg, args.target, job, policy=policy, evidence=evidence,
+                                           canary_share=args.canary_share)
     except NotEnoughRows as e:
         raise CommandFailed(f"no heads job: {e}") from None
     except ValueError as e:
         raise BadInput(str(e)) from None
-    print(f"heads candidate {reg.name} version {version}: {'promoted' if verdict.promoted else 'not promoted'} "
-          f"({verdict.reason})")
+    outcome = ("promoted" if verdict.promoted else
+               f"canary on {args.canary_share:.0%} of {args.kind} requests" if verdict.accepted and args.canary_share
+               else "not promoted")
+    print(f"heads candidate {reg.name} version {version}: {outcome} ({verdict.reason})"
+          + (_canary_hint(args.kind) if "canary" in outcome else ""))
     return EXIT_OK if verdict.accepted else EXIT_FAILED
 
 
@@ -601,9 +605,6 @@ def cmd_promote(args) -> int:
 
     reg = _registry(args)
     canary = args.canary_share > 0
-    if canary and args.kind in HEADS:
-        raise BadInput("--canary-share is for drafts only: replicas do not split traffic between two heads "
-                       "versions yet; promote the heads through the gate (or --force) and roll back if needed")
     if canary and reg.champion() is None:
         raise BadInput("--canary-share needs a champion to compare the canary with; promote the first version "
                        "without it")
@@ -611,7 +612,7 @@ def cmd_promote(args) -> int:
         if args.force and canary:
             move = reg.start_canary(args.version, args.canary_share, reason="operator --force",
                                     ignore_pause=args.ignore_pause)
-            print(move.message + _CANARY_HINT)
+            print(move.message + _canary_hint(args.kind))
             return EXIT_OK
         if args.force:
             move = force_promote(reg, args.version, ignore_pause=args.ignore_pause)
@@ -635,7 +636,7 @@ def cmd_promote(args) -> int:
                            target_sha256=_target_sha(args), promote=not (args.ignore_pause or canary))
         if verdict.accepted and canary and verdict.candidate_version != verdict.champion_version:
             move = start_canary_after_gate(reg, verdict, args.canary_share, ignore_pause=args.ignore_pause)
-            print(f"version {args.version} passed the gate ({verdict.reason}); {move.message}" + _CANARY_HINT)
+            print(f"version {args.version} passed the gate ({verdict.reason}); {move.message}" + _canary_hint(args.kind))
             return EXIT_OK
         if verdict.accepted and args.ignore_pause:
             reg.promote(args.version, reason=f"gate: {verdict.reason}", ignore_pause=True)
@@ -654,6 +655,11 @@ def cmd_promote(args) -> int:
 
 _CANARY_HINT = ("; `draftsmith watch` (or a running `draftsmith distill --every`) promotes or drops it on live "
                 "acceptance, `draftsmith status` shows it")
+
+
+def _canary_hint(kind: str) -> str:
+    return _CANARY_HINT if kind not in HEADS else (f"; `draftsmith watch --kind {kind}` promotes or drops it on "
+                                                   "live acceptance, `draftsmith status` shows it")
 
 
 def _canary_fraction(text: str) -> float:
@@ -760,7 +766,7 @@ def cmd_status(args) -> int:
             if heads.exists():
                 h = heads.aliases()
                 print(f"{kind} heads: {heads.name}: champion {h.get('champion', '-')}, previous "
-                      f"{h.get('previous', '-')}, candidate {h.get('candidate', '-')}"
+                      f"{h.get('previous', '-')}, candidate {h.get('candidate', '-')}, canary {h.get('canary', '-')}"
                       + ("; promotions paused" if heads.promotions_paused() else ""))
     except RegistryUnavailable as e:
         raise CommandFailed(f"{e}; replicas keep serving their current draft and nothing is promoted until "
@@ -899,17 +905,28 @@ def _age_or_zero(text: str) -> float:
     return 0.0 if text.strip() in ("0", "0s", "0m") else _duration(text)
 
 
+def _status_file(reg, name: str):
+    """<data>/<name>.json for the draft registry, <data>/<name>-<kind>.json for a heads registry."""
+    from buffer.paths import data_dir
+
+    return data_dir() / (f"{name}-{reg.heads_kind}.json" if reg.heads_kind else f"{name}.json")
+
+
 def _watchdog(args, reg, evidence=None):
     """The live watchdog; `evidence`: the gate's evidence source for its offline check (default: the
-    default buffer's), none with --no-offline-check."""
+    default buffer's, scored as `reg`'s kind), none with --no-offline-check."""
     from deploy.gate import EvidenceSource
+    from deploy.heads import HeadsEvidence
     from deploy.scheduler import LiveWatchdog, WatchdogPolicy
 
+    default = (HeadsEvidence(args.target or reg.target, kind=reg.heads_kind) if reg.heads_kind
+               else EvidenceSource())
     try:
         return LiveWatchdog(reg, WatchdogPolicy(tolerance=args.rollback_tolerance, window_s=args.watch_window,
                                                 min_draft_tokens=args.watch_min_tokens,
                                                 min_intervals=args.watch_min_intervals),
-                            evidence=None if args.no_offline_check else (evidence or EvidenceSource()))
+                            evidence=None if args.no_offline_check else (evidence or default),
+                            status_path=_status_file(reg, "watchdog-status"))
     except ValueError as e:
         raise BadInput(str(e)) from None
 
@@ -922,7 +939,8 @@ def _canary_judge(args, reg):
                                              min_requests=args.canary_min_requests,
                                              min_duration_s=args.canary_min_time, timeout_s=args.canary_timeout,
                                              tolerance=args.canary_tolerance,
-                                             tps_tolerance=min(0.99, 2 * args.canary_tolerance)))
+                                             tps_tolerance=min(0.99, 2 * args.canary_tolerance)),
+                           status_path=_status_file(reg, "canary-status"))
     except ValueError as e:
         raise BadInput(str(e)) from None
 
@@ -933,6 +951,7 @@ def _watch_parser(sub, common) -> None:
     w.add_argument("--poll", type=_duration, default=10.0, help="seconds between looks (default 10s)")
     w.add_argument("--once", action="store_true", help="look once, print the verdicts and exit")
     w.add_argument("--no-canary", action="store_true", help="do not judge a running canary")
+    w.add_argument("--kind", choices=KINDS, default="draft", help=KIND_HELP + "; one kind per `watch` process")
     _watch_options(w, tolerance=True)
 
 

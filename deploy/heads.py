@@ -152,13 +152,16 @@ def heads_smoke_check(target: str | None, *, prompts: tuple[str, ...] = DEFAULT_
 
 def run_heads_cycle(registry: Registry, target: str | None, job_cfg: dict | None = None, *,
                     policy: GatePolicy | None = None, evidence: HeadsEvidence | None = None,
-                    smoke_check: SmokeCheck | None = None, promote: bool = True,
+                    smoke_check: SmokeCheck | None = None, promote: bool = True, canary_share: float = 0.0,
                     progress=print) -> tuple[str, GateVerdict]:
     """One heads job from the champion heads on the buffer, registered as the heads' candidate, then gated
     (and promoted when it passes and `promote`). UsageError when the heads registry has no champion yet
     (`draftsmith register <heads folder>` then `draftsmith promote --kind medusa 1 --force`);
     training.heads_job.NotEnoughRows when the buffer is too thin. The registry's kind (medusa, eagle) picks
-    the job, the evidence and the smoke check."""
+    the job, the evidence and the smoke check. With `canary_share` > 0 a passing candidate becomes the
+    canary on that share of its mode's requests instead of the champion (`draftsmith watch --kind K` then
+    promotes or drops it on live acceptance)."""
+    from deploy.gate import start_canary_after_gate
     from training.heads_job import run_heads_distillation
 
     kind = registry.heads_kind
@@ -183,8 +186,10 @@ def run_heads_cycle(registry: Registry, target: str | None, job_cfg: dict | None
                                  progress=progress)
     version = registry.register_heads(out, candidate=True)
     verdict = run_gate(registry, version, smoke_check or heads_smoke_check(target, kind=kind), policy=policy,
-                       promote=promote,
-                       evidence=ev)
+                       promote=promote and not canary_share, evidence=ev)
+    if verdict.accepted and canary_share and promote:
+        move = start_canary_after_gate(registry, verdict, canary_share)
+        progress(f"[heads] {move.message}")
     progress(f"[heads] candidate version {version}: {'accepted' if verdict.accepted else 'rejected'} "
              f"({verdict.reason}); cycle {time.time() - t0:.0f} s")
     return version, verdict

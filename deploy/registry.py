@@ -705,11 +705,11 @@ class Registry:
 
     def live_intervals(self, version: Any, *, since_ms: int | None = None, until_ms: int | None = None,
                        experiment: str = LIVE_EXPERIMENT) -> list[dict]:
-        """The live serving intervals LiveStatsLogger logged for draft `version` (every run tagged with it),
-        oldest first, logged in [since_ms, until_ms): one dict per flush with `time_ms`,
-        `acceptance_rate`, and, where logged, `draft_tokens`, `accepted_tokens`, `requests`, `tokens`.
-        RegistryUnavailable when MLflow cannot be read."""
-        v = str(version)
+        """The live serving intervals LiveStatsLogger logged for draft `version` (every run tagged with it;
+        a heads registry's version N is served as "<kind>-vN"), oldest first, logged in [since_ms, until_ms):
+        one dict per flush with `time_ms`, `acceptance_rate`, and, where logged, `draft_tokens`,
+        `accepted_tokens`, `requests`, `tokens`. RegistryUnavailable when MLflow cannot be read."""
+        v = f"{self.heads_kind}-v{version}" if self.heads_kind else str(version)
         try:
             exp = self.client.get_experiment_by_name(experiment)
             if exp is None:

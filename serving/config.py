@@ -58,6 +58,7 @@ MODE_KNOBS: dict[str, dict[str, float | int | str]] = {
               "tau": DEFAULT_TAU},
 }
 TREE_MODES = ("tree", "medusa", "eagle")   # modes verified as a tree in one target pass (serving/decoding/tree.py)
+HEADS_MODES = ("medusa", "eagle")          # modes drafted by heads on the target's features (own registries)
 TREE_RULES = ("exact", "typical", "mjsd")
 MAX_TREE_WIDTH = 8
 MAX_NUM_DRAFTS = 16

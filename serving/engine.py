@@ -67,7 +67,8 @@ from typing import Iterator
 import torch
 
 from buffer.records import RecordSink, StepRecord
-from serving.config import ADAPTIVE_MODES, NGRAM_SWITCH_MODES, TREE_MODES, SamplingParams, SpecParams
+from serving.config import (ADAPTIVE_MODES, HEADS_MODES, NGRAM_SWITCH_MODES, TREE_MODES, SamplingParams,
+                            SpecParams)
 from serving.controller import STOP_CONFIDENCE, CostModel, ReplicaPriors, RequestController
 from serving.decoding.bild import bild_should_fallback
 from serving.decoding.eagle import EagleDrafter, EagleHead
@@ -241,6 +242,8 @@ class Engine:
         # the EAGLE-style head (mode "eagle", serving/decoding/eagle.py): a folder ("eagle:<folder>"), load_eagle
         self.eagle = eagle
         self.eagle_version = eagle_version if eagle is not None else "none"
+        # a canary per heads kind (set_heads_canary): {"medusa" | "eagle": (module, version name, share)}
+        self.heads_canary: dict[str, tuple] = {}
         self.tokenizer = target.tokenizer
         self.vocab_size = len(self.tokenizer)
         self.draft = draft
@@ -310,16 +313,51 @@ class Engine:
         version name (`version`, or "eagle:<folder>"). A request whose head changes between steps rebuilds the
         head's cache from the target's features at its next step. ModelLoadError saying what is wrong (the old
         head, if any, stays)."""
-        head = self._load_bound(EagleHead, path, "an EAGLE head")
+        head = self._canary_module("eagle", version) or self._load_bound(EagleHead, path, "an EAGLE head")
         with self._lock:
             self.eagle, self.eagle_version = head, version or f"eagle:{Path(path).name}"
         log.info("EAGLE head loaded from %s (%d kept tokens)", path, len(head.output_token_ids))
         return self.eagle_version
 
-    def version_of(self, mode: str) -> str:
-        """The version name a step of `mode` is proposed by: the heads' or the EAGLE head's for those modes,
-        the champion draft's otherwise."""
-        return {"medusa": self.heads_version, "eagle": self.eagle_version}.get(mode, self.draft_version)
+    def version_of(self, mode: str, arm: str = "champion") -> str:
+        """The version name a step of `mode` is proposed by: the heads' or the EAGLE head's for those modes
+        (their canary's for a request on the canary arm), the champion draft's otherwise."""
+        if mode in HEADS_MODES:
+            return self.heads_for(mode, arm)[1]
+        return self.draft_version
+
+    def heads_for(self, kind: str, arm: str = "champion") -> tuple[object | None, str]:
+        """(module, version name) of `kind` ("medusa", "eagle") that proposes for a request on `arm`: the
+        kind's canary while one is loaded for a request routed to it, else the champion."""
+        if arm == "canary" and kind in self.heads_canary:
+            module, version, _ = self.heads_canary[kind]
+            return module, version
+        return (self.heads, self.heads_version) if kind == "medusa" else (self.eagle, self.eagle_version)
+
+    def set_heads_canary(self, kind: str, path: str | Path | None, version: str = "none", share: float = 0.0) -> None:
+        """Serve `kind` heads from `path` (version name `version`, e.g. "medusa-v3") to `share` of new
+        requests of that mode, chosen by `routes_to_canary(request id)` as the draft's canary is; `path=None`
+        ends it. Requests on a canary that goes away continue on the champion at their next step (the
+        drafter re-reads their sequence: lossless). ModelLoadError / ValueError leave the previous state."""
+        if kind not in HEADS_MODES:
+            raise ValueError(f"kind must be one of {HEADS_MODES}, got {kind!r}")
+        if path is None:
+            with self._lock:
+                self.heads_canary.pop(kind, None)
+            return
+        if not (0.0 < float(share) < 1.0):
+            raise ValueError(f"canary share must be in (0, 1), got {share!r}")
+        with self._lock:
+            same = self.heads_canary.get(kind, (None, None, 0))
+            module = same[0] if same[1] == version else None
+        if module is None:
+            from serving.decoding.medusa import MedusaHeads
+
+            module = self._load_bound(MedusaHeads if kind == "medusa" else EagleHead, path,
+                                      "Medusa heads" if kind == "medusa" else "an EAGLE head")
+        with self._lock:
+            self.heads_canary[kind] = (module, str(version), float(share))
+        log.info("canary %s version %s (%s) takes %.0f%% of new %s requests", kind, version, path, 100 * share, kind)
 
     def load_heads(self, path: str | Path, version: str | None = None) -> str:
         """Load (or hot-swap) Medusa heads for mode "medusa", bound to this target's rows; returns their
@@ -328,11 +366,17 @@ class Engine:
         the new ones. ModelLoadError saying what is wrong (the old heads, if any, stay)."""
         from serving.decoding.medusa import MedusaHeads
 
-        heads = self._load_bound(MedusaHeads, path, "Medusa heads")
+        heads = self._canary_module("medusa", version) or self._load_bound(MedusaHeads, path, "Medusa heads")
         with self._lock:
             self.heads, self.heads_version = heads, version or f"medusa:{Path(path).name}"
         log.info("Medusa heads loaded from %s (%d heads)", path, heads.config.num_heads)
         return self.heads_version
+
+    def _canary_module(self, kind: str, version: str | None):
+        """The loaded canary module of `kind` when it is `version` (a promoted canary: no second load)."""
+        with self._lock:
+            c = self.heads_canary.get(kind)
+        return c[0] if c is not None and version is not None and c[1] == version else None
 
     def _load_bound(self, cls, path: str | Path, what: str):
         """`cls.load(path, target)` (Medusa heads, an EAGLE head: modules bound to the target's rows) on the
@@ -503,8 +547,10 @@ class Engine:
         arm = "canary" if (self.canary is not None and spec.needs_draft and MODE_TABLE[mode].batched
                            and routes_to_canary(request_id, self.canary_share)) else "champion"
         version = self.canary_version if arm == "canary" else self.draft_version
-        if mode in ("medusa", "eagle"):
-            version = self.version_of(mode)
+        if mode in HEADS_MODES:
+            c = self.heads_canary.get(mode)
+            arm = "canary" if c is not None and routes_to_canary(request_id, c[2]) else "champion"
+            version = self.version_of(mode, arm)
         stats = GenerationStats(mode=mode, draft_version=version if spec.needs_draft or mode in ("medusa", "eagle")
                                 else "none",
                                 gamma=gamma, accepted_per_position=[0] * gamma, adaptive=adaptive)
@@ -557,8 +603,9 @@ class _RequestState:
     """Sequence + caches of one request of a mode that runs alone (serving/modes.py: staged, bild,
     spectr). The batch scheduler calls one step at a time, under the engine lock."""
 
-    def __init__(self, engine: Engine, prompt: list[int]) -> None:
+    def __init__(self, engine: Engine, prompt: list[int], arm: str = "champion") -> None:
         self.engine = engine
+        self.arm = arm                             # medusa / eagle: the heads' canary or champion (heads_for)
         self.seq = list(prompt)
         self.target = SequenceRunner(engine.target, engine.vocab_size)
         self.draft_model = engine.draft
@@ -608,7 +655,7 @@ class _RequestState:
         self._sync_draft()
         warp = lambda lg: warp_logprobs(lg, sampling.temperature, sampling.top_k, sampling.top_p)
         start = len(self.seq)
-        version = self.engine.version_of(mode)
+        version = self.engine.version_of(mode, self.arm)
         if mode == "spectr":
             draft_tokens, target_logits, res = self._spectr_step(spec, warp, gen, stats)
         elif mode == "tree":
@@ -788,7 +835,7 @@ class _RequestState:
         token when another step left none) and propose a tree under seq[-1] (`width`, `branch`, depth
         min(gamma, heads)); then as `_tree_step`: one target pass with the tree mask, the rule, the path kept."""
         eng = self.engine
-        heads = eng.heads
+        heads = eng.heads_for("medusa", self.arm)[0]
         prefix = len(self.seq) - 1
         t0 = time.perf_counter()
         if self.hidden_for != len(self.seq) and prefix >= 1:
@@ -829,7 +876,7 @@ class _RequestState:
         steps taken near the context end) one target pass over the missing positions gives their features (on
         the first step that pass is the prompt's prefill)."""
         eng = self.engine
-        head = eng.eagle
+        head = eng.heads_for("eagle", self.arm)[0]
         prefix = len(self.seq) - 1
         t0 = time.perf_counter()
         drafter = self.eagle_drafter

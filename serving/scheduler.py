@@ -217,7 +217,7 @@ class BatchScheduler:
             else:
                 from serving.engine import _RequestState
 
-                req.solo = _RequestState(self.engine, req.prompt)
+                req.solo = _RequestState(self.engine, req.prompt, req.arm)
                 self.solo.append(req)
 
     def _prefill(self) -> None:

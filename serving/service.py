@@ -24,7 +24,9 @@ Canary (issue 17): the watcher also follows the registry's `canary` alias (`chec
 version beside the champion (same target check, materialisation and verification) and the engine routes
 `draftsmith.canary_share` of new requests to it by a hash of the request id (serving/engine.py); when the
 alias goes away the canary is unloaded (its requests continue on the champion draft), and when it becomes
-the champion the loaded canary model takes over without a second load. /health shows the canary.
+the champion the loaded canary model takes over without a second load. /health shows the canary. Medusa
+heads and the EAGLE head have canaries the same way, from their own registries' `canary` aliases
+(`check_canary(kind=...)`, the engine's `set_heads_canary`; /health `heads_canary`).
 
 Faults: Redis down -> the writer drops and counts records (buffer_records_dropped_total), requests are
 unaffected; MLflow down -> no hot-swap and no live charts until it is back, requests are unaffected.
@@ -263,6 +265,7 @@ class Service:
             self.check_canary(engine)
         for kind in HEADS_KINDS:
             self.check_heads(engine, kind=kind)
+            self.check_canary(engine, kind=kind)
         return engine
 
     # ------------------------------------------------------------------ hot-swap
@@ -371,16 +374,18 @@ class Service:
         n = self._watch_state()["read_failures"]
         return self.s.watch_interval_s if n == 0 else min(60.0, self.s.watch_interval_s * 2 ** min(n, 10))
 
-    def _target_refusal(self, engine, version: str) -> str | None:
-        """Why `version` must not be loaded next to this replica's target (None: it may). Versions that
-        record no target fingerprint (registered before drafts were pinned) are loaded with a warning."""
+    def _target_refusal(self, engine, version: str, source=None) -> str | None:
+        """Why `version` (of `source`, default the draft registry) must not be loaded next to this replica's
+        target (None: it may). Versions that record no target fingerprint (registered before drafts were
+        pinned) are loaded with a warning."""
+        source = source if source is not None else self.registry
         st = self._watch_state()
         if not st["target_known"]:
             path = getattr(getattr(engine, "target", None), "path", None)
-            st["target_sha256"] = self.registry.target_fingerprint(path) if path is not None else None
+            st["target_sha256"] = source.target_fingerprint(path) if path is not None else None
             st["target_known"] = True
         mine = st["target_sha256"]
-        theirs = self.registry.get(version).target_sha256
+        theirs = source.get(version).target_sha256
         if theirs is None or mine is None:
             log.warning("draft version %s: %s; loading it without the target check", version,
                         "it records no target fingerprint" if theirs is None else "this replica's target has no "
@@ -405,6 +410,7 @@ class Service:
             for kind in HEADS_KINDS:
                 try:
                     self.check_heads(due_only=True, kind=kind)
+                    self.check_canary(kind=kind)
                 except Exception as e:  # noqa: BLE001
                     log.warning("draft watcher (%s): %s", kind, e)
 
@@ -462,53 +468,81 @@ class Service:
             log.info("replica %s now serves %s version %s", self.s.replica_id, label, v)
             return name
 
-    def check_canary(self, engine=None) -> str:
-        """Follow the registry's canary alias (module docstring, "Canary"); returns the canary version this
-        replica serves ("none" without one). An unreadable registry keeps the current state; a canary that
+    def check_canary(self, engine=None, *, kind: str = "draft") -> str:
+        """Follow the `canary` alias of the draft registry, or of the `kind` heads registry ("medusa",
+        "eagle"; module docstring, "Canary"); returns the canary version this replica serves ("none"
+        without one; heads: "<kind>-v<N>"). An unreadable registry keeps the current state; a canary that
         fails to load or was built for another target is not served (its share stays on the champion), the
-        reason is in /health `canary.error`, and the load is retried after a back-off."""
+        reason is in /health `canary.error` (`heads_canary.<kind>.error`), and the load is retried after a
+        back-off."""
         engine = engine or self.engine
-        if self.registry is None or not hasattr(engine, "set_canary"):
+        heads = kind in HEADS_KINDS
+        source = (self.heads_source if kind == "medusa" else self.eagle_source) if heads else self.registry
+        if source is None or not hasattr(engine, "set_heads_canary" if heads else "set_canary"):
             return "none"
-        st = self._watch_state().setdefault("canary", {"error": None, "version": None, "next": 0.0, "attempts": 0})
+        name = (lambda v: f"{kind}-v{v}") if heads else str
+
+        def live() -> tuple[str, float, object]:     # (canary version name, share, loaded path) on the engine
+            if heads:
+                c = engine.heads_canary.get(kind)
+                return (c[1], c[2], None) if c else ("none", 0.0, None)
+            return engine.canary_version, engine.canary_share, getattr(engine.canary, "path", None)
+
+        def serve(path, version: str, share: float) -> None:
+            if heads:
+                engine.set_heads_canary(kind, path, version, share)
+            else:
+                engine.set_canary(path, version, share)
+
+        key = "canary" if not heads else f"canary-{kind}"
+        st = self._watch_state().setdefault(key, {"error": None, "version": None, "next": 0.0, "attempts": 0})
         with self._swap_lock:
             try:
-                c = self.registry.canary()
+                c = source.canary()
             except Exception as e:  # noqa: BLE001 - MLflow down: keep what we have
                 st["error"] = f"cannot read the canary alias ({type(e).__name__}: {e})"
-                return engine.canary_version
-            if c is None or c["share"] <= 0 or c["version"] == engine.draft_version:
-                if engine.canary is not None:
-                    log.info("replica %s: canary version %s ended", self.s.replica_id, engine.canary_version)
-                    engine.set_canary(None)
+                return live()[0]
+            champion_name = engine.version_of(kind) if heads else engine.draft_version
+            if c is None or c["share"] <= 0 or name(c["version"]) == champion_name:
+                if live()[0] != "none":
+                    log.info("replica %s: canary %s version %s ended", self.s.replica_id, kind, live()[0])
+                    serve(None, "none", 0.0)
                 st.update(error=None, version=None, attempts=0)
                 return "none"
-            version, share = c["version"], c["share"]
-            if version == engine.canary_version:
-                if share != engine.canary_share:
-                    engine.set_canary(engine.canary.path, version, share)   # loaded: only the share changes
+            version, share = name(c["version"]), c["share"]
+            current, current_share, current_path = live()
+            if version == current:
+                if share != current_share:                            # loaded: only the share changes
+                    serve(current_path if not heads else "(loaded)", version, share)
                 return version
             now = time.monotonic()
             if st["version"] == version and st["error"] and now < st["next"]:
-                return engine.canary_version
+                return current
             try:
-                refusal = self._target_refusal(engine, version)
+                refusal = self._target_refusal(engine, c["version"], source)
                 if refusal is not None:
                     raise RuntimeError(f"REFUSED: {refusal}")
-                engine.set_canary(self.registry.materialize(version, verify=True), version, share)
+                serve(source.materialize(c["version"], verify=True), version, share)
             except Exception as e:  # noqa: BLE001 - the champion keeps all traffic meanwhile
                 st["attempts"] = st["attempts"] + 1 if st["version"] == version else 1
                 delay = min(300.0, max(1.0, self.s.watch_interval_s) * 2 ** (st["attempts"] - 1))
                 st.update(version=version, next=now + delay,
                           error=f"canary version {version} not served ({type(e).__name__}: {e}); retry in {delay:.0f} s")
                 log.error("replica %s: %s", self.s.replica_id, st["error"])
-                self.telemetry.inc("draft_swaps_total", result="canary_failed")
-                return engine.canary_version
+                self.telemetry.inc("heads_swaps_total" if heads else "draft_swaps_total",
+                                   **({"kind": kind} if heads else {}), result="canary_failed")
+                return current
             st.update(error=None, version=version, attempts=0)
-            self.telemetry.inc("draft_swaps_total", result="canary")
-            log.info("replica %s serves canary version %s to %.0f%% of new requests", self.s.replica_id, version,
-                     100 * share)
+            self.telemetry.inc("heads_swaps_total" if heads else "draft_swaps_total",
+                               **({"kind": kind} if heads else {}), result="canary")
+            log.info("replica %s serves canary %s version %s to %.0f%% of new requests", self.s.replica_id, kind,
+                     version, 100 * share)
             return version
+
+    def _heads_canary_health(self, kind: str) -> dict:
+        c = getattr(self.engine, "heads_canary", {}).get(kind)
+        return {"version": c[1] if c else "none", "share": c[2] if c else 0.0,
+                "error": self._watch_state().get(f"canary-{kind}", {}).get("error")}
 
     # ------------------------------------------------------------------ telemetry
     def publish(self) -> dict:
@@ -552,6 +586,7 @@ class Service:
                 "canary": {"version": getattr(self.engine, "canary_version", "none"),
                            "share": getattr(self.engine, "canary_share", 0.0),
                            "error": self._watch_state().get("canary", {}).get("error")},
+                "heads_canary": {k: self._heads_canary_health(k) for k in HEADS_KINDS},
                 "buffer": None if self.sink is None else {k: v for k, v in self.sink.stats().items()
                                                           if k in ("written", "dropped", "queued")}}
         return ok, info

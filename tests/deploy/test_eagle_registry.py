@@ -187,5 +187,57 @@ def test_cli_registers_promotes_and_rolls_back_an_eagle_head(regs, eagle, pair, 
     capsys.readouterr()
     assert main(["versions", "--kind", "eagle", *base]) == 0
     assert "heads" in capsys.readouterr().out
-    assert main(["promote", "2", "--kind", "eagle", "--canary-share", "0.2", *base]) == 2
-    assert "drafts only" in capsys.readouterr().err
+    assert main(["promote", "2", "--kind", "eagle", "--canary-share", "0.2", "--force", *base]) == 0
+    assert "watch --kind eagle" in capsys.readouterr().out
+    assert eagle.canary()["version"] == "2" and eagle.canary()["share"] == 0.2 and eagle.champion() == "1"
+    assert main(["status", *base]) == 0
+    assert f"eagle heads: {eagle.name}: champion 1" in capsys.readouterr().out
+
+
+def test_a_heads_canary_serves_its_share_is_judged_on_live_acceptance_and_promoted_without_a_reload(
+        regs, eagle, pair, target_model, tmp_path):  # noqa: F811
+    """The eagle registry's canary alias: the replica loads it beside the champion and routes its share of
+    mode-eagle requests to it by request id (the draft canary's hash), every request lossless at T=0 and
+    attributed to the head that proposed it; the canary judge reads the live figures logged under
+    "eagle-v<N>" and promotes it; the replica then serves the loaded canary as champion (no second load)."""
+    from deploy.registry import CANARY
+    from serving.engine import routes_to_canary
+    from tests.deploy.test_canary import judge, log_live
+
+    v1 = eagle.register(make_eagle(target_model, tmp_path / "e1", seed=1))
+    v2 = eagle.register(make_eagle(target_model, tmp_path / "e2", seed=2))
+    eagle.promote(v1)
+    engine = Engine.from_paths(str(pair[0]), None, dtype=torch.float32)
+    svc = Service(ServiceSettings(target=str(pair[0]), buffer=False, watch_interval_s=3600), engine=engine,
+                  eagle_source=eagle)
+    try:
+        assert svc.check_heads(kind="eagle") == f"eagle-v{v1}" and svc.check_canary(kind="eagle") == "none"
+        eagle.start_canary(v2, 0.5, reason="test")
+        assert eagle.aliases()[CANARY] == v2
+        assert svc.check_canary(kind="eagle") == f"eagle-v{v2}" and svc.check_canary() == "none"
+        assert svc.health()[1]["heads_canary"]["eagle"]["version"] == f"eagle-v{v2}"
+        canary_module = engine.heads_canary["eagle"][0]
+        prompt = engine.tokenizer("the cat sat on the mat")["input_ids"]
+        arms = set()
+        for i in range(12):
+            rid = f"req-{i}"
+            res = engine.generate_all(prompt, SamplingParams(temperature=0.0, max_tokens=8),
+                                      SpecParams(mode="eagle", gamma=3), request_id=rid)
+            assert res.token_ids == reference_greedy(engine.target.model, prompt, 8)
+            want = f"eagle-v{v2}" if routes_to_canary(rid, 0.5) else f"eagle-v{v1}"
+            assert res.stats.draft_version == want
+            arms.add(want)
+        assert len(arms) == 2                                       # both arms served in 12 requests
+        now = time.time()
+        log_live(eagle, f"eagle-v{v1}", [0.40, 0.42, 0.41], now + 1)
+        log_live(eagle, f"eagle-v{v2}", [0.55, 0.57, 0.56], now + 1)
+        assert [round(i["acceptance_rate"], 2) for i in eagle.live_intervals(v2)] == [0.55, 0.57, 0.56]
+        v = judge(eagle, tmp_path).check()
+        assert v.action == "promoted", v.message
+        assert eagle.champion() == v2 and eagle.canary() is None
+        # the watcher's order: the champion first (the loaded canary takes over), then the canary alias
+        assert svc.check_heads(kind="eagle") == f"eagle-v{v2}" and svc.check_canary(kind="eagle") == "none"
+        assert engine.eagle is canary_module
+        assert svc.health()[1]["heads_canary"]["eagle"]["version"] == "none"
+    finally:
+        svc.close()
