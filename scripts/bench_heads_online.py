@@ -10,7 +10,8 @@ promotion (deploy/heads.py `run_heads_cycle`).
 
 1. The bootstrap heads (--heads) are registered as version 1 of the --kind heads registry and promoted.
 2. Before: --eval prompts of a category the bootstrap never saw (scripts/online_traffic.py, default `sql`,
-   seed 999: prompts not served in step 3) are decoded with mode --kind and with the target alone, interleaved,
+   seed 999: prompts not served in step 3) are decoded with mode --kind and with the target alone, back to back
+   per prompt (the order alternating),
    T=0, --max-tokens each; acceptance (accepted / proposed draft tokens) and tokens/s.
 3. Traffic: --requests prompts of the same category (seed 0) are served with mode --kind at T=0 into the
    buffer as requests `<category>-<i>` (about 10% of request ids are held out, the split every job and the gate
@@ -48,24 +49,40 @@ def progress(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def decode_set(engine, prompts, mode: str, max_tokens: int, *, request_tag: str | None = None, source: str = "") -> dict:
+def _decode(engine, ids, mode: str, max_tokens: int, request_id=None, source: str = ""):
     from serving.config import SamplingParams, SpecParams
 
-    acc = drafted = tokens = 0
-    seconds = 0.0
-    for i, ids in enumerate(prompts):
-        t0 = time.perf_counter()
-        res = engine.generate_all(ids, SamplingParams(temperature=0.0, max_tokens=max_tokens),
-                                  SpecParams(mode=mode, gamma=3) if mode != "target" else SpecParams(mode="target"),
-                                  request_id=f"{request_tag}-{i}" if request_tag else None,
-                                  source=source, log_mode="full" if request_tag else "none")
-        seconds += time.perf_counter() - t0
-        tokens += len(res.token_ids)
-        acc += res.stats.accepted_tokens
-        drafted += res.stats.draft_tokens
-    return {"prompts": len(prompts), "tokens": tokens, "seconds": round(seconds, 2),
+    t0 = time.perf_counter()
+    res = engine.generate_all(ids, SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                              SpecParams(mode=mode, gamma=3) if mode != "target" else SpecParams(mode="target"),
+                              request_id=request_id, source=source, log_mode="full" if request_id else "none")
+    return res, time.perf_counter() - t0
+
+
+def _figures(runs) -> dict:
+    tokens = sum(len(r.token_ids) for r, _ in runs)
+    seconds = sum(s for _, s in runs)
+    acc = sum(r.stats.accepted_tokens for r, _ in runs)
+    drafted = sum(r.stats.draft_tokens for r, _ in runs)
+    return {"prompts": len(runs), "tokens": tokens, "seconds": round(seconds, 2),
             "tokens_per_s": round(tokens / seconds, 2) if seconds else None,
             "acceptance": round(acc / drafted, 4) if drafted else None, "accepted": acc, "drafted": drafted}
+
+
+def decode_set(engine, prompts, mode: str, max_tokens: int, *, request_tag: str | None = None, source: str = "") -> dict:
+    """Decode every prompt with `mode` (served into the buffer as `<request_tag>-<i>` when a tag is given)."""
+    return _figures([_decode(engine, ids, mode, max_tokens, f"{request_tag}-{i}" if request_tag else None, source)
+                     for i, ids in enumerate(prompts)])
+
+
+def decode_pairs(engine, prompts, mode: str, max_tokens: int) -> dict:
+    """Each prompt with `mode` and with the target alone, back to back (the order alternating by prompt),
+    so a change of the machine's speed during the phase hits both sides of the ratio alike."""
+    runs = {mode: [], "target": []}
+    for i, ids in enumerate(prompts):
+        for m in ((mode, "target") if i % 2 == 0 else ("target", mode)):
+            runs[m].append(_decode(engine, ids, m, max_tokens))
+    return {m: _figures(r) for m, r in runs.items()}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -105,6 +122,9 @@ def main(argv=None) -> int:
     ap.add_argument("--category", default="sql", help="scripts/online_traffic.py category (default sql)")
     ap.add_argument("--requests", type=int, default=120, help="served requests in step 3")
     ap.add_argument("--eval", type=int, default=12, help="eval prompts before / after")
+    ap.add_argument("--earlier", default="known", help="a category like the bootstrap's traffic, measured before "
+                    "and after for forgetting (default known)")
+    ap.add_argument("--earlier-eval", type=int, default=6, help="its eval prompts (0: skip)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--budget", type=float, default=120.0, help="heads job training seconds")
     ap.add_argument("--threads", type=int, default=2)
@@ -144,6 +164,7 @@ def main(argv=None) -> int:
                      EagleHead.for_target(tmodel, list(range(259)))).save(work / "heads")
         target = str(target_path)
         args.requests, args.eval, args.max_tokens, args.budget = min(args.requests, 16), min(args.eval, 4), 16, 5.0
+        args.earlier_eval = min(args.earlier_eval, 2)
     else:
         target = str(resolve_model_path(args.target))
         dtype = default_dtype("cpu")
@@ -165,8 +186,8 @@ def main(argv=None) -> int:
     reg.promote(v1, reason="bootstrap heads")
     load(reg.materialize(v1, verify=True), version=f"{kind}-v{v1}")
 
-    def prompts(seed: int, n: int) -> list[list[int]]:
-        stream = PromptStream(args.category, seed=seed)
+    def prompts(seed: int, n: int, category: str | None = None) -> list[list[int]]:
+        stream = PromptStream(category or args.category, seed=seed)
         out = []
         for _ in range(n):
             msg = stream.next()
@@ -175,14 +196,16 @@ def main(argv=None) -> int:
         return out
 
     eval_prompts, traffic = prompts(999, args.eval), prompts(0, args.requests)
-    result = {"setting": {"category": args.category, "temperature": 0, "max_tokens": args.max_tokens,
+    earlier = prompts(999, args.earlier_eval, args.earlier) if args.earlier_eval else []
+    result = {"setting": {"category": args.category, "earlier": args.earlier, "earlier_eval": len(earlier), "temperature": 0, "max_tokens": args.max_tokens,
                           "requests": args.requests, "eval_prompts": args.eval, "budget_s": args.budget,
                           "threads": args.threads, "dtype": str(dtype), "target": target, "heads": str(heads_dir),
                           "tiny": args.tiny, "kind": kind,
                           "acceptance": f"accepted / proposed draft tokens, mode {kind}, {TREE[kind]}, gamma 3"}}
     progress(f"before: {args.eval} eval prompts, mode {kind} and target-only")
-    result["before"] = {kind: decode_set(engine, eval_prompts, kind, args.max_tokens),
-                        "target": decode_set(engine, eval_prompts, "target", args.max_tokens)}
+    result["before"] = decode_pairs(engine, eval_prompts, kind, args.max_tokens)
+    if earlier:
+        result["before"]["earlier"] = decode_pairs(engine, earlier, kind, args.max_tokens)
     progress(f"before: {result['before']}")
     t0 = time.time()
     served = decode_set(engine, traffic, kind, args.max_tokens, request_tag=args.category, source=args.category)
@@ -214,11 +237,15 @@ def main(argv=None) -> int:
     load(reg.materialize(after_version, verify=True), version=f"{kind}-v{after_version}")
     progress(f"after: heads version {after_version} ({'promoted' if verdict.promoted else 'NOT promoted'})")
     result["after"] = {"version": after_version, "promoted": verdict.promoted,
-                       kind: decode_set(engine, eval_prompts, kind, args.max_tokens),
-                       "target": decode_set(engine, eval_prompts, "target", args.max_tokens)}
+                       **decode_pairs(engine, eval_prompts, kind, args.max_tokens)}
+    if earlier:
+        result["after"]["earlier"] = decode_pairs(engine, earlier, kind, args.max_tokens)
     for k in ("before", "after"):
         r = result[k]
         r["speedup"] = round(r[kind]["tokens_per_s"] / r["target"]["tokens_per_s"], 3)
+        if "earlier" in r:
+            e = r["earlier"]
+            e["speedup"] = round(e[kind]["tokens_per_s"] / e["target"]["tokens_per_s"], 3)
     writer.close()
     (args.out / "summary.json").write_text(json.dumps(result, indent=1, default=str))
     (args.out / "job.log").write_text("\n".join(lines) + "\n")
@@ -235,6 +262,9 @@ def main(argv=None) -> int:
           f"| v{after_version} ({'promoted' if verdict.promoted else 'candidate, not promoted'}) | "
           f"{a[kind]['acceptance']} | {a[kind]['tokens_per_s']} | {a['target']['tokens_per_s']} | "
           f"{a['speedup']}x |", "",
+          *([f"Earlier traffic ({args.earlier}, {len(earlier)} prompts, same phases): acceptance "
+             f"{b['earlier'][kind]['acceptance']} -> {a['earlier'][kind]['acceptance']}, speed-up "
+             f"{b['earlier']['speedup']}x -> {a['earlier']['speedup']}x.", ""] if earlier else []),
           f"Gate: {'accepted' if verdict.accepted else 'rejected'}: {verdict.reason}", "",
           f"Job (held-out, {'teacher-forced first-token agreement' if kind == 'eagle' else 'greedy chain accepted / proposed'}): "
           f"{info.metrics.get('offline_acceptance_before')} -> "

@@ -277,19 +277,24 @@ def test_heads_schedule_runs_a_job_then_waits_for_new_records(regs, pair, target
         drop_prefix(redis_url, prefix)
 
 
-def test_bench_heads_online_smoke(tmp_path, redis_url, monkeypatch):
-    """scripts/bench_heads_online.py end to end on tiny models: before / traffic / job + gate / after."""
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_bench_heads_online_smoke(kind, tmp_path, redis_url, monkeypatch):
+    """scripts/bench_heads_online.py end to end on tiny models: before / traffic / job + gate / after, with the
+    earlier category measured in the same phases."""
     import json
 
     from scripts import bench_heads_online
 
     monkeypatch.setenv("REDIS_URL", redis_url)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    assert bench_heads_online.main(["--tiny", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "w")]) == 0
+    assert bench_heads_online.main(["--tiny", "--kind", kind, "--out", str(tmp_path / "out"),
+                                    "--work", str(tmp_path / "w")]) == 0
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["traffic"]["prompts"] == 16 and summary["traffic"]["drafted"] > 0
     assert summary["job"]["version"] == "2" and summary["job"]["gate_requests"] >= 1
     for phase in ("before", "after"):
-        assert summary[phase]["medusa"]["tokens"] > 0 and summary[phase]["speedup"] > 0
+        assert summary[phase][kind]["tokens"] > 0 and summary[phase]["speedup"] > 0
+        assert summary[phase][kind]["prompts"] == summary[phase]["target"]["prompts"] == 4
+        assert summary[phase]["earlier"][kind]["prompts"] == 2 and summary[phase]["earlier"]["speedup"] > 0
     assert "| v1 (bootstrap) |" in (tmp_path / "out" / "summary.md").read_text()
     assert (tmp_path / "out" / "heads_online.png").stat().st_size > 1000
