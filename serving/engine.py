@@ -313,7 +313,8 @@ class Engine:
         version name (`version`, or "eagle:<folder>"). A request whose head changes between steps rebuilds the
         head's cache from the target's features at its next step. ModelLoadError saying what is wrong (the old
         head, if any, stays)."""
-        head = self._canary_module("eagle", version) or self._load_bound(EagleHead, path, "an EAGLE head")
+        head = self._canary_module("eagle", version) or self._load_bound(EagleHead, path, "an EAGLE head",
+                                                                          dtype=self._eagle_dtype())
         with self._lock:
             self.eagle, self.eagle_version = head, version or f"eagle:{Path(path).name}"
         log.info("EAGLE head loaded from %s (%d kept tokens)", path, len(head.output_token_ids))
@@ -353,8 +354,8 @@ class Engine:
         if module is None:
             from serving.decoding.medusa import MedusaHeads
 
-            module = self._load_bound(MedusaHeads if kind == "medusa" else EagleHead, path,
-                                      "Medusa heads" if kind == "medusa" else "an EAGLE head")
+            module = (self._load_bound(MedusaHeads, path, "Medusa heads") if kind == "medusa" else
+                      self._load_bound(EagleHead, path, "an EAGLE head", dtype=self._eagle_dtype()))
         with self._lock:
             self.heads_canary[kind] = (module, str(version), float(share))
         log.info("canary %s version %s (%s) takes %.0f%% of new %s requests", kind, version, path, 100 * share, kind)
@@ -378,11 +379,19 @@ class Engine:
             c = self.heads_canary.get(kind)
         return c[0] if c is not None and version is not None and c[1] == version else None
 
-    def _load_bound(self, cls, path: str | Path, what: str):
+    def _eagle_dtype(self) -> torch.dtype:
+        """The EAGLE head runs in the target's dtype (bf16 / fp16 where the target does: on a bf16 CPU its
+        layer and kept-vocabulary rows took 26 of the 32 ms per step in fp32, docs/benchmarks.md), fp32 otherwise."""
+        return next(self.target.model.parameters()).dtype
+
+    def _load_bound(self, cls, path: str | Path, what: str, dtype: torch.dtype | None = None):
         """`cls.load(path, target)` (Medusa heads, an EAGLE head: modules bound to the target's rows) on the
-        target's device, its kept token ids checked against the tokenizer; ModelLoadError naming `what`."""
+        target's device (and in `dtype` when given), its kept token ids checked against the tokenizer;
+        ModelLoadError naming `what`."""
         try:
             module = cls.load(path, self.target.model).to(self.target_device)
+            if dtype is not None:
+                module = module.to(dtype)
         except (OSError, ValueError, RuntimeError, KeyError) as e:   # not such a folder, other target, corrupt
             raise ModelLoadError(f"cannot load {what} from {path}: {e}") from e
         if max(module.output_token_ids) >= self.vocab_size:

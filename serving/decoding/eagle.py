@@ -75,14 +75,14 @@ class EagleHead(nn.Module):
                 cache=None):
         """feats [B, T, d] (target features f_t or predicted ones), tokens [B, T] (x_{t+1}) -> (predicted
         features f^_{t+1} [B, T, d], cache). `attention_mask` a 2-D padding mask or a 4-D additive mask."""
-        x = self.fc(torch.cat([feats.float(), self.embed[tokens]], dim=-1))
+        x = self.fc(torch.cat([feats.to(self.fc.weight.dtype), self.embed[tokens]], dim=-1))
         out = self.model(inputs_embeds=x, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=cache, use_cache=cache is not None)
         return out.last_hidden_state, out.past_key_values
 
     def logits(self, states: torch.Tensor) -> torch.Tensor:
         """Predicted features -> logits over the kept vocabulary (column j = token `output_token_ids[j]`)."""
-        return states.float() @ self.out_rows.T
+        return states.to(self.out_rows.dtype) @ self.out_rows.T
 
     # ------------------------------------------------------------------ files
     @classmethod
@@ -163,7 +163,8 @@ class EagleDrafter:
             self.cache = DynamicCache()
         with torch.no_grad():
             states, self.cache = self.head(torch.stack(list(feats))[None], torch.tensor([list(tokens)]),
-                                           attention_mask=_float_mask(mask, torch.float32), position_ids=pos[None],
+                                           attention_mask=_float_mask(mask, self.head.fc.weight.dtype),
+                                           position_ids=pos[None],
                                            cache=self.cache)
         return states[0]
 

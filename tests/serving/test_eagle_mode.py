@@ -246,3 +246,23 @@ def test_http_eagle_with_a_head_and_a_clear_400_without(pair, head_dir, tmp_path
                     assert r2.status_code == 200
         finally:
             srv.stop()
+
+
+def test_a_bf16_target_runs_its_eagle_head_in_bf16_and_its_proposals_follow_the_fp32_head(pair, head_dir):
+    """On a bf16 target the head is loaded in bf16 (Engine._eagle_dtype: the fp32 head's layer and rows were
+    most of its drafting time on a bf16 CPU); mode eagle then drafts and decodes in bf16, and at T=0 it
+    proposes (nearly) the trees the fp32 head proposes for the same committed inputs."""
+    eng = Engine.from_paths(str(pair[0]), None, dtype=torch.bfloat16, device="cpu", eagle=head_dir)
+    assert eng.eagle.fc.weight.dtype == torch.bfloat16 and eng.eagle.out_rows.dtype == torch.bfloat16
+    prompt = ids(eng)
+    res = eng.generate_all(prompt, SamplingParams(temperature=0.0, max_tokens=12), SpecParams(mode="eagle", gamma=3))
+    assert len(res.token_ids) == 12 and res.stats.draft_tokens > 0 and res.stats.accepted_tokens > 0
+    fp32 = Engine.from_paths(str(pair[0]), None, dtype=torch.float32, device="cpu", eagle=head_dir)
+    assert fp32.eagle.fc.weight.dtype == torch.float32
+    feats = features(fp32.target.model, prompt)
+    trees = []
+    for head in (fp32.eagle, eng.eagle):
+        d = EagleDrafter(head, [2, 1, 1])
+        d.push(feats[:-1], prompt[1:])
+        trees.append(d.propose().tokens)
+    assert trees[0][:2] == trees[1][:2]                   # the root's two children agree across precisions
