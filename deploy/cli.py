@@ -31,10 +31,11 @@ import time
 from pathlib import Path
 
 from buffer.paths import DEFAULT_TARGET
+from serving.config import HEADS_MODES
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-KINDS = ("draft", "medusa", "eagle")         # draft kinds with a registry (deploy/registry.py "Draft kinds")
-HEADS = ("medusa", "eagle")                  # the kinds served from the target's hidden states
+HEADS = HEADS_MODES                          # the kinds served from the target's hidden states
+KINDS = ("draft", *HEADS)                    # draft kinds with a registry (deploy/registry.py "Draft kinds")
 KIND_HELP = ("which draft kind: 'draft' (the standalone draft model, default), 'medusa' (Medusa heads) or 'eagle' "
              "(the EAGLE head); each heads kind has its own registered model, <name>-medusa / <name>-eagle")
 

@@ -242,7 +242,7 @@ class Engine:
         # the EAGLE-style head (mode "eagle", serving/decoding/eagle.py): a folder ("eagle:<folder>"), load_eagle
         self.eagle = eagle
         self.eagle_version = eagle_version if eagle is not None else "none"
-        # a canary per heads kind (set_heads_canary): {"medusa" | "eagle": (module, version name, share)}
+        # a canary per heads kind (set_heads_canary): {"medusa" | "eagle": (module, version name, share, path)}
         self.heads_canary: dict[str, tuple] = {}
         self.tokenizer = target.tokenizer
         self.vocab_size = len(self.tokenizer)
@@ -313,8 +313,7 @@ class Engine:
         version name (`version`, or "eagle:<folder>"). A request whose head changes between steps rebuilds the
         head's cache from the target's features at its next step. ModelLoadError saying what is wrong (the old
         head, if any, stays)."""
-        head = self._canary_module("eagle", version) or self._load_bound(EagleHead, path, "an EAGLE head",
-                                                                          dtype=self._eagle_dtype())
+        head = self._load_kind("eagle", path, version)
         with self._lock:
             self.eagle, self.eagle_version = head, version or f"eagle:{Path(path).name}"
         log.info("EAGLE head loaded from %s (%d kept tokens)", path, len(head.output_token_ids))
@@ -330,9 +329,9 @@ class Engine:
     def heads_for(self, kind: str, arm: str = "champion") -> tuple[object | None, str]:
         """(module, version name) of `kind` ("medusa", "eagle") that proposes for a request on `arm`: the
         kind's canary while one is loaded for a request routed to it, else the champion."""
-        if arm == "canary" and kind in self.heads_canary:
-            module, version, _ = self.heads_canary[kind]
-            return module, version
+        c = self.heads_canary.get(kind) if arm == "canary" else None
+        if c is not None:
+            return c[0], c[1]
         return (self.heads, self.heads_version) if kind == "medusa" else (self.eagle, self.eagle_version)
 
     def set_heads_canary(self, kind: str, path: str | Path | None, version: str = "none", share: float = 0.0) -> None:
@@ -348,16 +347,9 @@ class Engine:
             return
         if not (0.0 < float(share) < 1.0):
             raise ValueError(f"canary share must be in (0, 1), got {share!r}")
+        module = self._load_kind(kind, path, version)             # the same version: only the share changes
         with self._lock:
-            same = self.heads_canary.get(kind, (None, None, 0))
-            module = same[0] if same[1] == version else None
-        if module is None:
-            from serving.decoding.medusa import MedusaHeads
-
-            module = (self._load_bound(MedusaHeads, path, "Medusa heads") if kind == "medusa" else
-                      self._load_bound(EagleHead, path, "an EAGLE head", dtype=self._eagle_dtype()))
-        with self._lock:
-            self.heads_canary[kind] = (module, str(version), float(share))
+            self.heads_canary[kind] = (module, str(version), float(share), path)
         log.info("canary %s version %s (%s) takes %.0f%% of new %s requests", kind, version, path, 100 * share, kind)
 
     def load_heads(self, path: str | Path, version: str | None = None) -> str:
@@ -365,24 +357,26 @@ class Engine:
         version name: `version` (a registry version, "medusa-v<N>", serving/service.py's heads watcher) or
         "medusa:<folder>". A request mid-step keeps the heads it started the step with; the next step uses
         the new ones. ModelLoadError saying what is wrong (the old heads, if any, stay)."""
-        from serving.decoding.medusa import MedusaHeads
-
-        heads = self._canary_module("medusa", version) or self._load_bound(MedusaHeads, path, "Medusa heads")
+        heads = self._load_kind("medusa", path, version)
         with self._lock:
             self.heads, self.heads_version = heads, version or f"medusa:{Path(path).name}"
         log.info("Medusa heads loaded from %s (%d heads)", path, heads.config.num_heads)
         return self.heads_version
 
-    def _canary_module(self, kind: str, version: str | None):
-        """The loaded canary module of `kind` when it is `version` (a promoted canary: no second load)."""
+    def _load_kind(self, kind: str, path: str | Path, version: str | None):
+        """The `kind` module ("medusa", "eagle") for `path`: the loaded canary's when it is `version` (a
+        promoted canary, or a canary whose share changes: no second load), else loaded bound to the target.
+        An EAGLE head runs in the target's dtype (on a bf16 CPU its fp32 layer and kept-vocabulary rows
+        took 26 of its 32 ms per step, docs/benchmarks.md)."""
         with self._lock:
             c = self.heads_canary.get(kind)
-        return c[0] if c is not None and version is not None and c[1] == version else None
+        if c is not None and version is not None and c[1] == version:
+            return c[0]
+        if kind == "medusa":
+            from serving.decoding.medusa import MedusaHeads
 
-    def _eagle_dtype(self) -> torch.dtype:
-        """The EAGLE head runs in the target's dtype (bf16 / fp16 where the target does: on a bf16 CPU its
-        layer and kept-vocabulary rows took 26 of the 32 ms per step in fp32, docs/benchmarks.md), fp32 otherwise."""
-        return next(self.target.model.parameters()).dtype
+            return self._load_bound(MedusaHeads, path, "Medusa heads")
+        return self._load_bound(EagleHead, path, "an EAGLE head", dtype=next(self.target.model.parameters()).dtype)
 
     def _load_bound(self, cls, path: str | Path, what: str, dtype: torch.dtype | None = None):
         """`cls.load(path, target)` (Medusa heads, an EAGLE head: modules bound to the target's rows) on the

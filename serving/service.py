@@ -485,7 +485,7 @@ class Service:
         def live() -> tuple[str, float, object]:     # (canary version name, share, loaded path) on the engine
             if heads:
                 c = engine.heads_canary.get(kind)
-                return (c[1], c[2], None) if c else ("none", 0.0, None)
+                return (c[1], c[2], c[3]) if c else ("none", 0.0, None)
             return engine.canary_version, engine.canary_share, getattr(engine.canary, "path", None)
 
         def serve(path, version: str, share: float) -> None:
@@ -513,7 +513,7 @@ class Service:
             current, current_share, current_path = live()
             if version == current:
                 if share != current_share:                            # loaded: only the share changes
-                    serve(current_path if not heads else "(loaded)", version, share)
+                    serve(current_path, version, share)
                 return version
             now = time.monotonic()
             if st["version"] == version and st["error"] and now < st["next"]:

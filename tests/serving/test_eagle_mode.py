@@ -249,7 +249,7 @@ def test_http_eagle_with_a_head_and_a_clear_400_without(pair, head_dir, tmp_path
 
 
 def test_a_bf16_target_runs_its_eagle_head_in_bf16_and_its_proposals_follow_the_fp32_head(pair, head_dir):
-    """On a bf16 target the head is loaded in bf16 (Engine._eagle_dtype: the fp32 head's layer and rows were
+    """On a bf16 target the head is loaded in bf16 (Engine._load_kind: the fp32 head's layer and rows were
     most of its drafting time on a bf16 CPU); mode eagle then drafts and decodes in bf16, and at T=0 it
     proposes (nearly) the trees the fp32 head proposes for the same committed inputs."""
     eng = Engine.from_paths(str(pair[0]), None, dtype=torch.bfloat16, device="cpu", eagle=head_dir)
