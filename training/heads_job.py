@@ -48,8 +48,6 @@ from typing import Callable
 
 import numpy as np
 
-from serving.config import HEADS_MODES
-
 log = logging.getLogger(__name__)
 
 DEFAULTS = {"max_records": 4000, "eval_records": 1000, "heldout_fraction": 0.1, "budget_s": 120.0, "lr": 3e-4,
@@ -57,7 +55,7 @@ DEFAULTS = {"max_records": 4000, "eval_records": 1000, "heldout_fraction": 0.1, 
             "buffer_prefix": "draftsmith:buf", "redis_url": None, "target": None, "parent_heads": None,
             "parent_version": None, "target_sha256": None, "out_dir": None, "seed": 0, "kind": "medusa"}
 EAGLE_DEFAULTS = {"lr": 2e-4, "batch_size": 8}   # an EAGLE batch is sequences (Medusa's is rows); a gentler step
-KINDS = HEADS_MODES
+KINDS = ("medusa", "eagle")                      # serving/config.py HEADS_MODES (training may not import it)
 
 
 class NotEnoughRows(RuntimeError):
