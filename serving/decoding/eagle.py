@@ -161,10 +161,12 @@ class EagleDrafter:
 
         if self.cache is None:
             self.cache = DynamicCache()
+        device = self.head.fc.weight.device          # on a GPU the tree's mask and positions come from the CPU
         with torch.no_grad():
-            states, self.cache = self.head(torch.stack(list(feats))[None], torch.tensor([list(tokens)]),
-                                           attention_mask=_float_mask(mask, self.head.fc.weight.dtype),
-                                           position_ids=pos[None],
+            states, self.cache = self.head(torch.stack(list(feats))[None],
+                                           torch.tensor([list(tokens)], device=device),
+                                           attention_mask=_float_mask(mask, self.head.fc.weight.dtype).to(device),
+                                           position_ids=pos[None].to(device),
                                            cache=self.cache)
         return states[0]
 

@@ -254,7 +254,7 @@ def verify_deterministic(tree: DraftTree, target_probs: torch.Tensor,
         accepted = None
         for c in tree.children(node):
             x = tree.tokens[c]
-            if float(torch.rand((), generator=generator)) < float(p[x]):
+            if float(torch.rand((), generator=generator, device=p.device)) < float(p[x]):
                 accepted = c
                 break
             p = p.clone()
@@ -370,7 +370,7 @@ def verify_sampled(tree: DraftTree, target_probs: torch.Tensor, draft_probs: tor
             x = tree.tokens[c]
             qx = float(q[x])
             ratio = 0.0 if qx <= 0 else min(1.0, float(p[x]) / qx)
-            if float(torch.rand((), generator=generator)) < ratio:
+            if float(torch.rand((), generator=generator, device=p.device)) < ratio:
                 accepted = c
                 break
             p = recovery_probs(q, p)
