@@ -366,17 +366,18 @@ class Engine:
     def _load_kind(self, kind: str, path: str | Path, version: str | None):
         """The `kind` module ("medusa", "eagle") for `path`: the loaded canary's when it is `version` (a
         promoted canary, or a canary whose share changes: no second load), else loaded bound to the target.
-        An EAGLE head runs in the target's dtype (on a bf16 CPU its fp32 layer and kept-vocabulary rows
-        took 26 of its 32 ms per step, docs/benchmarks.md)."""
+        Both run in the target's dtype (on a bf16 CPU the EAGLE head's fp32 layer and kept-vocabulary rows
+        took 26 of its 32 ms per step, docs/benchmarks.md); their proposals' log-probabilities are fp32."""
         with self._lock:
             c = self.heads_canary.get(kind)
         if c is not None and version is not None and c[1] == version:
             return c[0]
+        dtype = next(self.target.model.parameters()).dtype
         if kind == "medusa":
             from serving.decoding.medusa import MedusaHeads
 
-            return self._load_bound(MedusaHeads, path, "Medusa heads")
-        return self._load_bound(EagleHead, path, "an EAGLE head", dtype=next(self.target.model.parameters()).dtype)
+            return self._load_bound(MedusaHeads, path, "Medusa heads", dtype=dtype)
+        return self._load_bound(EagleHead, path, "an EAGLE head", dtype=dtype)
 
     def _load_bound(self, cls, path: str | Path, what: str, dtype: torch.dtype | None = None):
         """`cls.load(path, target)` (Medusa heads, an EAGLE head: modules bound to the target's rows) on the

@@ -166,3 +166,19 @@ def test_http_medusa_with_heads_and_a_clear_400_without(pair, heads_dir, tmp_pat
                     assert r2.status_code == 200
         finally:
             srv.stop()
+
+
+def test_a_bf16_target_runs_its_heads_in_bf16_and_they_propose_what_the_fp32_heads_propose(pair, heads_dir):
+    """On a bf16 target the heads are loaded in bf16 (Engine._load_kind), mode medusa drafts and decodes in
+    bf16, and for the same hidden state the bf16 heads' top candidates are the fp32 heads'."""
+    eng = Engine.from_paths(str(pair[0]), None, dtype=torch.bfloat16, device="cpu", heads=heads_dir)
+    assert all(p.dtype == torch.bfloat16 for p in eng.heads.parameters()) and eng.heads.out_rows.dtype == torch.bfloat16
+    prompt = ids(eng)
+    res = eng.generate_all(prompt, SamplingParams(temperature=0.0, max_tokens=12), SpecParams(mode="medusa", gamma=3))
+    assert len(res.token_ids) == 12 and res.stats.draft_tokens > 0
+    fp32 = Engine.from_paths(str(pair[0]), None, dtype=torch.float32, device="cpu", heads=heads_dir)
+    assert fp32.heads.out_rows.dtype == torch.float32
+    torch.manual_seed(0)
+    h = torch.randn(fp32.target.model.config.hidden_size)
+    trees = [heads.propose(h, prompt[-1], [2, 1]).tokens for heads in (fp32.heads, eng.heads)]
+    assert trees[0][:2] == trees[1][:2]                   # the first head's top two agree across precisions
