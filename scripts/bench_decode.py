@@ -8,7 +8,10 @@ while HF assisted generation needs the draft's full output layer. So that the ta
 vocabulary cut from the engine, `--full-vocab` (default on) adds the row "speculative (full-vocab
 draft)": our engine with the SAME draft weights over the full vocabulary (a second Engine on a view of
 the draft folder without the cut), next to "speculative" (the cut as served) and "HF assisted
-(full-vocab draft)". Every row gets one untimed warm-up generation first, HF included. A second draft
+(full-vocab draft)". Every row gets one untimed warm-up generation first, HF included. The rows run
+prompt by prompt, back to back, the first row rotating (a machine whose speed drifts during the run slows
+every row alike; run row by row, an H200's target-only row came out 2x slower than the zero-draft MJSD
+row after it, docs/benchmarks.md "On a GPU"). A second draft
 kind joins with `--medusa-heads PATH --modes ...,medusa` (Medusa heads on the target's hidden state,
 serving/decoding/medusa.py), and the EAGLE-style head with `--eagle-head PATH --modes ...,eagle`
 (serving/decoding/eagle.py); `medusa+typical` (or `tree+typical`, `eagle+typical`) runs it with typical
@@ -54,28 +57,38 @@ def perplexity(model, prompt: list[int], output: list[int]) -> tuple[float, int]
     return float(nll), len(output)
 
 
+def engine_agg(label: str, spec) -> dict:
+    return dict(label=label, tokens=0, wall=0.0, draft=0.0, target=0.0, steps=0, draft_tokens=0,
+                accepted=0, nll=0.0, nll_tokens=0, energy=0.0, energy_known=True, outputs=[],
+                accepted_per_position=[0] * (spec.gamma if spec.mode != "target" else 0))
+
+
+def engine_prompt(engine, agg: dict, i: int, prompt, sampling, spec) -> None:
+    """Prompt `i` through the engine with `spec`, added to `agg` (seed 1000 + i, as every row uses)."""
+    s = SamplingParams(**{**sampling.__dict__, "seed": 1000 + i})
+    t0 = time.perf_counter()
+    res = engine.generate_all(prompt, s, spec, log_mode="none")
+    agg["wall"] += time.perf_counter() - t0
+    st = res.stats
+    agg["tokens"] += len(res.token_ids)
+    agg["draft"] += st.draft_time_s
+    agg["target"] += st.target_time_s
+    agg["steps"] += st.steps
+    agg["draft_tokens"] += st.draft_tokens
+    agg["accepted"] += st.accepted_tokens
+    agg["accepted_per_position"] = [a + b for a, b in zip(agg["accepted_per_position"], st.accepted_per_position)]
+    if st.energy_j is None:
+        agg["energy_known"] = False
+    else:
+        agg["energy"] += st.energy_j
+    agg["outputs"].append(res.token_ids)
+
+
 def run_engine_mode(engine, prompts, sampling, spec, label):
-    agg = dict(label=label, tokens=0, wall=0.0, draft=0.0, target=0.0, steps=0, draft_tokens=0,
-               accepted=0, nll=0.0, nll_tokens=0, energy=0.0, energy_known=True, outputs=[],
-               accepted_per_position=[0] * (spec.gamma if spec.mode != "target" else 0))
+    """Every prompt with one mode, in order (scripts/bench_rules.py); bench_decode's own rows interleave."""
+    agg = engine_agg(label, spec)
     for i, prompt in enumerate(prompts):
-        s = SamplingParams(**{**sampling.__dict__, "seed": 1000 + i})
-        t0 = time.perf_counter()
-        res = engine.generate_all(prompt, s, spec, log_mode="none")
-        agg["wall"] += time.perf_counter() - t0
-        st = res.stats
-        agg["tokens"] += len(res.token_ids)
-        agg["draft"] += st.draft_time_s
-        agg["target"] += st.target_time_s
-        agg["steps"] += st.steps
-        agg["draft_tokens"] += st.draft_tokens
-        agg["accepted"] += st.accepted_tokens
-        agg["accepted_per_position"] = [a + b for a, b in zip(agg["accepted_per_position"], st.accepted_per_position)]
-        if st.energy_j is None:
-            agg["energy_known"] = False
-        else:
-            agg["energy"] += st.energy_j
-        agg["outputs"].append(res.token_ids)
+        engine_prompt(engine, agg, i, prompt, sampling, spec)
     return agg
 
 
@@ -104,10 +117,11 @@ def warm_up(engine, prompt) -> None:
     engine.generate_all(prompt, SamplingParams(max_tokens=8, seed=0), SpecParams(mode="speculative"), log_mode="none")
 
 
-def run_hf_assisted(engine, prompts, sampling, gamma, label):
+def hf_assisted_runner(engine, prompts, sampling, gamma, label):
     """transformers' generate(assistant_model=...) on the same pair, same warps, same prompts, after one
-    untimed warm-up generation (as the engine rows get). HF needs the draft's full output layer, so it
-    uses the engine's draft as is when uncut, else reloads the draft folder plainly."""
+    untimed warm-up generation (as the engine rows get): (its row, a function that runs prompt i into
+    it). HF needs the draft's full output layer, so it uses the engine's draft as is when uncut, else
+    reloads the draft folder plainly."""
     tm, dm = engine.target.model, engine.draft.model
     if engine.draft.output_token_ids is not None:
         from serving.models import load_causal_lm
@@ -135,7 +149,8 @@ def run_hf_assisted(engine, prompts, sampling, gamma, label):
 
     torch.manual_seed(0)
     generate(prompts[0], 8)                       # warm-up, untimed (as main() does for the engine)
-    for i, prompt in enumerate(prompts):
+
+    def one(i: int, prompt) -> None:
         torch.manual_seed(1000 + i)
         t0 = time.perf_counter()
         out = generate(prompt, sampling.max_tokens)
@@ -143,6 +158,15 @@ def run_hf_assisted(engine, prompts, sampling, gamma, label):
         toks = out[0, len(prompt):].tolist()
         agg["tokens"] += len(toks)
         agg["outputs"].append(toks)
+
+    return agg, one
+
+
+def run_hf_assisted(engine, prompts, sampling, gamma, label):
+    """`hf_assisted_runner` over every prompt in order (scripts/bench_rules.py)."""
+    agg, one = hf_assisted_runner(engine, prompts, sampling, gamma, label)
+    for i, prompt in enumerate(prompts):
+        one(i, prompt)
     return agg
 
 
@@ -265,28 +289,34 @@ def _run(args, dtype, stack: contextlib.ExitStack) -> int:
     warm_up(engine, prompts[0])
     if full_engine is not None:
         warm_up(full_engine, prompts[0])
-    runs = []                 # (label, how)
+    runs = []                 # (label, its row, a function that runs prompt i into it)
     for mode in modes:
         if mode == "hf_assisted":
             # HF always runs the full output layer: the full-vocab engine's draft when there is one.
-            runs.append(("HF assisted (full-vocab draft)", lambda: run_hf_assisted(
-                full_engine or engine, prompts, sampling, args.gamma, "HF assisted (full-vocab draft)")))
+            label = "HF assisted (full-vocab draft)"
+            runs.append((label, *hf_assisted_runner(full_engine or engine, prompts, sampling, args.gamma, label)))
             continue
         base, _, rule = mode.partition("+")            # e.g. medusa+typical: the tree with typical acceptance
         spec = SpecParams(mode=base, gamma=args.gamma, beams=args.beams, tau=args.tau,
                           extra={"rule": rule} if rule else {})
-        runs.append((mode, lambda spec=spec, mode=mode: run_engine_mode(engine, prompts, sampling, spec, mode)))
+        engines = [(mode, engine)]
         if mode == "speculative" and full_engine is not None:
-            label = "speculative (full-vocab draft)"
-            runs.append((label, lambda spec=spec, label=label: run_engine_mode(full_engine, prompts, sampling,
-                                                                               spec, label)))
-    rows = []
-    for label, how in runs:
-        t0 = time.time()
-        rows.append(how())
-        r = rows[-1]
-        print(f"[bench] {label:30s} {r['tokens']:5d} tokens in {r['wall']:.1f} s = {r['tokens'] / r['wall']:.1f} "
-              f"tok/s ({time.time() - t0:.0f} s)", flush=True)
+            engines.append(("speculative (full-vocab draft)", full_engine))
+        for label, eng in engines:
+            agg = engine_agg(label, spec)
+            runs.append((label, agg, lambda i, p, eng=eng, agg=agg, spec=spec: engine_prompt(eng, agg, i, p,
+                                                                                             sampling, spec)))
+    # Prompt by prompt, every row back to back, the starting row rotating: a change of the machine's speed
+    # during the run (a CPU host's drift, a GPU's first minute) hits every row alike, not the first one.
+    t0 = time.time()
+    for i, prompt in enumerate(prompts):
+        k = i % len(runs)
+        for _, _, one in runs[k:] + runs[:k]:
+            one(i, prompt)
+        print(f"[bench] prompt {i + 1}/{len(prompts)}: " + ", ".join(
+            f"{label} {agg['tokens'] / agg['wall']:.1f}" for label, agg, _ in runs if agg["wall"])
+            + f" tok/s ({time.time() - t0:.0f} s)", flush=True)
+    rows = [agg for _, agg, _ in runs]
     table = summarise(rows, prompts, engine.target.model)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

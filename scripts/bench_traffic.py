@@ -75,7 +75,9 @@ def progress(msg: str) -> None:
 def make_spec(label: str, args):
     """SpecParams for a row label: default / default-fixed / speculative / speculative-fixed / any engine mode;
     `tree+typical` / `medusa+typical` / `eagle+typical` (or `+mjsd`): that mode with Medusa's typical acceptance on the tree;
-    `default+nostop` / `speculative+nostop`: adaptive chains without the draft-confidence stop."""
+    `default+nostop` / `speculative+nostop`: adaptive chains without the draft-confidence stop;
+    `medusa+fp32heads` / `eagle+fp32heads`: that mode with its heads in fp32 (the engine runs them in the
+    target's dtype; the row measures what that buys on a bf16 machine)."""
     from serving.config import DEFAULT_MODE, DRAFT_FREE_MODES, SpecParams
 
     label, _, variant = label.partition("+")
@@ -83,7 +85,7 @@ def make_spec(label: str, args):
     base = label[: -len("-fixed")] if fixed else label
     mode = DEFAULT_MODE if base == "default" else base
     kw = dict(mode=mode, gamma=args.gamma, beams=args.beams, tau=args.tau)
-    if variant and variant != "nostop":     # +nostop: the adaptive chain without its confidence stop
+    if variant and variant not in ("nostop", "fp32heads"):     # knobs of the engine, not of the request
         kw["extra"] = {"rule": variant}
     if mode not in DRAFT_FREE_MODES:
         kw["adaptive"] = not fixed
@@ -121,6 +123,15 @@ def r3(v):
     return None if v is None else round(v, 3)
 
 
+def joules_per_token(records: list[dict], tokens: int) -> float | None:
+    """GPU energy (NVML) per generated token over `records`; None unless every request's energy was measured
+    (on the CPU the engine reports none)."""
+    joules = [r["stats"].get("energy_j") for r in records]
+    if not tokens or not joules or any(j is None for j in joules):
+        return None
+    return sum(joules) / tokens
+
+
 def summarise(records: list[dict], temps: list[float], cats: list[str], labels: list[str]) -> tuple[list, dict]:
     """Per (temperature, category, mode) rows, and {T: {mode: geometric mean of the ratio over categories}}."""
     rows = []
@@ -148,6 +159,7 @@ def summarise(records: list[dict], temps: list[float], cats: list[str], labels: 
                     zero_draft_share=(sum(zeros) / steps if steps else None) if all(z is not None for z in zeros) else None,
                     same_as_target=sum(same) / len(same) if same else None,
                     draft_time_share=sum(r["stats"].get("draft_time_s", 0.0) for r in rs) / wall if wall > 0 else None,
+                    j_per_token=joules_per_token(rs, tokens),
                 )
             base = agg.get("target", {}).get("tokens_per_s")
             for label, row in agg.items():
@@ -163,7 +175,7 @@ def summarise(records: list[dict], temps: list[float], cats: list[str], labels: 
     for r in rows:
         for k, v in list(r.items()):
             if isinstance(v, float):
-                r[k] = round(v, 4 if k in ("zero_draft_share", "same_as_target") else 3)
+                r[k] = round(v, 4 if k in ("zero_draft_share", "same_as_target", "j_per_token") else 3)
     return rows, gm
 
 
@@ -173,16 +185,19 @@ def fmt(v, spec: str = ".2f") -> str:
 
 def to_markdown(setup: str, rows: list[dict], gm: dict, temps: list[float], labels: list[str]) -> str:
     out = [setup, ""]
+    energy = any(r.get("j_per_token") is not None for r in rows)      # a GPU run: NVML's J/token column
     for T in temps:
         out += [f"### Temperature {T:g}", "",
-                "| category | mode | tokens/s | vs target | acceptance | drafted/step | 0-draft steps | same as target |",
-                "|---|---|---:|---:|---:|---:|---:|---:|"]
+                "| category | mode | tokens/s | vs target | acceptance | drafted/step | 0-draft steps | same as target |"
+                + (" J/token |" if energy else ""),
+                "|---|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if energy else "")]
         for r in rows:
             if r["temperature"] != T:
                 continue
             out.append(f"| {r['category']} | {r['mode']} | {fmt(r['tokens_per_s'], '.1f')} | "
                        f"{fmt(r['ratio_to_target'])} | {fmt(r['acceptance'], '.3f')} | {fmt(r['drafted_per_step'])} | "
-                       f"{fmt(r['zero_draft_share'], '.1%')} | {fmt(r['same_as_target'], '.0%')} |")
+                       f"{fmt(r['zero_draft_share'], '.1%')} | {fmt(r['same_as_target'], '.0%')} |"
+                       + (f" {fmt(r.get('j_per_token'), '.3f')} |" if energy else ""))
         out.append("")
     out += ["### Geometric mean over categories of the ratio to target-only", "",
             "| mode | " + " | ".join(f"T={T:g}" for T in temps) + " |", "|---|" + "---:|" * len(temps)]
@@ -246,6 +261,16 @@ def run_engine(args) -> int:
     stop_confidence = engine.stop_confidence if args.stop_confidence is None else args.stop_confidence
     labels = row_labels(args)
     specs = {label: make_spec(label, args) for label in labels}
+    own_heads = fp32_heads = (engine.heads, engine.eagle)
+    if any(lab.endswith("+fp32heads") for lab in labels):       # the same folders loaded as saved: fp32
+        from serving.decoding.eagle import EagleHead
+        from serving.decoding.medusa import MedusaHeads
+
+        fp32_heads = tuple(None if path is None else cls.load(path, engine.target.model).to(engine.target_device)
+                           for cls, path in ((MedusaHeads, args.medusa_heads), (EagleHead, args.eagle_head)))
+
+    def use_heads(label: str) -> None:      # `+fp32heads` rows: the same heads in fp32 (make_spec)
+        engine.heads, engine.eagle = fp32_heads if label.endswith("+fp32heads") else own_heads
     cats = args.categories
     prompts = traffic_prompts(cats, args.n)
     ids = {c: [prompt_to_ids(engine.tokenizer, p) for p in ps] for c, ps in prompts.items()}
@@ -261,6 +286,7 @@ def run_engine(args) -> int:
     warm = ids[cats[0]][0]
     for T in temps:
         for label in labels:
+            use_heads(label)
             engine.generate_all(warm, sampling(T, min(8, args.max_tokens), 0), specs[label], log_mode="none")
     progress(f"[traffic] warm-up done; {len(labels)} modes x {len(cats)} categories x {args.n or 12} prompts x "
              f"{len(temps)} temperatures, {args.max_tokens} tokens each")
@@ -279,6 +305,7 @@ def run_engine(args) -> int:
                 for label in order:
                     t0 = time.perf_counter()
                     engine.stop_confidence = 0.0 if label.endswith("+nostop") else stop_confidence
+                    use_heads(label)
                     res = engine.generate_all(prompt, sampling(T, args.max_tokens, seed), specs[label], log_mode="none")
                     wall = time.perf_counter() - t0
                     st = res.stats

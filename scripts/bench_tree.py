@@ -64,12 +64,19 @@ def verify_cost(target, vocab: int, prefix: int, nodes: list[int], repeats: int)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (prefix + 1,), generator=g).tolist()
     _, cache = causal_feed(target, ids[:-1], None, 0)
+    device = next(target.parameters()).device
+
+    def sync() -> None:                       # a GPU runs asynchronously: time the work, not its launch
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     def timed(fn) -> float:
         times = []
         for _ in range(repeats):
+            sync()
             t0 = time.perf_counter()
             fn()
+            sync()
             times.append(time.perf_counter() - t0)
             keep_path(cache, prefix - 1, [])      # back to the prefix: drop the root and any tree
         return statistics.median(times)
@@ -177,8 +184,10 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=2, help="prompts per traffic category")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+    ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                     help="model dtype (auto: what serving picks on this machine); T=0 equality holds in fp32")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (cuda: fp16 unless --dtype says otherwise)")
+    ap.add_argument("--cost-only", action="store_true", help="only part (a), the verification cost")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -198,16 +207,24 @@ def main(argv=None) -> int:
         if not (args.draft / "config.json").is_file():
             ap.error(f"--draft {args.draft} is not a model folder (build one with `draftsmith bootstrap`)")
         tok = load_tokenizer(target_path)
-        target = load_causal_lm(target_path, dtype=None if args.dtype == "auto" else getattr(torch, args.dtype))
+        target = load_causal_lm(target_path, device=args.device,
+                                dtype=None if args.dtype == "auto" else getattr(torch, args.dtype))
         vocab = len(tok)
-        draft, draft_map = served_draft(args.draft, target, tok, target_path)
-        prompts = prompt_ids(tok, n=args.prompts)
+        if not args.cost_only:
+            if args.device != "cpu":
+                ap.error("the end-to-end part runs on the CPU; pass --cost-only with --device")
+            draft, draft_map = served_draft(args.draft, target, tok, target_path)
+            prompts = prompt_ids(tok, n=args.prompts)
         eos = tok.eos_token_id
-        setting = (f"target {target_path.name}, draft {args.draft}, {next(target.parameters()).dtype}, "
-                   f"{args.threads} threads")
+        where = (torch.cuda.get_device_name(args.device) if args.device.startswith("cuda")
+                 else f"{args.threads} threads")
+        setting = f"target {target_path.name}, draft {args.draft}, {next(target.parameters()).dtype}, {where}"
     progress(setting)
     cost = verify_cost(target, vocab, args.prefix, args.nodes, args.repeats)
-    e2e = end_to_end(target, draft, draft_map or (lambda x: x), prompts, args.branching, args.max_tokens, eos)
+    e2e = {} if args.cost_only else end_to_end(target, draft, draft_map or (lambda x: x), prompts, args.branching,
+                                               args.max_tokens, eos)
+    if args.cost_only:
+        prompts = {}
     result = {"setting": setting, "prefix": args.prefix, "verify_cost": cost, "end_to_end": e2e,
               "max_tokens": args.max_tokens, "prompts_per_category": args.prompts,
               "categories": list(prompts), "date": time.strftime("%Y-%m-%d")}
@@ -217,10 +234,11 @@ def main(argv=None) -> int:
              f"## Verification cost at a {args.prefix}-token cache (median of {args.repeats})", "",
              "| tree nodes | target pass ms | x one-token step |", "|---:|---:|---:|"]
     lines += [f"| {r['nodes'] or '1-token step'} | {r['ms']:.2f} | {r['ratio']:.2f} |" for r in cost]
-    lines += ["", f"## End to end, T=0, {args.max_tokens} new tokens, {sum(len(v) for v in prompts.values())} "
-              f"prompts ({', '.join(prompts)})", "",
-              "| decoder | nodes / pass | tokens / pass | tokens/s | x target | outputs != greedy |",
-              "|---|---:|---:|---:|---:|---:|"]
+    if e2e:
+        lines += ["", f"## End to end, T=0, {args.max_tokens} new tokens, {sum(len(v) for v in prompts.values())} "
+                  f"prompts ({', '.join(prompts)})", "",
+                  "| decoder | nodes / pass | tokens / pass | tokens/s | x target | outputs != greedy |",
+                  "|---|---:|---:|---:|---:|---:|"]
     for key, row in e2e.items():
         if key == "target":
             lines.append(f"| target only | - | 1.00 | {row['tokens_per_s']:.1f} | 1.00 | - |")

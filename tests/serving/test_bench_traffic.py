@@ -1,0 +1,27 @@
+"""scripts/bench_traffic.py's summary: ratios, acceptance and NVML's J/token per (temperature, category, mode)."""
+from scripts.bench_traffic import summarise, to_markdown
+
+
+def record(mode: str, tokens: int, wall: float, energy: float | None, drafted: int = 0, accepted: int = 0) -> dict:
+    return dict(temperature=0.0, category="code", mode=mode, tokens=tokens, wall_s=wall, zero_draft_steps=0,
+                stats=dict(steps=10, draft_tokens=drafted, accepted_tokens=accepted, energy_j=energy))
+
+
+def test_summary_reports_joules_per_token_only_when_every_request_was_measured():
+    recs = [record("target", 64, 2.0, 6.4), record("target", 64, 2.0, 6.4),
+            record("default", 64, 1.0, 3.2, drafted=40, accepted=30), record("default", 64, 1.0, None, 40, 30)]
+    rows, gm = summarise(recs, [0.0], ["code"], ["default", "target"])
+    by = {r["mode"]: r for r in rows}
+    assert by["target"]["j_per_token"] == 0.1                   # 12.8 J over 128 tokens
+    assert by["default"]["j_per_token"] is None                 # one request without a reading: no figure
+    assert by["default"]["ratio_to_target"] == 2.0 and by["default"]["acceptance"] == 0.75
+    assert gm["0.0"]["default"] == 2.0
+    md = to_markdown("setup", rows, gm, [0.0], ["default", "target"])
+    assert "J/token" in md and "| 0.100 |" in md
+
+
+def test_summary_has_no_energy_column_on_the_cpu():
+    recs = [record("target", 64, 2.0, None), record("default", 64, 1.0, None, drafted=8, accepted=4)]
+    rows, gm = summarise(recs, [0.0], ["code"], ["default", "target"])
+    assert all(r["j_per_token"] is None for r in rows)
+    assert "J/token" not in to_markdown("setup", rows, gm, [0.0], ["default", "target"])
