@@ -68,6 +68,16 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _ratio(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 10], got {text!r}") from None
+    if not (0.0 <= v <= 10.0):
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 10], got {text!r}")
+    return v
+
+
 def _port(text: str) -> int:
     try:
         v = int(text)
@@ -177,6 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--heads-budget", type=_duration, default=120.0,
                    help="training time of a --kind medusa|eagle job (default 2m; the hidden-state pass comes on "
                         "top)")
+    d.add_argument("--heads-replay", type=_ratio, default=None,
+                   help="a --kind medusa|eagle job also trains on RATIO x its window of OLDER buffer steps, against "
+                        "forgetting earlier traffic after a shift (default: the job's, 0)")
     d.add_argument("--min-records", type=_positive_int, default=None,
                    help="run when at least N new records are in the buffer")
     d.add_argument("--poll", type=_duration, default=10.0, help="how often the schedule is checked (default 10s)")
@@ -531,6 +544,8 @@ def _distill_heads(args, policy) -> int:
     reg = _registry(args)
     job = {k: overrides[k] for k in ("redis_url", "buffer_prefix", "heldout_fraction") if k in overrides}
     job["budget_s"] = args.heads_budget
+    if args.heads_replay is not None:
+        job["replay_ratio"] = args.heads_replay
     try:
         evidence = HeadsEvidence(args.target or reg.target, redis_url=job.get("redis_url"),
                                  buffer_prefix=job.get("buffer_prefix", "draftsmith:buf"),

@@ -13,7 +13,8 @@ promotion (deploy/heads.py `run_heads_cycle`).
    seed 999: prompts not served in step 3) are decoded with mode --kind and with the target alone, back to back
    per prompt (the order alternating),
    T=0, --max-tokens each; acceptance (accepted / proposed draft tokens) and tokens/s.
-3. Traffic: --requests prompts of the same category (seed 0) are served with mode --kind at T=0 into the
+3. Traffic: (with --earlier-requests N, first N prompts of the --earlier category, seed 1, as earlier traffic
+   the buffer holds; the job replays them with --replay-ratio) --requests prompts of the category (seed 0) are served with mode --kind at T=0 into the
    buffer as requests `<category>-<i>` (about 10% of request ids are held out, the split every job and the gate
    use: for `sql`, 3 of the first 16 and 16 of the first 120).
 4. One heads cycle: job from the champion heads on the buffer (--budget s of training), candidate registered,
@@ -70,9 +71,18 @@ def _figures(runs) -> dict:
 
 
 def decode_set(engine, prompts, mode: str, max_tokens: int, *, request_tag: str | None = None, source: str = "") -> dict:
-    """Decode every prompt with `mode` (served into the buffer as `<request_tag>-<i>` when a tag is given)."""
-    return _figures([_decode(engine, ids, mode, max_tokens, f"{request_tag}-{i}" if request_tag else None, source)
-                     for i, ids in enumerate(prompts)])
+    """Decode every prompt with `mode` (served into the buffer as `<request_tag>-<i>` when a tag is given);
+    with a tag, also `training_steps`: the steps (buffer records) of the requests that are not held out."""
+    from training.data import is_heldout
+    from training.heads_job import DEFAULTS
+
+    runs = [_decode(engine, ids, mode, max_tokens, f"{request_tag}-{i}" if request_tag else None, source)
+            for i, ids in enumerate(prompts)]
+    out = _figures(runs)
+    if request_tag:
+        out["training_steps"] = sum(r.stats.steps for i, (r, _) in enumerate(runs)
+                                    if not is_heldout(f"{request_tag}-{i}", DEFAULTS["heldout_fraction"]))
+    return out
 
 
 def decode_pairs(engine, prompts, mode: str, max_tokens: int) -> dict:
@@ -125,6 +135,12 @@ def main(argv=None) -> int:
     ap.add_argument("--earlier", default="known", help="a category like the bootstrap's traffic, measured before "
                     "and after for forgetting (default known)")
     ap.add_argument("--earlier-eval", type=int, default=6, help="its eval prompts (0: skip)")
+    ap.add_argument("--earlier-requests", type=int, default=0,
+                    help="serve this many --earlier prompts (seed 1) into the buffer before the new traffic, as a "
+                         "replica that served them earlier would hold them; the job's window is then the new "
+                         "traffic's training steps (default 0)")
+    ap.add_argument("--replay-ratio", type=float, default=None,
+                    help="the heads job's replay share of older steps (training/heads_job.py; default the job's)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--budget", type=float, default=120.0, help="heads job training seconds")
     ap.add_argument("--threads", type=int, default=2)
@@ -165,6 +181,7 @@ def main(argv=None) -> int:
         target = str(target_path)
         args.requests, args.eval, args.max_tokens, args.budget = min(args.requests, 16), min(args.eval, 4), 16, 5.0
         args.earlier_eval = min(args.earlier_eval, 2)
+        args.earlier_requests = min(args.earlier_requests, 4)
     else:
         target = str(resolve_model_path(args.target))
         dtype = default_dtype("cpu")
@@ -189,10 +206,14 @@ def main(argv=None) -> int:
     def prompts(seed: int, n: int, category: str | None = None) -> list[list[int]]:
         stream = PromptStream(category or args.category, seed=seed)
         out = []
-        for _ in range(n):
-            msg = stream.next()
-            out.append([int(t) for t in engine.tokenizer.apply_chat_template(
-                [{"role": "user", "content": msg}], add_generation_prompt=True, tokenize=True, return_dict=False)])
+        for _ in range(50 * n):                   # prompts that leave no room for the answer are skipped
+            if len(out) == n:
+                break
+            ids = [int(t) for t in engine.tokenizer.apply_chat_template(
+                [{"role": "user", "content": stream.next()}], add_generation_prompt=True, tokenize=True,
+                return_dict=False)]
+            if len(ids) + args.max_tokens <= engine.max_context:
+                out.append(ids)
         return out
 
     eval_prompts, traffic = prompts(999, args.eval), prompts(0, args.requests)
@@ -200,13 +221,20 @@ def main(argv=None) -> int:
     result = {"setting": {"category": args.category, "earlier": args.earlier, "earlier_eval": len(earlier), "temperature": 0, "max_tokens": args.max_tokens,
                           "requests": args.requests, "eval_prompts": args.eval, "budget_s": args.budget,
                           "threads": args.threads, "dtype": str(dtype), "target": target, "heads": str(heads_dir),
-                          "tiny": args.tiny, "kind": kind,
+                          "tiny": args.tiny, "kind": kind, "earlier_requests": args.earlier_requests,
+                          "replay_ratio": args.replay_ratio,
                           "acceptance": f"accepted / proposed draft tokens, mode {kind}, {TREE[kind]}, gamma 3"}}
     progress(f"before: {args.eval} eval prompts, mode {kind} and target-only")
     result["before"] = decode_pairs(engine, eval_prompts, kind, args.max_tokens)
     if earlier:
         result["before"]["earlier"] = decode_pairs(engine, earlier, kind, args.max_tokens)
     progress(f"before: {result['before']}")
+    if args.earlier_requests:
+        t0 = time.time()
+        older = decode_set(engine, prompts(1, args.earlier_requests, args.earlier), kind, args.max_tokens,
+                           request_tag=args.earlier, source=args.earlier)
+        result["earlier_traffic"] = {**older, "wall_s": round(time.time() - t0, 1)}
+        progress(f"served {args.earlier_requests} earlier ({args.earlier}) requests into the buffer: {older}")
     t0 = time.time()
     served = decode_set(engine, traffic, kind, args.max_tokens, request_tag=args.category, source=args.category)
     writer.flush(30)
@@ -222,6 +250,12 @@ def main(argv=None) -> int:
            "out_dir": str(work / "candidates" / "heads-job")}
     if args.tiny:
         job.update(min_train_rows=16, min_heldout_rows=4)
+    if args.replay_ratio is not None:
+        job["replay_ratio"] = args.replay_ratio
+    if args.earlier_requests:
+        # the job's window: the new traffic's training steps only, as after a shift in a long-running service
+        # (whose buffer holds far more than a window); the earlier requests are then older, for replay alone
+        job["max_records"] = max(1, served["training_steps"])
     t1 = time.time()
     version, verdict = run_heads_cycle(
         reg, target, job, policy=GatePolicy(min_requests=3 if args.tiny else 8, category_min_requests=10),
@@ -253,7 +287,11 @@ def main(argv=None) -> int:
     b, a = result["before"], result["after"]
     md = [f"# {LABEL[kind]} learning online: {args.category} traffic", "",
           f"T=0, {args.max_tokens} tokens, {args.eval} eval prompts (seed 999) never served; {args.requests} served "
-          f"requests (seed 0) in the buffer; heads job {args.budget:g} s of training; {args.threads} threads, {dtype}.",
+          f"requests (seed 0) in the buffer"
+          + (f" after {args.earlier_requests} earlier {args.earlier} requests (seed 1)" if args.earlier_requests else "")
+          + f"; heads job {args.budget:g} s of training"
+          + (f", replay ratio {args.replay_ratio:g}" if args.replay_ratio is not None else "")
+          + f"; {args.threads} threads, {dtype}.",
           f"Acceptance = accepted / proposed draft tokens (mode {kind}, {TREE[kind]}, gamma 3). Speed-up = {kind} "
           "tokens/s / target-only tokens/s on the same prompts in the same phase.", "",
           f"| heads | acceptance | {kind} tokens/s | target tokens/s | speed-up |", "|---|---:|---:|---:|---:|",
@@ -268,7 +306,8 @@ def main(argv=None) -> int:
           f"Gate: {'accepted' if verdict.accepted else 'rejected'}: {verdict.reason}", "",
           f"Job (held-out, {'teacher-forced first-token agreement' if kind == 'eagle' else 'greedy chain accepted / proposed'}): "
           f"{info.metrics.get('offline_acceptance_before')} -> "
-          f"{info.metrics.get('offline_acceptance_after')}; {int(info.metrics.get('training_rows', 0))} training rows; "
+          f"{info.metrics.get('offline_acceptance_after')}; {int(info.metrics.get('training_rows', 0))} training rows "
+          f"({int(info.metrics.get('replay_requests', 0))} replayed older requests); "
           f"cycle {result['job']['seconds']} s."]
     (args.out / "summary.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))

@@ -28,7 +28,11 @@ first-token agreement is kept, the parent's own score included, so a job never h
 
 **Which records.** Read-only (no consumer group, so the draft's distillation jobs keep every record): the
 newest `max_records` training steps and the newest `eval_records` held-out steps (`training.data.is_heldout`,
-the split every job and the gate use), of any decoding mode.
+the split every job and the gate use), of any decoding mode. With `replay_ratio` r > 0 the job also trains on
+the newest r x (window steps) training steps OLDER than its window (`training.data.replay_window`, as the
+draft's job replays): after a traffic shift the window holds only the new traffic, and a head trained on it
+alone loses some of what it did on the earlier traffic (docs/benchmarks.md, "EAGLE head versions"). A replayed
+request already in the window is not trained on twice.
 
 The candidate folder: `medusa_heads.json` + `medusa_heads.safetensors` (MedusaHeads.save; EAGLE: eagle_head.*,
 EagleHead.save) + `candidate.json`
@@ -53,7 +57,8 @@ log = logging.getLogger(__name__)
 DEFAULTS = {"max_records": 4000, "eval_records": 1000, "heldout_fraction": 0.1, "budget_s": 120.0, "lr": 3e-4,
             "batch_size": 256, "max_epochs": 20, "min_train_rows": 64, "min_heldout_rows": 16,
             "buffer_prefix": "draftsmith:buf", "redis_url": None, "target": None, "parent_heads": None,
-            "parent_version": None, "target_sha256": None, "out_dir": None, "seed": 0, "kind": "medusa"}
+            "parent_version": None, "target_sha256": None, "out_dir": None, "seed": 0, "kind": "medusa",
+            "replay_ratio": 0.0}
 EAGLE_DEFAULTS = {"lr": 2e-4, "batch_size": 8}   # an EAGLE batch is sequences (Medusa's is rows); a gentler step
 KINDS = ("medusa", "eagle")                      # serving/config.py HEADS_MODES (training may not import it)
 
@@ -104,14 +109,16 @@ def examples_from_buffer(entries, sequences: dict) -> list[dict]:
 
 
 def read_examples(*, redis_url: str | None, buffer_prefix: str, n: int, heldout: bool,
-                  heldout_fraction: float) -> tuple[list[dict], dict]:
-    """The newest `n` training (or held-out) steps of the buffer as examples, read-only; and the window."""
+                  heldout_fraction: float, before_id: str | None = None) -> tuple[list[dict], dict]:
+    """The newest `n` training (or held-out) steps of the buffer (older than `before_id` if given) as
+    examples, read-only; and the window."""
     from buffer.redis_store import BufferConfig, ReplayBufferReader, resolve_redis_url, stream_id_key
     from training.data import newest_steps
 
     reader = ReplayBufferReader(resolve_redis_url(redis_url), BufferConfig(prefix=buffer_prefix))
     try:
-        entries, seqs = newest_steps(reader, n, heldout=heldout, heldout_fraction=heldout_fraction)
+        entries, seqs = newest_steps(reader, n, heldout=heldout, heldout_fraction=heldout_fraction,
+                                     before_id=before_id)
     finally:
         reader.client.close()
     ids = sorted((e.stream_id for e in entries), key=stream_id_key)
@@ -138,6 +145,9 @@ def _config(cfg: dict) -> dict:
         raise ValueError(f"heldout_fraction must be in (0, 1), got {out['heldout_fraction']!r}")
     if not (float(out["budget_s"]) > 0 and float(out["lr"]) > 0):
         raise ValueError("budget_s and lr must be > 0")
+    r = out["replay_ratio"]
+    if isinstance(r, bool) or not isinstance(r, (int, float)) or not (0.0 <= r <= 10.0):
+        raise ValueError(f"replay_ratio must be a number in [0, 10], got {r!r}")
     return out
 
 
@@ -156,30 +166,50 @@ def run_heads_distillation(cfg: dict, progress: Callable[[str], None] = print) -
                                            n=c["max_records"], heldout=False, heldout_fraction=c["heldout_fraction"])
     held_ex, held_window = read_examples(redis_url=c["redis_url"], buffer_prefix=c["buffer_prefix"],
                                          n=c["eval_records"], heldout=True, heldout_fraction=c["heldout_fraction"])
-    progress(f"[heads-job] {len(train_ex)} training requests ({train_window['steps']} steps), {len(held_ex)} held-out "
-             f"requests ({held_window['steps']} steps) from the buffer in {time.time() - t0:.1f} s")
+    replay_ex, replay_window = _replay(c, train_ex, train_window)
+    progress(f"[heads-job] {len(train_ex)} training requests ({train_window['steps']} steps), {len(replay_ex)} "
+             f"replayed older requests ({replay_window['steps']} steps), {len(held_ex)} held-out requests "
+             f"({held_window['steps']} steps) from the buffer in {time.time() - t0:.1f} s")
+    n_window = len(train_ex)
+    train_ex = train_ex + replay_ex
     tpath = resolve_model_path(c["target"])
     target = load_causal_lm(tpath, "cpu", default_dtype("cpu"))      # the hidden states serving sees
     train_fn = _train_eagle if c["kind"] == "eagle" else _train_medusa
     heads, metrics = train_fn(c, target, train_ex, held_ex, progress)
     measure = metrics.pop("_measure")
-    metrics.update(heldout_records=held_window["steps"], seconds=round(time.time() - t0, 1))
+    metrics.update(heldout_records=held_window["steps"], seconds=round(time.time() - t0, 1),
+                   replay_requests=len(replay_ex), replay_steps=replay_window["steps"])
     out = Path(c["out_dir"]) if c["out_dir"] else _default_out_dir(c["parent_version"], c["kind"])
     heads.save(out, built_by="training.heads_job", parent_heads=str(c["parent_heads"]))
     meta = {"kind": c["kind"], "parent_version": c["parent_version"], "target": c["target"] or str(tpath),
             "target_sha256": c["target_sha256"], "metrics": metrics,
             "train_config": {k: c[k] for k in ("kind", "max_records", "eval_records", "budget_s", "lr",
-                                                "batch_size", "max_epochs", "heldout_fraction", "seed")},
+                                                "batch_size", "max_epochs", "heldout_fraction", "seed",
+                                                "replay_ratio")},
             # last_id: the newest step the job looked at, training or held out (a schedule's cursor)
             "data_window": {**{k: train_window[k] for k in ("stream", "first_id", "steps")},
                             "last_id": _newest_id(train_window["last_id"], held_window["last_id"]),
                             "last_training_id": train_window["last_id"],
-                            "requests": len(train_ex), "heldout_steps": held_window["steps"],
-                            "heldout_requests": len(held_ex)}}
+                            "requests": n_window, "heldout_steps": held_window["steps"],
+                            "heldout_requests": len(held_ex),
+                            "replay": {k: replay_window[k] for k in ("first_id", "last_id", "steps")}
+                            | {"requests": len(replay_ex)}}}
     (out / "candidate.json").write_text(json.dumps(meta, indent=1, default=str))
     progress(f"[heads-job] {measure} {metrics['offline_acceptance_before']:.4f} -> "
              f"{metrics['offline_acceptance_after']:.4f}; wrote {out} in {time.time() - t0:.0f} s")
     return out
+
+
+def _replay(c: dict, train_ex: list[dict], window: dict) -> tuple[list[dict], dict]:
+    """The replay share (module docstring, "Which records"): examples of the newest replay_ratio x (window
+    steps) training steps older than the window, requests already in the window left out; and that window."""
+    n = int(round(float(c["replay_ratio"]) * window["steps"]))
+    if n < 1 or not window["first_id"]:
+        return [], {"first_id": None, "last_id": None, "steps": 0}
+    ex, rep = read_examples(redis_url=c["redis_url"], buffer_prefix=c["buffer_prefix"], n=n, heldout=False,
+                            heldout_fraction=c["heldout_fraction"], before_id=window["first_id"])
+    seen = {e["request_id"] for e in train_ex}
+    return [e for e in ex if e["request_id"] not in seen], rep
 
 
 def _load_parent(cls, c: dict, target):
@@ -291,6 +321,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-records", type=int, default=DEFAULTS["max_records"])
     ap.add_argument("--redis-url", default=None)
     ap.add_argument("--buffer-prefix", default=DEFAULTS["buffer_prefix"])
+    ap.add_argument("--replay-ratio", type=float, default=DEFAULTS["replay_ratio"],
+                    help="also train on this many older training steps per window step (default 0: none)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     try:
@@ -298,7 +330,7 @@ def main(argv=None) -> int:
                                 "parent_version": args.parent_version,
                                 "target": args.target, "out_dir": args.out, "budget_s": args.budget,
                                 "max_records": args.max_records, "redis_url": args.redis_url,
-                                "buffer_prefix": args.buffer_prefix})
+                                "buffer_prefix": args.buffer_prefix, "replay_ratio": args.replay_ratio})
     except (NotEnoughRows, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -180,6 +180,55 @@ def test_heads_job_trains_on_served_records_and_the_gate_judges_it(regs, pair, t
         drop_prefix(redis_url, prefix)
 
 
+def test_heads_job_replays_older_requests_beside_its_window_when_asked(pair, target_model, tmp_path, redis_url):
+    """After a shift the window holds only the new requests; replay_ratio r adds r x (window steps) of the
+    older training steps (the earlier traffic), never a request twice, and the candidate records both windows."""
+    import json
+
+    from buffer.redis_store import BufferConfig, connect
+    from training.heads_job import _config, _replay, read_examples, run_heads_distillation
+
+    prefix = f"{PREFIX}:{time.time_ns()}"
+    steps_key = BufferConfig(prefix=prefix).steps_key
+    client = connect(redis_url)
+    try:
+        old = serve_records(pair[0], pair[1], redis_url, prefix, requests=6, heldout=False, heldout_fraction=0.25,
+                            max_tokens=16, tag="old")
+        serve_records(pair[0], pair[1], redis_url, prefix, requests=4, heldout=True, heldout_fraction=0.25,
+                      max_tokens=16, tag="held")
+        before = client.xlen(steps_key)
+        new = serve_records(pair[0], pair[1], redis_url, prefix, requests=6, heldout=False, heldout_fraction=0.25,
+                            max_tokens=16, tag="new")
+        n_new = client.xlen(steps_key) - before                 # the window: exactly the new requests' steps
+        make_heads(target_model, tmp_path / "parent", seed=1, scale=0.05)
+        base = {"redis_url": redis_url, "buffer_prefix": prefix, "heldout_fraction": 0.25, "budget_s": 2.0,
+                "max_records": n_new, "min_train_rows": 16, "min_heldout_rows": 4, "target": str(pair[0]),
+                "parent_heads": str(tmp_path / "parent")}
+        c = _config({**base, "replay_ratio": 2.0})
+        window_ex, window = read_examples(redis_url=redis_url, buffer_prefix=prefix, n=n_new, heldout=False,
+                                          heldout_fraction=0.25)
+        assert {e["request_id"] for e in window_ex} == set(new)
+        replayed, rep = _replay(c, window_ex, window)
+        assert {e["request_id"] for e in replayed} == set(old)  # older training steps only: no held-out, no new
+        assert 0 < rep["steps"] <= 2 * n_new
+        assert _replay({**c, "replay_ratio": 0.0}, window_ex, window)[0] == []
+
+        metas = {}
+        for r in (0.0, 2.0):
+            out = run_heads_distillation({**base, "replay_ratio": r, "out_dir": str(tmp_path / f"cand-{r}")},
+                                         progress=lambda m: None)
+            metas[r] = json.loads((out / "candidate.json").read_text())
+        assert metas[0.0]["data_window"]["replay"]["requests"] == 0 and metas[0.0]["metrics"]["replay_steps"] == 0
+        assert metas[2.0]["data_window"]["replay"]["requests"] == len(old)
+        assert metas[2.0]["train_config"]["replay_ratio"] == 2.0
+        assert metas[2.0]["metrics"]["training_rows"] > metas[0.0]["metrics"]["training_rows"]
+        with pytest.raises(ValueError, match="replay_ratio"):
+            _config({**base, "replay_ratio": -1})
+    finally:
+        client.close()
+        drop_prefix(redis_url, prefix)
+
+
 def test_buffer_examples_and_heads_scores_are_per_request_and_paired(pair, target_model, tmp_path, redis_url):
     """examples_from_buffer rebuilds every served request (one target row per answer token, its top-1 as
     the greedy label); score_heads gives each request accepted / proposed of a greedy chain, the same
@@ -287,9 +336,15 @@ def test_bench_heads_online_smoke(kind, tmp_path, redis_url, monkeypatch):
 
     monkeypatch.setenv("REDIS_URL", redis_url)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    replay = ["--earlier-requests", "4", "--replay-ratio", "1"] if kind == "eagle" else []   # one run of each path
     assert bench_heads_online.main(["--tiny", "--kind", kind, "--out", str(tmp_path / "out"),
-                                    "--work", str(tmp_path / "w")]) == 0
+                                    "--work", str(tmp_path / "w"), *replay]) == 0
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    if replay:
+        assert summary["earlier_traffic"]["prompts"] == 4
+        assert summary["job"]["job_metrics"]["replay_requests"] >= 1     # the earlier requests, replayed
+    else:
+        assert "earlier_traffic" not in summary and summary["job"]["job_metrics"]["replay_requests"] == 0
     assert summary["traffic"]["prompts"] == 16 and summary["traffic"]["drafted"] > 0
     assert summary["job"]["version"] == "2" and summary["job"]["gate_requests"] >= 1
     for phase in ("before", "after"):
