@@ -257,6 +257,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, choices=[None, "bfloat16", "float16", "float32"])
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--warm-each", action=argparse.BooleanOptionalAction, default=None,
+                    help="decode each prompt once, untimed, before its timed rows (default: on a GPU, where the "
+                         "first generation through new sequence lengths ran 2-3x slower on an H200)")
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args(argv)
     if any(m.startswith("medusa") for m in args.modes.split(",")) and not args.medusa_heads:
@@ -309,7 +312,11 @@ def _run(args, dtype, stack: contextlib.ExitStack) -> int:
     # Prompt by prompt, every row back to back, the starting row rotating: a change of the machine's speed
     # during the run (a CPU host's drift, a GPU's first minute) hits every row alike, not the first one.
     t0 = time.time()
+    warm_each = args.warm_each if args.warm_each is not None else str(args.device).startswith("cuda")
     for i, prompt in enumerate(prompts):
+        if warm_each:        # the prompt's sequence lengths once, untimed (see --warm-each)
+            engine.generate_all(prompt, SamplingParams(**{**sampling.__dict__, "seed": 1000 + i}),
+                                SpecParams(mode="target"), log_mode="none")
         k = i % len(runs)
         for _, _, one in runs[k:] + runs[:k]:
             one(i, prompt)

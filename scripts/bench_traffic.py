@@ -291,6 +291,7 @@ def run_engine(args) -> int:
     progress(f"[traffic] warm-up done; {len(labels)} modes x {len(cats)} categories x {args.n or 12} prompts x "
              f"{len(temps)} temperatures, {args.max_tokens} tokens each")
 
+    warm_each = args.warm_each if args.warm_each is not None else str(args.device).startswith("cuda")
     records: list[dict] = []
     total = len(temps) * sum(len(v) for v in ids.values())
     done, t_run = 0, time.perf_counter()
@@ -302,6 +303,8 @@ def run_engine(args) -> int:
                 k = i % len(labels)
                 order = labels[k:] + labels[:k]       # rotate the starting mode prompt by prompt
                 outs = {}
+                if warm_each:                         # the prompt's lengths once, untimed (see --warm-each)
+                    engine.generate_all(prompt, sampling(T, args.max_tokens, seed), specs["target"], log_mode="none")
                 for label in order:
                     t0 = time.perf_counter()
                     engine.stop_confidence = 0.0 if label.endswith("+nostop") else stop_confidence
@@ -524,6 +527,10 @@ def main(argv=None) -> int:
                          "serving/controller.py STOP_CONFIDENCE; rows `+nostop` turn it off)")
     ap.add_argument("--tau", type=float, default=0.1)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--warm-each", action=argparse.BooleanOptionalAction, default=None,
+                    help="decode each prompt once, untimed, before its timed rows (default: on a GPU, where the "
+                         "first generation through new sequence lengths ran 2-3x slower than the rest on an H200 "
+                         "and so penalised whichever row came first, docs/benchmarks.md \"On a GPU\")")
     ap.add_argument("--dtype", default=None, choices=[None, "bfloat16", "float16", "float32"])
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "traffic"))
