@@ -557,12 +557,15 @@ def _distill_heads(args, policy) -> int:
             from deploy.heads import run_heads_schedule
 
             print(f"[heads] schedule started: a heads job every {args.every:g} s when the buffer has new records; "
-                  "Ctrl-C stops it")
+                  + (f"a candidate that passes the gate serves {args.canary_share:.0%} of {args.kind} requests as the "
+                     "canary until the live judge promotes or drops it; " if args.canary_share else
+                     "a candidate that passes the gate becomes champion; ") + "Ctrl-C stops it")
             stop = threading.Event()
             try:
                 ticks = run_heads_schedule(reg, args.target, job, every_s=args.every, stop=stop,
                                            max_jobs=args.max_jobs, min_new_steps=args.min_records or 1,
-                                           policy=policy, evidence=evidence)
+                                           policy=policy, evidence=evidence, canary_share=args.canary_share,
+                                           canary=_canary_judge(args, reg) if args.canary_share else None)
             except KeyboardInterrupt:
                 stop.set()
                 return EXIT_OK

@@ -197,8 +197,9 @@ def run_heads_cycle(registry: Registry, target: str | None, job_cfg: dict | None
 
 @dataclass
 class HeadsTick:
-    """What one scheduled heads tick did: "promoted", "rejected", "skipped" (nothing new, job lock held, too
-    few records) or "failed" (the job or the gate raised; the schedule goes on)."""
+    """What one scheduled heads tick did: "promoted", "canary" (passed the gate and now serves a share of its
+    mode's requests), "rejected", "skipped" (nothing new, job lock held, too few records, a canary still being
+    judged) or "failed" (the job or the gate raised; the schedule goes on)."""
 
     status: str
     message: str
@@ -209,14 +210,19 @@ class HeadsTick:
 def run_heads_schedule(registry: Registry, target: str | None, job_cfg: dict | None = None, *, every_s: float,
                        stop=None, max_jobs: int | None = None, min_new_steps: int = 1,
                        policy: GatePolicy | None = None, evidence: HeadsEvidence | None = None,
-                       smoke_check: SmokeCheck | None = None, lock=None, progress=print) -> list[HeadsTick]:
+                       smoke_check: SmokeCheck | None = None, lock=None, canary_share: float = 0.0,
+                       canary=None, progress=print) -> list[HeadsTick]:
     """Every `every_s` seconds, one heads cycle (`run_heads_cycle`) when the buffer holds at least
     `min_new_steps` step records newer than the last job's window (`data_window.last_id` of the newest
     heads version; all of them before the first job), under the machine's distillation job lock
     (deploy/scheduler.py `JobLock`, shared with the draft's jobs: one training job at a time). A cycle that
     fails (a thin buffer, MLflow or Redis down, a failed job) is logged and the schedule goes on; a rollback
-    pauses promotion, which the gate's verdict then records (`Registry.promote` refuses). Stops when `stop`
-    (a threading.Event) is set or after `max_jobs` cycles that ran a job; returns every tick."""
+    pauses promotion, which the gate's verdict then records (`Registry.promote` refuses). With
+    `canary_share` > 0 a candidate that passes the gate becomes the canary on that share of its mode's
+    requests instead of the champion, as the draft's scheduler does; `canary` (deploy/scheduler.py
+    `CanaryJudge` on this registry) then judges it at every tick, promoting or dropping it on live evidence,
+    and no new job starts while a canary is being judged. Stops when `stop` (a threading.Event) is set or
+    after `max_jobs` cycles that ran a job; returns every tick."""
     import json
     import threading
 
@@ -234,6 +240,19 @@ def run_heads_schedule(registry: Registry, target: str | None, job_cfg: dict | N
     while not stop.is_set():
         tick = None
         try:
+            if canary is not None:
+                try:
+                    v = canary.check()
+                    if v.action not in ("none", "waiting", "ok"):
+                        progress(f"[heads-canary] {v.action}: {v.message}")
+                except Exception as e:  # noqa: BLE001 - e.g. MLflow down: no judgement this tick
+                    progress(f"[heads-canary] no look this time: {e}")
+            running = registry.canary() if canary_share else None
+            if running is not None:
+                ticks.append(HeadsTick("skipped", f"canary version {running['version']} is still being judged"))
+                progress(f"[heads-schedule] skipped: {ticks[-1].message}")
+                stop.wait(every_s)
+                continue
             newest = max(registry.versions(), key=lambda i: int(i.version), default=None)
             window = json.loads((newest.tags or {}).get("draftsmith.data_window") or "{}") if newest else {}
             new = pending_records(window.get("last_id"), redis_url=cfg.get("redis_url"),
@@ -245,11 +264,13 @@ def run_heads_schedule(registry: Registry, target: str | None, job_cfg: dict | N
             else:
                 try:
                     version, verdict = run_heads_cycle(registry, target, cfg, policy=policy, evidence=evidence,
-                                                       smoke_check=smoke_check, progress=progress)
+                                                       smoke_check=smoke_check, canary_share=canary_share,
+                                                       progress=progress)
                 finally:
                     lock.release()
                 jobs += 1
-                tick = HeadsTick("promoted" if verdict.promoted else "rejected",
+                as_canary = verdict.accepted and canary_share and str((registry.canary() or {}).get("version")) == str(version)
+                tick = HeadsTick("promoted" if verdict.promoted else "canary" if as_canary else "rejected",
                                  verdict.reason + (f" ({verdict.promotion})" if verdict.promotion else ""), version)
         except NotEnoughRows as e:
             tick = HeadsTick("skipped", str(e))

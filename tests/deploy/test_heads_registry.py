@@ -326,6 +326,43 @@ def test_heads_schedule_runs_a_job_then_waits_for_new_records(regs, pair, target
         drop_prefix(redis_url, prefix)
 
 
+def test_heads_schedule_with_a_canary_share_waits_for_the_judge(regs, pair, target_model, tmp_path, redis_url):
+    """`distill --kind medusa --every ... --canary-share S`: a candidate that passes the gate becomes the canary,
+    not the champion; no job starts while it is judged; the judge (here: no live traffic, so its timeout) ends
+    it and the champion stays."""
+    import threading
+
+    from deploy.heads import run_heads_schedule
+    from deploy.scheduler import CanaryJudge, CanaryPolicy, JobLock
+
+    _, heads = regs
+    prefix = f"{PREFIX}:{time.time_ns()}"
+    try:
+        v1 = served_buffer_and_champion(heads, pair, target_model, tmp_path, redis_url, prefix, 16, 8, 24)
+        job = {"redis_url": redis_url, "buffer_prefix": prefix, "heldout_fraction": 0.25, "budget_s": 8.0,
+               "lr": 3e-3, "min_train_rows": 32, "min_heldout_rows": 8}
+        judge = CanaryJudge(heads, CanaryPolicy(min_duration_s=0.0, timeout_s=1.5), progress=lambda m: None)
+        stop, lines = threading.Event(), []
+
+        def progress(msg):
+            lines.append(msg)
+            if any("[heads-canary] dropped" in m for m in lines) and "0 new step records" in msg:
+                stop.set()
+
+        ticks = run_heads_schedule(
+            heads, str(pair[0]), job, every_s=0.4, stop=stop, lock=JobLock(tmp_path / "job.lock"), canary_share=0.5,
+            canary=judge, policy=GatePolicy(margin=0.0, confidence=0.5, min_requests=4, category_min_requests=10,
+                                            bootstrap=200),
+            evidence=HeadsEvidence(str(pair[0]), redis_url=redis_url, buffer_prefix=prefix, heldout_fraction=0.25),
+            smoke_check=lambda p: (True, "skipped in this test"), progress=progress)
+        assert ticks[0].status == "canary" and ticks[0].version == "2"
+        assert any(t.status == "skipped" and "canary version 2 is still being judged" in t.message for t in ticks)
+        assert ticks[-1].status == "skipped" and "0 new step records" in ticks[-1].message
+        assert heads.canary() is None and heads.champion() == v1
+    finally:
+        drop_prefix(redis_url, prefix)
+
+
 @pytest.mark.parametrize("kind", ["medusa", "eagle"])
 def test_bench_heads_online_smoke(kind, tmp_path, redis_url, monkeypatch):
     """scripts/bench_heads_online.py end to end on tiny models: before / traffic / job + gate / after, with the
