@@ -51,10 +51,10 @@ step() {   # step NAME SECONDS ARGS...: one benchmark, its log in RESULTS/NAME.l
 HEADS=(--medusa-heads "$DATA/medusa-heads" --eagle-head "$DATA/eagle-head")
 step tree 60 scripts/bench_tree.py --device "$DEVICE" --cost-only --draft "$DATA/bootstrap-draft" --out "$RESULTS/tree" \
     --repeats "$R"
-step decode-T0 110 scripts/bench_decode.py --device "$DEVICE" --draft "$DATA/bootstrap-draft" "${HEADS[@]}" \
+step decode-T0 150 scripts/bench_decode.py --device "$DEVICE" --draft "$DATA/bootstrap-draft" "${HEADS[@]}" \
     "${N[@]}" --temperature 0 --modes target,mjsd,medusa,eagle --no-full-vocab --out "$RESULTS/decode"
-step traffic 150 scripts/bench_traffic.py --device "$DEVICE" --draft "$DATA/bootstrap-draft" "${HEADS[@]}" \
+step traffic 200 scripts/bench_traffic.py --device "$DEVICE" --draft "$DATA/bootstrap-draft" "${HEADS[@]}" \
     "${NT[@]}" --modes default,target,medusa,eagle --out "$RESULTS/traffic"
-step decode-T1 110 scripts/bench_decode.py --device "$DEVICE" --draft "$DATA/bootstrap-draft" "${HEADS[@]}" \
+step decode-T1 150 scripts/bench_decode.py --device "$DEVICE" --draft "$DATA/bootstrap-draft" "${HEADS[@]}" \
     "${N[@]}" --temperature 1 --modes target,mjsd,medusa,eagle --no-full-vocab --out "$RESULTS/decode"
 echo "== done $(date +%T)"
