@@ -372,21 +372,19 @@ class Engine:
             c = self.heads_canary.get(kind)
         if c is not None and version is not None and c[1] == version:
             return c[0]
-        dtype = next(self.target.model.parameters()).dtype
         if kind == "medusa":
             from serving.decoding.medusa import MedusaHeads
 
-            return self._load_bound(MedusaHeads, path, "Medusa heads", dtype=dtype)
-        return self._load_bound(EagleHead, path, "an EAGLE head", dtype=dtype)
+            return self._load_bound(MedusaHeads, path, "Medusa heads")
+        return self._load_bound(EagleHead, path, "an EAGLE head")
 
-    def _load_bound(self, cls, path: str | Path, what: str, dtype: torch.dtype | None = None):
+    def _load_bound(self, cls, path: str | Path, what: str):
         """`cls.load(path, target)` (Medusa heads, an EAGLE head: modules bound to the target's rows) on the
-        target's device (and in `dtype` when given), its kept token ids checked against the tokenizer;
-        ModelLoadError naming `what`."""
+        target's device and in its dtype, its kept token ids checked against the tokenizer; ModelLoadError
+        naming `what`."""
         try:
-            module = cls.load(path, self.target.model).to(self.target_device)
-            if dtype is not None:
-                module = module.to(dtype)
+            module = cls.load(path, self.target.model).to(self.target_device,
+                                                          next(self.target.model.parameters()).dtype)
         except (OSError, ValueError, RuntimeError, KeyError) as e:   # not such a folder, other target, corrupt
             raise ModelLoadError(f"cannot load {what} from {path}: {e}") from e
         if max(module.output_token_ids) >= self.vocab_size:
