@@ -2,7 +2,8 @@
 # The GPU table in one go, for a machine lent for minutes (issue 19: "GPU: the same table, plus J/token"):
 #   (1) tree verification cost against a one-token target step (scripts/bench_tree.py --cost-only);
 #   (2) GSM8K held-out per draft kind at T=0 and at T=1 (scripts/bench_decode.py), J/token from NVML;
-#   (3) the traffic mix, every category, T=0 (scripts/bench_traffic.py), J/token from NVML.
+#   (3) the traffic mix, every category, T=0 (scripts/bench_traffic.py), J/token from NVML;
+#   (4) concurrent clients in-process, 1 / 4 / 8, the default MJSD and target-only (scripts/bench_load.py --no-http).
 #
 #   bash scripts/bench_gpu.sh [DATA] [RESULTS] [TARBALL]
 #
@@ -23,7 +24,8 @@ DEVICE=${DEVICE:-cuda}
 # is bound by the host's Python (about 20 target-only tokens/s, docs/benchmarks.md).
 if [ -n "${SMOKE:-}" ]; then N=(--n 1 --max-tokens 8); NT=(--n 1 --max-tokens 8 --temperatures 0); R=2
 else N=(--n "${GPU_N:-5}" --max-tokens "${GPU_TOKENS:-96}"); NT=(--n "${GPU_TRAFFIC_N:-2}" --temperatures 0); R=30; fi
-STEPS=${STEPS:-tree decode-T0 traffic decode-T1}
+LOAD_S=${GPU_LOAD_SECONDS:-20}; [ -n "${SMOKE:-}" ] && LOAD_S=3
+STEPS=${STEPS:-tree decode-T0 traffic decode-T1 load-mjsd load-target}
 export PYTHONUNBUFFERED=1
 mkdir -p "$RESULTS"
 nvidia-smi --query-gpu=name,driver_version,memory.total,power.limit --format=csv > "$RESULTS/gpu.txt" 2>&1
@@ -57,4 +59,8 @@ step traffic 200 scripts/bench_traffic.py --device "$DEVICE" --draft "$DATA/boot
     "${NT[@]}" --modes default,target,medusa,eagle --out "$RESULTS/traffic"
 step decode-T1 150 scripts/bench_decode.py --device "$DEVICE" --draft "$DATA/bootstrap-draft" "${HEADS[@]}" \
     "${N[@]}" --temperature 1 --modes target,mjsd,medusa,eagle --no-full-vocab --out "$RESULTS/decode"
+for m in mjsd target; do
+    step "load-$m" 120 scripts/bench_load.py --no-http --device "$DEVICE" --draft "$DATA/bootstrap-draft" --mode "$m" \
+        --engine-clients 4 8 --engine-seconds "$LOAD_S" --max-tokens 64 --out "$RESULTS/load-$m"
+done
 echo "== done $(date +%T)"

@@ -2,6 +2,8 @@
 
     .venv/bin/python scripts/bench_load.py [--url http://127.0.0.1:8000] [--clients 1 4 8] [--seconds 60]
         [--max-tokens 64] [--mode mjsd] [--engine-seconds 60] [--out docs/results/load]
+    .venv/bin/python scripts/bench_load.py --no-http --device cuda --draft data/bootstrap-draft \
+        --engine-clients 1 4 8 --engine-seconds 20       # in-process only, e.g. on a GPU (scripts/bench_gpu.sh)
 
 Without --url it starts `draftsmith serve --port <free>` (the champion draft from the registry) and stops
 it at the end. Each level runs N client threads for --seconds; each client sends streaming chat requests
@@ -49,10 +51,13 @@ def engine_baseline(prompts: list[str], args, threads: int | None = None, client
     torch.set_num_threads(threads)
     eng, version = _ENGINES.get(threads, (None, None))
     if eng is None:
-        reg = Registry(None)
-        version = reg.champion()
-        draft = str(reg.materialize(version)) if version else None
-        eng = Engine.from_paths(None, draft, draft_version=version or "none")
+        if args.draft is not None:          # a draft folder given: no registry (e.g. on a lent GPU machine)
+            version, draft = "local", str(args.draft)
+        else:
+            reg = Registry(None)
+            version = reg.champion()
+            draft = str(reg.materialize(version)) if version else None
+        eng = Engine.from_paths(None, draft, draft_version=version or "none", device=args.device)
         _ENGINES[threads] = (eng, version)
     spec = SpecParams(mode=args.mode if eng.draft is not None else "target")
     for j in range(2):   # warm-up (first calls pay for kernel selection and allocations)
@@ -197,6 +202,9 @@ def main() -> int:
     p.add_argument("--engine-clients", type=int, nargs="+", default=None,
                    help="also run the in-process engine with this many concurrent clients (its batch scheduler)")
     p.add_argument("--no-http", action="store_true", help="in-process levels only, no server")
+    p.add_argument("--device", default="cpu", help="in-process levels: the engine's device (cuda on a GPU)")
+    p.add_argument("--draft", type=Path, default=None,
+                   help="in-process levels: this draft folder instead of the registry's champion")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "load")
     args = p.parse_args()
     from training.prompts import load_prompts
@@ -257,8 +265,11 @@ def main() -> int:
         lines += ["", "In-process engine (batch scheduler), concurrent clients:", "",
                   "| clients | requests | tokens/s | x 1 client | mean batch rows | TTFT p50 / p99 (s) | latency p50 (s) |",
                   "|---:|---:|---:|---:|---:|---:|---:|"]
-        base = next((e["tokens_per_s"] for e in report["engine_levels"] if e["clients"] == 1), None)
-        for e in report["engine_levels"]:
+        levels = report["engine_levels"]
+        if report.get("engine") and not any(e["clients"] == 1 for e in levels):
+            levels = [report["engine"], *levels]          # the 1-client baseline run first
+        base = next((e["tokens_per_s"] for e in levels if e["clients"] == 1), None)
+        for e in levels:
             ratio = f"{e['tokens_per_s'] / base:.2f}" if base else "-"
             lines.append(f"| {e['clients']} | {e['requests']} | {e['tokens_per_s']:.1f} | {ratio} | {e['mean_batch_rows']:.2f} "
                          f"| {f(e['ttft_p50_s'])} / {f(e['ttft_p99_s'])} | {f(e['latency_p50_s'])} |")
