@@ -88,8 +88,20 @@ class GrowableLayer(DynamicLayer):
         self._len = self._vlen = need
         return self.keys, self.values
 
+    def keep_tail(self, start: int, slots: list[int]) -> None:
+        """Keep slots [0, start) and then `slots` (each >= start, increasing), dropping every other slot:
+        only the kept tail moves, in place (a tree step's accepted path, serving/decoding/tree.py keep_path)."""
+        if self._kbuf is None:
+            return
+        k = len(slots)
+        if k and slots != list(range(start, start + k)):
+            idx = torch.as_tensor(slots, dtype=torch.long, device=self._kbuf.device)
+            self._kbuf[:, :, start: start + k] = self._kbuf.index_select(2, idx)
+            self._vbuf[:, :, start: start + k] = self._vbuf.index_select(2, idx)
+        self._len = self._vlen = start + k
 
-def _growable_cache(source=None):
+
+def growable_cache(source=None):
     """A DynamicCache whose layers are GrowableLayers, holding `source`'s tensors if given."""
     cache = DynamicCache()
     cache.layer_class_to_replicate = GrowableLayer
@@ -143,7 +155,7 @@ class BatchKV:
         block_valid = block_valid.to(self.device)
         mask = torch.cat([self.valid, block_valid], dim=1)
         if self.cache is None:
-            self.cache = _growable_cache()
+            self.cache = growable_cache()
         with torch.no_grad():
             out = self.model(input_ids=ids.to(self.device), attention_mask=mask.long(),
                              position_ids=pos.to(self.device), past_key_values=self.cache, use_cache=True,
@@ -183,7 +195,7 @@ class BatchKV:
             self.lengths.append(0)
             return self.rows - 1
         if self.cache is None:     # nothing cached yet (empty batch, or every row was reset)
-            self.cache = _growable_cache(cache)
+            self.cache = growable_cache(cache)
             old = self.rows
             if old:
                 for layer in _layers(self.cache):

@@ -157,10 +157,10 @@ class EagleDrafter:
         self.pending_tokens.extend(int(t) for t in tokens)
 
     def _feed(self, feats, tokens, mask, pos):
-        from transformers import DynamicCache
+        from serving.kvcache import growable_cache
 
         if self.cache is None:
-            self.cache = DynamicCache()
+            self.cache = growable_cache()            # in-place appends; keep_path moves only the path's slots
         device = self.head.fc.weight.device          # on a GPU the tree's mask and positions come from the CPU
         with torch.no_grad():
             states, self.cache = self.head(torch.stack(list(feats))[None],

@@ -169,10 +169,10 @@ def feed_masked_hidden(model, ids: Sequence[int], mask: torch.Tensor, positions:
     """As `feed_masked`, also returning the last hidden states (after the final norm, what the output layer
     reads): (fp32 logits [q, V], hidden [q, d], cache). For drafts that read the target's features
     (serving/decoding/medusa.py)."""
-    from transformers import DynamicCache
+    from serving.kvcache import growable_cache
 
     if cache is None:
-        cache = DynamicCache()
+        cache = growable_cache()      # appends in place: no copy of the whole cache per forward
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     with torch.no_grad():
@@ -202,9 +202,17 @@ def cache_length(cache) -> int:
 
 def keep_path(cache, prefix_len: int, path: Sequence[int]):
     """Keep the prefix, the root (slot prefix_len) and the slots of `path`'s nodes (slot prefix_len + 1 + i),
-    in that order; drop every other tree entry. Works in place on a transformers DynamicCache."""
-    keep = torch.tensor(list(range(prefix_len + 1)) + [prefix_len + 1 + i for i in path], dtype=torch.long)
+    in that order; drop every other tree entry. Works in place on a transformers DynamicCache; on the
+    growable layers of serving/kvcache.py (what `feed_masked_hidden` creates) only the path's slots move."""
+    from serving.kvcache import GrowableLayer
+
+    keep = None
     for layer in cache.layers:
+        if isinstance(layer, GrowableLayer):
+            layer.keep_tail(prefix_len + 1, [prefix_len + 1 + i for i in path])
+            continue
+        if keep is None:
+            keep = torch.tensor(list(range(prefix_len + 1)) + [prefix_len + 1 + i for i in path], dtype=torch.long)
         idx = keep.to(layer.keys.device)
         layer.keys = layer.keys.index_select(-2, idx)
         layer.values = layer.values.index_select(-2, idx)

@@ -106,12 +106,20 @@ def _node_of(tree: DraftTree, path: list[int]) -> int:
     return node
 
 
+@pytest.mark.parametrize("kind", ["growable", "dynamic"])
 @pytest.mark.parametrize("accept", [[], [0], [0, 1, 2], [4, 5]])
-def test_cache_after_keep_path_equals_a_fresh_forward(accept):
+def test_cache_after_keep_path_equals_a_fresh_forward(accept, kind):
+    """Both cache kinds: the growable layers feed_masked creates (only the path's slots move, in place) and
+    a plain transformers DynamicCache (every layer re-indexed)."""
+    from transformers import DynamicCache
+
+    from serving.kvcache import GrowableLayer
+
     model = make_model(seed=5, sharp=4.0)
     prompt = [11, 12, 13, 14]
     tree = DraftTree.from_paths([[60, 61, 62], [60, 63], [64, 65]])
-    _, cache = causal(model, prompt[:-1])
+    _, cache = causal(model, prompt[:-1], DynamicCache() if kind == "dynamic" else None)
+    assert isinstance(cache.layers[0], GrowableLayer) == (kind == "growable")
     tree_forward(model, tree, prompt[-1], cache, len(prompt) - 1)
     keep_path(cache, len(prompt) - 1, accept)
     seq = prompt + [tree.tokens[i] for i in accept]
