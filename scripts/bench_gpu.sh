@@ -25,7 +25,7 @@ DEVICE=${DEVICE:-cuda}
 if [ -n "${SMOKE:-}" ]; then N=(--n 1 --max-tokens 8); NT=(--n 1 --max-tokens 8 --temperatures 0); R=2
 else N=(--n "${GPU_N:-5}" --max-tokens "${GPU_TOKENS:-96}"); NT=(--n "${GPU_TRAFFIC_N:-2}" --temperatures 0); R=30; fi
 LOAD_S=${GPU_LOAD_SECONDS:-20}; [ -n "${SMOKE:-}" ] && LOAD_S=3
-STEPS=${STEPS:-tree decode-T0 traffic decode-T1 load-mjsd load-target}
+STEPS=${STEPS:-cudnn-on cudnn-off tree decode-T0 traffic decode-T1 load-mjsd load-target}
 export PYTHONUNBUFFERED=1
 mkdir -p "$RESULTS"
 nvidia-smi --query-gpu=name,driver_version,memory.total,power.limit --format=csv > "$RESULTS/gpu.txt" 2>&1
@@ -51,6 +51,13 @@ step() {   # step NAME SECONDS ARGS...: one benchmark, its log in RESULTS/NAME.l
 }
 
 HEADS=(--medusa-heads "$DATA/medusa-heads" --eagle-head "$DATA/eagle-head")
+# torch's cuDNN attention on and off (serving/models.py configure_cuda_attention): target-only on fresh prompts,
+# no untimed warm pass, so a per-shape plan cost shows
+for c in on off; do
+    DRAFTSMITH_CUDNN_SDPA=$([ $c = on ] && echo 1 || echo 0) step "cudnn-$c" 90 scripts/bench_decode.py \
+        --device "$DEVICE" --draft "$DATA/bootstrap-draft" "${N[@]}" --temperature 0 --modes target,mjsd \
+        --no-warm-each --no-full-vocab --out "$RESULTS/cudnn-$c"
+done
 step tree 60 scripts/bench_tree.py --device "$DEVICE" --cost-only --draft "$DATA/bootstrap-draft" --out "$RESULTS/tree" \
     --repeats "$R"
 step decode-T0 150 scripts/bench_decode.py --device "$DEVICE" --draft "$DATA/bootstrap-draft" "${HEADS[@]}" \

@@ -183,9 +183,26 @@ def load_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(path)
 
 
+def configure_cuda_attention() -> bool:
+    """Turn off torch's cuDNN backend of scaled_dot_product_attention (process-wide) unless
+    DRAFTSMITH_CUDNN_SDPA=1; returns whether it is now off. cuDNN builds an execution plan for every new
+    sequence shape it sees, and decoding sees a new key length at every step: on the H200 runs
+    (docs/benchmarks.md, "On a GPU") a prompt's first generation ran 2-3x slower than a repeat of the same
+    prompt in every mode, the per-shape cost that issue reports for cuDNN SDPA on Hopper and Blackwell
+    (e.g. modelscope/FunASR#3705). Without it torch picks the flash or memory-efficient kernels, which need
+    no plan. A hypothesis until a GPU run measures it: scripts/bench_gpu.sh's steps cudnn-on / cudnn-off
+    decode fresh prompts both ways.)"""
+    if os.environ.get("DRAFTSMITH_CUDNN_SDPA", "0") == "1":
+        return False
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    return True
+
+
 def load_causal_lm(path: Path, device: str = "cpu", dtype: torch.dtype | None = None):
     from transformers import AutoModelForCausalLM
 
+    if str(device).startswith("cuda"):
+        configure_cuda_attention()
     dtype = dtype or default_dtype(device)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
