@@ -57,6 +57,9 @@ def perplexity(model, prompt: list[int], output: list[int]) -> tuple[float, int]
     return float(nll), len(output)
 
 
+KEEP_PREFIX_CACHE = False   # set from --keep-prefix-cache
+
+
 def engine_agg(label: str, spec) -> dict:
     return dict(label=label, tokens=0, wall=0.0, draft=0.0, target=0.0, steps=0, draft_tokens=0,
                 accepted=0, nll=0.0, nll_tokens=0, energy=0.0, energy_known=True, outputs=[],
@@ -66,6 +69,8 @@ def engine_agg(label: str, spec) -> dict:
 def engine_prompt(engine, agg: dict, i: int, prompt, sampling, spec) -> None:
     """Prompt `i` through the engine with `spec`, added to `agg` (seed 1000 + i, as every row uses)."""
     s = SamplingParams(**{**sampling.__dict__, "seed": 1000 + i})
+    if not KEEP_PREFIX_CACHE:      # every row prefills its prompt (--keep-prefix-cache)
+        engine.scheduler.prefix_cache.clear()
     t0 = time.perf_counter()
     res = engine.generate_all(prompt, s, spec, log_mode="none")
     agg["wall"] += time.perf_counter() - t0
@@ -257,11 +262,17 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, choices=[None, "bfloat16", "float16", "float32"])
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--keep-prefix-cache", action="store_true",
+                    help="let a row reuse the prompt's KV from an earlier row (the engine's prefix cache); by "
+                         "default it is emptied before every timed row, so the rows that batch (which read it) and "
+                         "the tree modes (which run alone and always prefill) pay the same prefill")
     ap.add_argument("--warm-each", action=argparse.BooleanOptionalAction, default=None,
                     help="decode each prompt once, untimed, before its timed rows (default: on a GPU, where the "
                          "first generation through new sequence lengths ran 2-3x slower on an H200)")
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args(argv)
+    global KEEP_PREFIX_CACHE
+    KEEP_PREFIX_CACHE = args.keep_prefix_cache
     if any(m.startswith("medusa") for m in args.modes.split(",")) and not args.medusa_heads:
         ap.error("mode 'medusa' needs --medusa-heads PATH (heads from `python -m training.heads`)")
     if any(m.strip().startswith("eagle") for m in args.modes.split(",")) and not args.eagle_head:

@@ -306,6 +306,8 @@ def run_engine(args) -> int:
                 if warm_each:                         # the prompt's lengths once, untimed (see --warm-each)
                     engine.generate_all(prompt, sampling(T, args.max_tokens, seed), specs["target"], log_mode="none")
                 for label in order:
+                    if not args.keep_prefix_cache:    # every row prefills its prompt (the tree modes always do)
+                        engine.scheduler.prefix_cache.clear()
                     t0 = time.perf_counter()
                     engine.stop_confidence = 0.0 if label.endswith("+nostop") else stop_confidence
                     use_heads(label)
@@ -527,6 +529,10 @@ def main(argv=None) -> int:
                          "serving/controller.py STOP_CONFIDENCE; rows `+nostop` turn it off)")
     ap.add_argument("--tau", type=float, default=0.1)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--keep-prefix-cache", action="store_true",
+                    help="let a row reuse the prompt's KV from an earlier row (the engine's prefix cache); by "
+                         "default it is emptied before every timed row, so the rows that batch (which read it) and "
+                         "the tree modes (which run alone and always prefill) pay the same prefill")
     ap.add_argument("--warm-each", action=argparse.BooleanOptionalAction, default=None,
                     help="decode each prompt once, untimed, before its timed rows (default: on a GPU, where the "
                          "first generation through new sequence lengths ran 2-3x slower than the rest on an H200 "

@@ -315,6 +315,10 @@ class PrefixCache:
         self._entries: list[tuple[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]]] = []
         self.hits = self.lookups = self.tokens_saved = 0
 
+    def clear(self) -> None:
+        """Forget every entry (benchmarks: each timed row prefills its prompt as a first request would)."""
+        self._entries = []
+
     def put(self, tokens: list[int], cache) -> None:
         if not tokens or len(tokens) > self.max_tokens or cache is None:
             return
