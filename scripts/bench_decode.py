@@ -57,6 +57,18 @@ def perplexity(model, prompt: list[int], output: list[int]) -> tuple[float, int]
     return float(nll), len(output)
 
 
+def add_row_fairness_flags(ap: argparse.ArgumentParser) -> None:
+    """The flags that keep same-run rows comparable (this script and scripts/bench_traffic.py)."""
+    ap.add_argument("--keep-prefix-cache", action="store_true",
+                    help="let a row reuse the prompt's KV from an earlier row (the engine's prefix cache); by "
+                         "default it is emptied before every timed row, so the rows that batch (which read it) and "
+                         "the tree modes (which run alone and always prefill) pay the same prefill")
+    ap.add_argument("--warm-each", action=argparse.BooleanOptionalAction, default=None,
+                    help="decode each prompt once, untimed, before its timed rows (default: on a GPU, where the "
+                         "first generation through new sequence lengths ran 2-3x slower than the rest on an H200 "
+                         "and so penalised whichever row came first, docs/benchmarks.md \"On a GPU\")")
+
+
 KEEP_PREFIX_CACHE = False   # set from --keep-prefix-cache
 
 
@@ -262,13 +274,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, choices=[None, "bfloat16", "float16", "float32"])
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--keep-prefix-cache", action="store_true",
-                    help="let a row reuse the prompt's KV from an earlier row (the engine's prefix cache); by "
-                         "default it is emptied before every timed row, so the rows that batch (which read it) and "
-                         "the tree modes (which run alone and always prefill) pay the same prefill")
-    ap.add_argument("--warm-each", action=argparse.BooleanOptionalAction, default=None,
-                    help="decode each prompt once, untimed, before its timed rows (default: on a GPU, where the "
-                         "first generation through new sequence lengths ran 2-3x slower on an H200)")
+    add_row_fairness_flags(ap)
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args(argv)
     global KEEP_PREFIX_CACHE

@@ -529,14 +529,9 @@ def main(argv=None) -> int:
                          "serving/controller.py STOP_CONFIDENCE; rows `+nostop` turn it off)")
     ap.add_argument("--tau", type=float, default=0.1)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--keep-prefix-cache", action="store_true",
-                    help="let a row reuse the prompt's KV from an earlier row (the engine's prefix cache); by "
-                         "default it is emptied before every timed row, so the rows that batch (which read it) and "
-                         "the tree modes (which run alone and always prefill) pay the same prefill")
-    ap.add_argument("--warm-each", action=argparse.BooleanOptionalAction, default=None,
-                    help="decode each prompt once, untimed, before its timed rows (default: on a GPU, where the "
-                         "first generation through new sequence lengths ran 2-3x slower than the rest on an H200 "
-                         "and so penalised whichever row came first, docs/benchmarks.md \"On a GPU\")")
+    from scripts.bench_decode import add_row_fairness_flags
+
+    add_row_fairness_flags(ap)
     ap.add_argument("--dtype", default=None, choices=[None, "bfloat16", "float16", "float32"])
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "traffic"))
