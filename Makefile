@@ -10,4 +10,4 @@ serve: setup
 # two pytest-xdist workers (DRAFTSMITH_TEST_WORKERS=0 runs in one process); tests/conftest.py keeps the
 # tests that start process trees of their own on one worker
 test: setup
-	.venv/bin/python -m pytest -q -n $${DRAFTSMITH_TEST_WORKERS:-2} --dist loadgroup
+	.venv/bin/python -m pytest -q -n $${DRAFTSMITH_TEST_WORKERS:-2} --dist loadgroup --durations=15

@@ -351,16 +351,16 @@ class BatchScheduler:
         stats = req.stats
         if req.t_start:
             self.engine._finish_stats(stats, req.t_start, req.energy0)
+        self._push_sequence(req)    # before the answer: whoever reads the finish finds the record there
         req.out.put(("step", out, reason))
-        self._push_sequence(req)
 
     def _fail(self, req: Request, exc: BaseException) -> None:
         if req.done:
             return
         req.done = True
         self._remove(req)
-        req.out.put(("error", exc, None))
         self._push_sequence(req)
+        req.out.put(("error", exc, None))
 
     def _push_sequence(self, req: Request) -> None:
         recorded = req.recorded_steps + (req.solo.recorded_steps if req.solo is not None else 0)

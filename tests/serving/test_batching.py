@@ -404,3 +404,24 @@ def test_a_fault_in_the_scheduler_fails_the_running_requests_and_it_keeps_servin
         eng.generate_all(prompt, sampling, spec)
     monkeypatch.undo()
     assert eng.generate_all(prompt, sampling, spec).token_ids == want
+
+
+class _SlowSink(tiny_models.ListSink):
+    """A replay-buffer sink whose sequence push takes a while (a loaded host, a slow Redis client)."""
+
+    def push_sequence(self, r):
+        import time
+        time.sleep(0.3)
+        super().push_sequence(r)
+
+
+@pytest.mark.parametrize("mode", ["mjsd", "spectr"])
+def test_the_sequence_record_is_in_the_buffer_when_the_answer_arrives(pair, mode):
+    """The scheduler pushes a finished request's sequence record before it hands over the last tokens, so
+    whoever reads the answer (a test, the canary, a job started right after) finds the record there."""
+    sink = _SlowSink()
+    eng = make_engine(pair, sink=sink, record_top_k=5)
+    res = eng.generate_all(ids(eng, PROMPTS[0]), SamplingParams(temperature=1.0, max_tokens=12, seed=3),
+                           SpecParams(adaptive=False, mode=mode, gamma=3), request_id="r1", source="unit")
+    assert res.stats.steps > 0 and len(sink.steps) > 0
+    assert len(sink.seqs) == 1 and sink.seqs[0].request_id == "r1"
