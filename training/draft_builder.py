@@ -152,10 +152,12 @@ def evaluate_agreement(draft, examples, out_weight, vocab_index, batch_size=16) 
 
 
 def train_draft(draft, train_ex: list[dict], held_ex: list[dict], subset: torch.Tensor, *, deadline: float,
-                batch_size: int = 16, lr: float = 3e-3, train_head: bool = False, soft_weight: float = 0.5,
+                max_steps: int | None = None, batch_size: int = 16, lr: float = 3e-3, train_head: bool = False, soft_weight: float = 0.5,
                 bf16: bool = True, progress=print) -> dict:
     """Train `draft` (decoder layers + final norm; the kept output rows too when `train_head`) on the
-    teacher examples until `deadline` (a time.time() value), at least one step. The input embedding stays frozen.
+    teacher examples until `deadline` (a time.time() value), at least one step, or for `max_steps` steps when
+    given (then the learning-rate decay follows steps, not time: the same run on any machine). The input
+    embedding stays frozen.
     With `bf16` the forward runs under CPU autocast (bf16 matmuls; fp32 weights, optimizer state
     and log-softmax of the loss): about 1.5x the steps/s of fp32 on this project's CPU (native bf16).
     With `train_head` the draft is untied at the end (its own output layer, see `untie_output`).
@@ -178,19 +180,21 @@ def train_draft(draft, train_ex: list[dict], held_ex: list[dict], subset: torch.
 
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     # 20 warm-up steps, then linear decay to 0.1x by the deadline (by time: steps/s varies with the machine)
+    # or by max_steps
     t_begin, span = time.time(), max(1e-6, deadline - time.time())
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 20) * max(0.1, 1 - (time.time() - t_begin) / span))
+    done = (lambda s: s / max_steps) if max_steps else (lambda s: (time.time() - t_begin) / span)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.1, 1 - done(s)))
+    finished = (lambda: step >= max_steps) if max_steps else (lambda: time.time() >= deadline)
     draft.train()
     step, tokens, epoch = 0, 0, 0
     t_train = time.time()
     # group by length for less padding; shuffle the groups
     by_len = sorted(train_ex, key=lambda e: len(e["tokens"]))
     batches = [by_len[i: i + batch_size] for i in range(0, len(by_len), batch_size)]
-    while batches and (step == 0 or time.time() < deadline):
+    while batches and (step == 0 or not finished()):
         random.shuffle(batches)
         for group in batches:
-            if step > 0 and time.time() >= deadline:
+            if step > 0 and finished():
                 break
             b = _batch(group, vocab_index)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):

@@ -60,9 +60,11 @@ def test_training_raises_agreement_with_the_teacher(teacher, train_head, bf16):
     subset, ranking = choose_output_vocabulary(examples, tok, 200)
     assert len(subset) <= 200 and set(tok.all_special_ids) <= set(subset.tolist())
     assert set(subset.tolist()) - set(tok.all_special_ids) <= set(ranking[:200])
-    fig = train_draft(draft, examples, examples, subset, deadline=time.time() + 4, lr=1e-2,
+    random.seed(0)
+    # a step budget, not a time one: 4 s bought only 12 steps on a loaded CI host, too few to fit
+    fig = train_draft(draft, examples, examples, subset, deadline=time.time() + 600, max_steps=40, lr=1e-2,
                       train_head=train_head, bf16=bf16, progress=lambda m: None)
-    assert fig["train_steps"] > 0
+    assert fig["train_steps"] == 40
     # the examples are the training set here: fitting them is what this checks
     assert fig["heldout_top1_agreement_after"] > fig["heldout_top1_agreement_before"] + 0.1, fig
     head = draft.get_output_embeddings().weight
