@@ -45,6 +45,7 @@ def engine_baseline(prompts: list[str], args, threads: int | None = None, client
     from deploy.registry import Registry
     from serving.config import SamplingParams, SpecParams
     from serving.engine import Engine
+    from serving.protocol import OPENAI_TOP_K, OPENAI_TOP_P
     from training.prompts import chat_prompt_ids
 
     threads = threads or os.cpu_count() or 2
@@ -70,8 +71,11 @@ def engine_baseline(prompts: list[str], args, threads: int | None = None, client
         while not stop.is_set():
             ids = chat_prompt_ids(eng.tokenizer, prompts[(cid * 997 + k) % len(prompts)])
             t0, ttft, n = time.perf_counter(), None, 0
-            for out in eng.generate(ids, SamplingParams(temperature=0.7, max_tokens=args.max_tokens),
-                                    spec):
+            # what the HTTP clients below send: T=0.7 and no top_k / top_p, i.e. OpenAI's defaults (no top-k,
+            # top_p 1), not SamplingParams' own MJSD-paper warp (top-k 20, top-p 0.9), which is sharper and
+            # accepts more draft tokens
+            sp = SamplingParams(temperature=0.7, top_k=OPENAI_TOP_K, top_p=OPENAI_TOP_P, max_tokens=args.max_tokens)
+            for out in eng.generate(ids, sp, spec):
                 if out.token_ids and ttft is None:
                     ttft = time.perf_counter() - t0
                 n += len(out.token_ids)
