@@ -138,7 +138,8 @@ def settings_from_args(args: dict) -> tuple[ServiceSettings, int, float | None]:
         if not args.get(field_name):
             args[field_name] = os.environ.get(env_name) or None
     conv = {"max_running": int, "max_waiting": int, "max_batch_tokens": int, "max_tokens_limit": int, "max_body_bytes": int,
-            "request_timeout_s": float, "watch_interval_s": float, "live_interval_s": float, "torch_threads": int}
+            "request_timeout_s": float, "watch_interval_s": float, "live_interval_s": float, "torch_threads": int,
+            "default_mode": str}
     for k, f in conv.items():
         if k in args and args[k] is not None:
             args[k] = f(args[k])

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from buffer.paths import DEFAULT_TARGET
-from serving.config import HEADS_MODES
+from serving.config import DEFAULT_MODE, HEADS_MODES, MODES
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 HEADS = HEADS_MODES                          # the kinds served from the target's hidden states
@@ -161,6 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="EAGLE-style head folder (built by `python -m training.heads --kind eagle`) for requests "
                         "with speculative.mode 'eagle' (default $DRAFTSMITH_EAGLE_HEAD; none: the eagle registry's "
                         "champion, hot-swapped as it changes; none there either: that mode answers 400)")
+    s.add_argument("--default-mode", default=os.environ.get("DRAFTSMITH_DEFAULT_MODE", DEFAULT_MODE),
+                   choices=MODES, metavar="MODE",
+                   help="the decoding mode of requests that name none (default $DRAFTSMITH_DEFAULT_MODE or "
+                        f"{DEFAULT_MODE}); e.g. 'medusa' with --medusa-heads on a GPU. While what it needs is not "
+                        "loaded, such requests decode with mjsd (or the target alone)")
     s.add_argument("--replicas", type=_positive_int, default=1)
     s.add_argument("--api-key", default=os.environ.get("DRAFTSMITH_API_KEY"),
                    help="require this bearer token on the inference routes (default $DRAFTSMITH_API_KEY; "
@@ -342,6 +347,8 @@ def cmd_serve(args) -> int:
     if admin and args.api_key and admin == args.api_key:
         raise BadInput("the admin key (--admin-key / $DRAFTSMITH_ADMIN_KEY) must differ from the API key "
                        "(--api-key / $DRAFTSMITH_API_KEY): every inference client would hold the admin key")
+    if args.default_mode not in MODES:     # argparse checks --default-mode, not a default from the environment
+        raise BadInput(f"$DRAFTSMITH_DEFAULT_MODE is {args.default_mode!r}; use one of {', '.join(MODES)}")
     if args.draft is None and not args.no_bootstrap:
         _bootstrap_in_background(args)
     keys = {"admin_api_key": args.admin_key} if args.admin_key else {}   # else serve_forever reads the env
@@ -350,7 +357,7 @@ def cmd_serve(args) -> int:
     if args.eagle_head:
         keys["eagle_head"] = str(Path(args.eagle_head).resolve())
     serve_forever(host=args.host, port=args.port, target=args.target, draft=args.draft,
-                  replicas=args.replicas, api_key=args.api_key, **keys)
+                  replicas=args.replicas, api_key=args.api_key, default_mode=args.default_mode, **keys)
     return EXIT_OK
 
 

@@ -282,7 +282,7 @@ def build_app(service: Service) -> FastAPI:
             sampling = P.sampling_params(body, max_tokens)
         except ValueError as e:
             raise P.APIError(400, str(e)) from None
-        spec = P.spec_params(body, svc.has_draft)
+        spec = P.spec_params(body, svc.has_draft, svc.default_mode)
         svc.check_fits(len(prompt), sampling, spec)
         rid = P.new_id("chatcmpl" if chat else "cmpl")
         deadline = t0 + svc.settings.request_timeout_s

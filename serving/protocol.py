@@ -81,7 +81,9 @@ class SpeculativeOptions(BaseModel):
     """Extension field: which decoding rule answers this request."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-    mode: Literal[MODES] = DEFAULT_MODE  # type: ignore[valid-type]
+    mode: Literal[MODES] | None = Field(  # type: ignore[valid-type]
+        None, description="the decoding rule; absent: the server's default mode (mjsd unless the deployment "
+        "set another, e.g. medusa on a GPU; GET /health shows it)")
     gamma: StrictInt | None = Field(None, ge=1, le=16, description="draft tokens per verification step")
     beams: StrictInt | None = Field(None, ge=1, le=32, description="MJSD beam-sampling width")
     tau: float | None = Field(None, ge=0, le=1e6, description="MJSD joint-ratio threshold")
@@ -199,14 +201,16 @@ def sampling_params(req: _Common, max_tokens: int, stop_token_ids: tuple[int, ..
                           seed=req.seed, stop_token_ids=stop_token_ids)
 
 
-def spec_params(req: _Common, draft_loaded: bool) -> SpecParams:
-    """The request's decoding rule. With no `speculative` field and no draft loaded yet (first start,
-    bootstrap still running) the default falls back to target-only decoding; an explicit draft mode
-    without a draft is an APIError(503)."""
+def spec_params(req: _Common, draft_loaded: bool, default_mode: str | None = None) -> SpecParams:
+    """The request's decoding rule. A request that names no mode gets `default_mode` (the replica's
+    `Service.default_mode`: the deployment's default where what it needs is loaded); without one, mjsd, or
+    target-only decoding while no draft is loaded (first start, bootstrap still running). An explicit draft
+    mode without a draft is an APIError(503)."""
+    default_mode = default_mode or (DEFAULT_MODE if draft_loaded else "target")
     opts = req.speculative
     if opts is None:
-        return SpecParams(mode=DEFAULT_MODE if draft_loaded else "target")
-    kw: dict[str, Any] = {"mode": opts.mode, "extra": dict(opts.params)}
+        return SpecParams(mode=default_mode)
+    kw: dict[str, Any] = {"mode": opts.mode or default_mode, "extra": dict(opts.params)}
     for name in ("gamma", "beams", "tau", "adaptive"):   # only what was given: SpecParams keeps its defaults
         if getattr(opts, name) is not None:
             kw[name] = getattr(opts, name)

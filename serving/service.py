@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator
 
+from serving.config import DEFAULT_MODE, DRAFT_FREE_MODES, MODES
 from serving.metrics import MetricsHub, Telemetry
 
 log = logging.getLogger(__name__)
@@ -122,6 +123,10 @@ class ServiceSettings:
     watch_interval_s: float = 2.0
     torch_threads: int | None = None
     live_interval_s: float = 15.0
+    # the mode of a request that names none (`Service.default_mode`): mjsd, the product's default; a
+    # deployment may pick another, e.g. medusa on a GPU, where the heads pay and the standalone draft does
+    # not (docs/benchmarks.md, "On an H100")
+    default_mode: str = DEFAULT_MODE
     replica_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
 
     def __post_init__(self) -> None:
@@ -132,6 +137,8 @@ class ServiceSettings:
         for name in ("request_timeout_s", "watch_interval_s", "live_interval_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.default_mode not in MODES:
+            raise ValueError(f"default_mode must be one of {', '.join(MODES)}; got {self.default_mode!r}")
 
 
 class _LocalHub:
@@ -580,7 +587,7 @@ class Service:
         ok, why = self.engine.healthy()
         info = {"status": "ok" if ok else "unhealthy", "reason": why, "replica": self.s.replica_id,
                 "draft_version": self.engine.draft_version, "draft_loaded": self.engine.draft is not None,
-                "medusa_heads": getattr(self.engine, "heads_version", "none"), "heads_error": self.heads_error,
+                "default_mode": self.default_mode, "medusa_heads": getattr(self.engine, "heads_version", "none"), "heads_error": self.heads_error,
                 "eagle_head": getattr(self.engine, "eagle_version", "none"), "eagle_error": self.eagle_error,
                 "swap_error": self.swap_error, "running": self.running, "waiting": self.waiting,
                 "canary": {"version": getattr(self.engine, "canary_version", "none"),
@@ -604,6 +611,23 @@ class Service:
     @property
     def has_draft(self) -> bool:
         return self.engine.draft is not None
+
+    @property
+    def default_mode(self) -> str:
+        """The mode of a request that names none: the deployment's `default_mode` while what it needs is
+        loaded (the draft model, the Medusa heads, the EAGLE head), else mjsd with a draft, else the target
+        alone. A request is never refused for what the deployment chose; it decodes the next best way, and
+        its response's metrics name the mode that ran."""
+        mode = self.s.default_mode
+        if mode == "medusa":
+            ready = getattr(self.engine, "heads", None) is not None
+        elif mode == "eagle":
+            ready = getattr(self.engine, "eagle", None) is not None
+        else:
+            ready = mode in DRAFT_FREE_MODES or self.has_draft
+        if ready:
+            return mode
+        return DEFAULT_MODE if self.has_draft else "target"
 
     @property
     def tokenizer(self):
@@ -817,7 +841,7 @@ def settings_from_env(**overrides) -> ServiceSettings:
         kw["eagle_head"] = env["DRAFTSMITH_EAGLE_HEAD"]
     for name, conv in (("max_running", int), ("max_waiting", int), ("max_batch_tokens", int), ("request_timeout_s", float),
                        ("max_tokens_limit", int), ("watch_interval_s", float), ("torch_threads", int),
-                       ("live_interval_s", float)):
+                       ("live_interval_s", float), ("default_mode", str)):
         v = env.get(f"DRAFTSMITH_{name.upper()}")
         if v:
             kw[name] = conv(v)

@@ -80,6 +80,7 @@ def test_bad_arguments_exit_2_with_a_hint(capsys, tmp_path):
         (("distill", "--margin", "2"), "expected a number in [0, 1)"),
         (("serve", "--port", "70000"), "port must be a number in 1..65535"),
         (("serve", "--replicas", "none"), "expected a whole number >= 1"),
+        (("serve", "--default-mode", "fastest"), "invalid choice: 'fastest'"),
         (("frobnicate",), "invalid choice"),
         ((), "the following arguments are required: COMMAND"),
     ]
@@ -237,13 +238,23 @@ def test_serve_delegates(env, capsys, monkeypatch):
     code, out, _ = run(capsys, "serve", "--host", "0.0.0.0", "--port", "8123", "--replicas", "2", "--api-key", "k")
     assert code == 0
     assert seen == {"host": "0.0.0.0", "port": 8123, "target": str(env[0]), "draft": None, "replicas": 2,
-                    "api_key": "k"}
+                    "api_key": "k", "default_mode": "mjsd"}
     (cmd, kw), = spawned
     assert cmd[1:4] == ["-m", "deploy.cli", "bootstrap"] and str(env[0]) in cmd
     assert kw["start_new_session"] is True and kw["env"]["PYTHONUNBUFFERED"] == "1"
     assert "serving target-only while `draftsmith bootstrap` (pid 4242)" in out
     code, _, _ = run(capsys, "serve", "--no-bootstrap")
     assert code == 0 and len(spawned) == 1
+    # the deployment's default mode: from the flag, else from the environment, checked either way
+    code, _, _ = run(capsys, "serve", "--no-bootstrap", "--default-mode", "medusa")
+    assert code == 0 and seen["default_mode"] == "medusa"
+    monkeypatch.setenv("DRAFTSMITH_DEFAULT_MODE", "eagle")
+    code, _, _ = run(capsys, "serve", "--no-bootstrap")
+    assert code == 0 and seen["default_mode"] == "eagle"
+    seen.clear()
+    monkeypatch.setenv("DRAFTSMITH_DEFAULT_MODE", "fastest")
+    code, _, err = run(capsys, "serve", "--no-bootstrap")
+    assert code == 2 and "$DRAFTSMITH_DEFAULT_MODE is 'fastest'; use one of mjsd," in err and not seen
 
 
 def test_console_script_reports_without_traceback(tmp_path):

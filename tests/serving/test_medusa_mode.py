@@ -168,6 +168,29 @@ def test_http_medusa_with_heads_and_a_clear_400_without(pair, heads_dir, tmp_pat
             srv.stop()
 
 
+def test_a_deployment_default_mode_serves_requests_that_name_none(pair, heads_dir):
+    """`default_mode` (draftsmith serve --default-mode) decides the mode of requests without
+    `speculative.mode`; an explicit mode still wins; while what the default needs is not loaded (no heads),
+    such requests decode with mjsd instead of failing; a mode that does not exist is refused at start."""
+    def mode_of(c, **extra) -> str:
+        r = c.post("/v1/completions", json={"prompt": "the cat sat", "max_tokens": 6, "temperature": 0, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()["metrics"]["speculative_decoding"]["mode"]
+
+    for heads, served in ((str(heads_dir), "medusa"), (None, "mjsd")):
+        srv = LiveServer(_service(pair[0], draft=str(pair[1]), medusa_heads=heads, default_mode="medusa")).start()
+        try:
+            with httpx.Client(base_url=srv.url, timeout=60) as c:
+                assert c.get("/health").json()["default_mode"] == served
+                assert mode_of(c) == served
+                assert mode_of(c, speculative={"gamma": 2}) == served          # knobs without a mode
+                assert mode_of(c, speculative={"mode": "target"}) == "target"
+        finally:
+            srv.stop()
+    with pytest.raises(ValueError, match="default_mode must be one of mjsd"):
+        ServiceSettings(default_mode="fastest")
+
+
 def test_a_bf16_target_runs_its_heads_in_bf16_and_they_propose_what_the_fp32_heads_propose(pair, heads_dir):
     """On a bf16 target the heads are loaded in bf16 (Engine._load_kind), mode medusa drafts and decodes in
     bf16, and for the same hidden state the bf16 heads' top candidates are the fp32 heads'."""
