@@ -587,7 +587,8 @@ class Service:
         ok, why = self.engine.healthy()
         info = {"status": "ok" if ok else "unhealthy", "reason": why, "replica": self.s.replica_id,
                 "draft_version": self.engine.draft_version, "draft_loaded": self.engine.draft is not None,
-                "default_mode": self.default_mode, "medusa_heads": getattr(self.engine, "heads_version", "none"), "heads_error": self.heads_error,
+                "default_mode": self.default_mode,
+                "medusa_heads": getattr(self.engine, "heads_version", "none"), "heads_error": self.heads_error,
                 "eagle_head": getattr(self.engine, "eagle_version", "none"), "eagle_error": self.eagle_error,
                 "swap_error": self.swap_error, "running": self.running, "waiting": self.waiting,
                 "canary": {"version": getattr(self.engine, "canary_version", "none"),

@@ -152,8 +152,8 @@ def evaluate_agreement(draft, examples, out_weight, vocab_index, batch_size=16) 
 
 
 def train_draft(draft, train_ex: list[dict], held_ex: list[dict], subset: torch.Tensor, *, deadline: float,
-                max_steps: int | None = None, batch_size: int = 16, lr: float = 3e-3, train_head: bool = False, soft_weight: float = 0.5,
-                bf16: bool = True, progress=print) -> dict:
+                max_steps: int | None = None, batch_size: int = 16, lr: float = 3e-3, train_head: bool = False,
+                soft_weight: float = 0.5, bf16: bool = True, progress=print) -> dict:
     """Train `draft` (decoder layers + final norm; the kept output rows too when `train_head`) on the
     teacher examples until `deadline` (a time.time() value), at least one step, or for `max_steps` steps when
     given (then the learning-rate decay follows steps, not time: the same run on any machine). The input
