@@ -35,31 +35,37 @@ def _layers(cache) -> list:
 class GrowableLayer(DynamicLayer):
     """A DynamicLayer that appends in place into a buffer with head-room, instead of concatenating (which
     copies the whole cache of every layer at every forward: for 8 rows of 300 slots on the default target,
-    about 110 MB per target pass). `keys` / `values` are views of the buffers' filled part; assigning them
-    (row selection, compaction, joins) replaces the buffers, and the next append grows them again."""
+    about 110 MB per target pass). The buffers have spare rows too, so a request leaving or joining the
+    batch moves one row (`remove_row`, `append_row`), not the whole cache (and a fresh buffer's first
+    touch costs page faults on top of the copy: measured 47 ms per leave + join on the default target, 8
+    rows). `keys` / `values` are views of the buffers' filled part; assigning them (row selection,
+    compaction, forks) replaces the buffers with exactly that tensor, and the next append grows them."""
 
     def __init__(self, **kwargs) -> None:
         self._kbuf = self._vbuf = None
         self._len = self._vlen = 0    # filled slots of each buffer (equal between updates)
+        self._rows = self._vrows = 0  # live rows of each buffer (the buffers may hold more; equal between updates)
         super().__init__(**kwargs)
 
     @property
     def keys(self):
-        return None if self._kbuf is None else self._kbuf[:, :, : self._len]
+        return None if self._kbuf is None else self._kbuf[: self._rows, :, : self._len]
 
     @keys.setter
     def keys(self, value) -> None:
         self._kbuf = value
         self._len = 0 if value is None else value.shape[2]
+        self._rows = 0 if value is None else value.shape[0]
 
     @property
     def values(self):
-        return None if self._vbuf is None else self._vbuf[:, :, : self._vlen]
+        return None if self._vbuf is None else self._vbuf[: self._vrows, :, : self._vlen]
 
     @values.setter
     def values(self, value) -> None:
         self._vbuf = value
         self._vlen = 0 if value is None else value.shape[2]
+        self._vrows = 0 if value is None else value.shape[0]
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -68,25 +74,90 @@ class GrowableLayer(DynamicLayer):
         self.values = value_states.new_zeros(b, value_states.shape[1], 0, value_states.shape[3])
         self.is_initialized = True
 
+    def _regrow(self, rows: int, slots: int) -> None:
+        """New buffers of at least `rows` rows and `slots` slots (with head-room), the live part copied."""
+        kb, vb = self._kbuf, self._vbuf
+        cap_r = max(rows, kb.shape[0])
+        cap_s = max(slots, kb.shape[2])
+        if rows > kb.shape[0]:
+            cap_r = max(rows, 2 * kb.shape[0])
+        if slots > kb.shape[2]:
+            cap_s = slots + max(GROW_SLOTS, slots // 4)
+        nk = kb.new_empty(cap_r, kb.shape[1], cap_s, kb.shape[3])
+        nv = vb.new_empty(cap_r, vb.shape[1], cap_s, vb.shape[3])
+        if self._len and self._rows:
+            nk[: self._rows, :, : self._len] = kb[: self._rows, :, : self._len]
+            nv[: self._rows, :, : self._len] = vb[: self._rows, :, : self._len]
+        self._kbuf, self._vbuf = nk, nv
+
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n = key_states.shape[2]
         need = self._len + n
-        if self._vlen != self._len:
-            raise RuntimeError(f"keys hold {self._len} slots but values {self._vlen}")
-        if need > min(self._kbuf.shape[2], self._vbuf.shape[2]) or self._kbuf.shape[0] != key_states.shape[0]:
-            cap = need + max(GROW_SLOTS, need // 4)
-            kb = key_states.new_empty(key_states.shape[0], key_states.shape[1], cap, key_states.shape[3])
-            vb = value_states.new_empty(value_states.shape[0], value_states.shape[1], cap, value_states.shape[3])
+        if self._vlen != self._len or self._vrows != self._rows:
+            raise RuntimeError(f"keys hold {self._rows}x{self._len} slots but values {self._vrows}x{self._vlen}")
+        if key_states.shape[0] != self._rows:
             if self._len:
-                kb[:, :, : self._len] = self._kbuf[:, :, : self._len]
-                vb[:, :, : self._len] = self._vbuf[:, :, : self._len]
-            self._kbuf, self._vbuf = kb, vb
-        self._kbuf[:, :, self._len: need] = key_states
-        self._vbuf[:, :, self._len: need] = value_states
+                raise RuntimeError(f"{key_states.shape[0]} new rows for a cache of {self._rows}")
+            self._rows = self._vrows = key_states.shape[0]     # nothing cached yet: the first forward sets the rows
+        kb, vb = self._kbuf, self._vbuf
+        if need > min(kb.shape[2], vb.shape[2]) or self._rows > min(kb.shape[0], vb.shape[0]):
+            self._regrow(self._rows, need)
+        self._kbuf[: self._rows, :, self._len: need] = key_states
+        self._vbuf[: self._rows, :, self._len: need] = value_states
         self._len = self._vlen = need
         return self.keys, self.values
+
+    def remove_row(self, row: int) -> None:
+        """Drop live row `row`: the last live row moves into its place (one row copied, no reallocation)."""
+        last = self._rows - 1
+        if not 0 <= row <= last:
+            raise IndexError(f"row {row} of {self._rows}")
+        if row != last and self._len:
+            self._kbuf[row, :, : self._len] = self._kbuf[last, :, : self._len]
+            self._vbuf[row, :, : self._len] = self._vbuf[last, :, : self._len]
+        self._rows = self._vrows = last
+
+    def append_row(self, keys, values) -> None:
+        """A new last row holding `keys` / `values` ([1, heads, L, dim], L <= the filled slots), right-aligned
+        with zeros on its left (masked padding: zeros, so a masked slot never feeds NaN into attention)."""
+        m = keys.shape[2]
+        if m > self._len:
+            raise ValueError(f"a row of {m} slots does not fit a cache of {self._len}")
+        if self._rows + 1 > self._kbuf.shape[0]:
+            self._regrow(self._rows + 1, self._len)
+        r = self._rows
+        self._kbuf[r, :, : self._len - m] = 0
+        self._vbuf[r, :, : self._len - m] = 0
+        if m:
+            self._kbuf[r, :, self._len - m: self._len] = keys[0]
+            self._vbuf[r, :, self._len - m: self._len] = values[0]
+        self._rows = self._vrows = r + 1
+
+    def gathered(self, rows, extra_slots: int, into: "GrowableLayer | None" = None) -> "GrowableLayer":
+        """A new layer holding copies of live rows `rows` (repeats allowed), with head-room for
+        `extra_slots` appends, filled by one index_select straight into its buffers. `into`: a layer
+        whose buffers to fill instead of new ones where they are large enough (a reused fork: no
+        allocation, no page faults; it must be done with them); new buffers then get GROW_SLOTS more
+        head-room, so the next forks fit too."""
+        other = GrowableLayer()
+        other.dtype, other.device, other.is_initialized = self.dtype, self.device, True
+        n, need = len(rows), self._len + extra_slots
+        kb, vb = (into._kbuf, into._vbuf) if into is not None else (None, None)
+        fits = kb is not None and all(
+            b.shape[0] >= n and b.shape[2] >= need and b.shape[1] == src.shape[1] and b.shape[3] == src.shape[3]
+            and b.dtype == src.dtype and b.device == src.device for b, src in ((kb, self._kbuf), (vb, self._vbuf)))
+        if not fits:
+            cap = need + (GROW_SLOTS if into is not None else 0)
+            kb = self._kbuf.new_empty(n, self._kbuf.shape[1], cap, self._kbuf.shape[3])
+            vb = self._vbuf.new_empty(n, self._vbuf.shape[1], cap, self._vbuf.shape[3])
+        torch.index_select(self.keys, 0, rows, out=kb[:n, :, : self._len])
+        torch.index_select(self.values, 0, rows, out=vb[:n, :, : self._len])
+        other._kbuf, other._vbuf = kb, vb
+        other._len = other._vlen = self._len
+        other._rows = other._vrows = n
+        return other
 
     def keep_tail(self, start: int, slots: list[int]) -> None:
         """Keep slots [0, start) and then `slots` (each >= start, increasing), dropping every other slot:
@@ -96,8 +167,8 @@ class GrowableLayer(DynamicLayer):
         k = len(slots)
         if k and slots != list(range(start, start + k)):
             idx = torch.as_tensor(slots, dtype=torch.long, device=self._kbuf.device)
-            self._kbuf[:, :, start: start + k] = self._kbuf.index_select(2, idx)
-            self._vbuf[:, :, start: start + k] = self._vbuf.index_select(2, idx)
+            self._kbuf[: self._rows, :, start: start + k] = self.keys.index_select(2, idx)
+            self._vbuf[: self._rows, :, start: start + k] = self.values.index_select(2, idx)
         self._len = self._vlen = start + k
 
 
@@ -124,6 +195,7 @@ class BatchKV:
         self.cache = None                                        # DynamicCache or None when empty
         self.valid = torch.zeros(0, 0, dtype=torch.bool, device=device)
         self.lengths: list[int] = []                             # valid slots per row = next position id
+        self._fork_pool: list = []                               # layers of the last reused fork (fork(reuse=True))
 
     # ------------------------------------------------------------------ shape
     @property
@@ -189,8 +261,7 @@ class BatchKV:
         if cache is None or length == 0:     # a row with nothing cached yet (a one-token prompt, a reset)
             if self.cache is not None:
                 for layer in _layers(self.cache):
-                    layer.keys = torch.cat([layer.keys, layer.keys.new_zeros(1, *layer.keys.shape[1:])])
-                    layer.values = torch.cat([layer.values, layer.values.new_zeros(1, *layer.values.shape[1:])])
+                    layer.append_row(layer.keys[:1, :, :0], layer.values[:1, :, :0])
             self.valid = torch.cat([self.valid, self.valid.new_zeros(1, self.slots)])
             self.lengths.append(0)
             return self.rows - 1
@@ -208,8 +279,7 @@ class BatchKV:
         width = max(self.slots, length)
         self._pad_left(width - self.slots)
         for layer, new in zip(_layers(self.cache), _layers(cache)):
-            layer.keys = torch.cat([layer.keys, _left_pad(new.keys, width)], dim=0)
-            layer.values = torch.cat([layer.values, _left_pad(new.values, width)], dim=0)
+            layer.append_row(new.keys, new.values)
         row_valid = torch.zeros(1, width, dtype=torch.bool, device=self.device)
         row_valid[0, width - length:] = True
         self.valid = torch.cat([self.valid, row_valid], dim=0)
@@ -235,6 +305,21 @@ class BatchKV:
         self.valid = self.valid.index_select(0, idx)
         self.lengths = [self.lengths[int(i)] for i in idx]
 
+    def remove(self, row: int) -> None:
+        """Drop `row`; the last row takes its index (one row of each layer moves, nothing is reallocated).
+        The caller reorders its own list the same way: `rows[row] = rows[-1]; rows.pop()`."""
+        last = self.rows - 1
+        if not 0 <= row <= last:
+            raise IndexError(f"row {row} of {self.rows}")
+        if self.cache is not None:
+            for layer in _layers(self.cache):
+                layer.remove_row(row)
+        if row != last:
+            self.valid[row] = self.valid[last]
+            self.lengths[row] = self.lengths[last]
+        self.valid = self.valid[:last]
+        self.lengths.pop()
+
     def reorder_tail(self, rows: list[int], tail: int) -> None:
         """`select(rows)` for rows that differ only in their last `tail` slots (the beams of one group:
         identical prefixes, copied from one row): only those slots move, in place."""
@@ -248,17 +333,23 @@ class BatchKV:
         self.valid[:, -tail:] = self.valid[:, -tail:].index_select(0, idx)
         self.lengths = [self.lengths[int(i)] for i in idx]
 
-    def fork(self, rows: list[int]) -> "BatchKV":
-        """A new BatchKV over copies of `rows` (repeats allowed); self is unchanged (layers append with
-        torch.cat, so the fork's forwards never write into self's tensors)."""
+    def fork(self, rows: list[int], extra_slots: int = GROW_SLOTS, reuse: bool = False) -> "BatchKV":
+        """A new BatchKV over copies of `rows` (repeats allowed), with room for `extra_slots` appended
+        slots before its buffers must grow; self is unchanged (the fork has buffers of its own).
+        `reuse`: fill the buffers of the previous reused fork where they are large enough (the draft's
+        fork at every step: 64 rows of MJSD beams are tens of MB, and fresh memory costs page faults each
+        time); that earlier fork must no longer be in use."""
         other = BatchKV(self.model, self.device)
         idx = torch.as_tensor(rows, dtype=torch.long, device=self.device)
         if self.cache is not None:
+            layers = _layers(self.cache)
+            pool = self._fork_pool if reuse and len(self._fork_pool) == len(layers) else [None] * len(layers)
             other.cache = copy.copy(self.cache)
-            other.cache.layers = [copy.copy(layer) for layer in _layers(self.cache)]
-            for layer in _layers(other.cache):
-                layer.keys = layer.keys.index_select(0, idx)
-                layer.values = layer.values.index_select(0, idx)
+            other.cache.layers = [layer.gathered(idx, extra_slots, into) if isinstance(layer, GrowableLayer)
+                                  else _copied_rows(layer, idx) for layer, into in zip(layers, pool)]
+            if reuse:    # the fork's layers: their buffers as they are at the next fork (grown, if they grew)
+                self._fork_pool = [lr if isinstance(lr, GrowableLayer) and lr._kbuf is not None else None
+                                   for lr in other.cache.layers]
         other.valid = self.valid.index_select(0, idx)
         other.lengths = [self.lengths[int(i)] for i in idx]
         return other
@@ -289,10 +380,23 @@ class BatchKV:
             valid[r, width - len(idx):] = True
         for layer in _layers(self.cache):
             g = gather[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
-            layer.keys = layer.keys.gather(2, g)
-            layer.values = layer.values.gather(2, g)
+            keys, values = layer.keys.gather(2, g), layer.values.gather(2, g)
+            if isinstance(layer, GrowableLayer):      # back into the same buffers: no new allocation to regrow
+                layer._kbuf[: self.rows, :, :width] = keys
+                layer._vbuf[: self.rows, :, :width] = values
+                layer._len = layer._vlen = width
+            else:
+                layer.keys, layer.values = keys, values
         self.valid = valid
         return True
+
+
+def _copied_rows(layer, idx: torch.Tensor):
+    """A shallow copy of a cache layer holding copies of rows `idx`."""
+    other = copy.copy(layer)
+    other.keys = layer.keys.index_select(0, idx)
+    other.values = layer.values.index_select(0, idx)
+    return other
 
 
 def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:

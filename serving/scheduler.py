@@ -306,11 +306,14 @@ class BatchScheduler:
             if req in lst:
                 lst.remove(req)
         if req in self.batch:
-            keep = [i for i, r in enumerate(self.batch) if r is not req]
-            self.batch = [self.batch[i] for i in keep]
+            # the last row takes the leaving row's place in the caches (BatchKV.remove moves one row, where
+            # a selection of the other rows would copy every cache) and in the batch list
+            row = self.batch.index(req)
             for kv in (self.tkv, *self.dkvs):
                 if kv is not None:
-                    kv.select(keep)
+                    kv.remove(row)
+            self.batch[row] = self.batch[-1]
+            self.batch.pop()
 
     def _compact(self) -> None:
         for kv in (self.tkv, *self.dkvs):
@@ -594,7 +597,7 @@ class BatchScheduler:
         for i in stops:
             _confidence_stop(state[i], first[i], stops[i], 0)
         K = max(state[i]["k"] for i in drafting)
-        fork = dkv.fork(fork_rows) if K > 1 else None
+        fork = dkv.fork(fork_rows, extra_slots=K, reuse=True) if K > 1 else None   # the last step's fork is done
         forwards = 1
         for step in range(1, K):
             if all(step >= state[i]["k"] for i in drafting):   # every chain stopped on its draft's doubt

@@ -342,6 +342,64 @@ def test_batch_cache_rows_with_holes_match_fresh_forwards():
     torch.testing.assert_close(lg[1, -1], fresh([7]))
 
 
+def test_rows_leave_and_join_without_moving_the_other_rows():
+    """BatchKV.remove moves the last row into the leaving row's place and add_row writes into a spare row:
+    every row's logits stay equal to a fresh forward over its tokens, and neither touches the buffers of
+    the rows that stay (no whole-cache copy per request that leaves or joins)."""
+    from transformers import DynamicCache
+
+    model = tiny_models.make_model(0, layers=2, sharp=8.0)
+
+    def fresh(seq):
+        with torch.no_grad():
+            return model(input_ids=torch.tensor([seq])).logits[0, -1].float()
+
+    def prefill(seq):
+        with torch.no_grad():
+            return model(input_ids=torch.tensor([seq]), past_key_values=DynamicCache(), use_cache=True).past_key_values
+
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (9, 4, 7, 6)]
+    kv = BatchKV(model, torch.device("cpu"))
+    for s in seqs[:3]:
+        kv.add_row(prefill(s[:-1]), len(s) - 1)
+    rows = seqs[:3]
+    lg = kv.feed([[s[-1]] for s in rows], keep=1)
+    for r, s in enumerate(rows):
+        torch.testing.assert_close(lg[r, -1], fresh(s))
+    layer = kv.cache.layers[0]
+    buffers = (layer._kbuf.data_ptr(), layer._vbuf.data_ptr())
+    kv.remove(0)                                            # the last row (seqs[2]) takes row 0
+    rows[0] = rows[-1]
+    rows.pop()
+    assert kv.rows == 2 and kv.lengths == [len(rows[0]), len(rows[1])]
+    kv.add_row(prefill(seqs[3][:-1]), len(seqs[3]) - 1)     # shorter than the slots: right-aligned in a spare row
+    rows.append(seqs[3][:-1])
+    assert (layer._kbuf.data_ptr(), layer._vbuf.data_ptr()) == buffers
+    lg = kv.feed([[5], [6], [seqs[3][-1]]], keep=1)
+    torch.testing.assert_close(lg[0, -1], fresh(rows[0] + [5]))
+    torch.testing.assert_close(lg[1, -1], fresh(rows[1] + [6]))
+    torch.testing.assert_close(lg[2, -1], fresh(seqs[3]))
+    kv.remove(2)                                            # the last row leaves: nothing moves
+    lg = kv.feed([[7], [8]], keep=1)
+    torch.testing.assert_close(lg[0, -1], fresh(rows[0] + [5, 7]))
+    torch.testing.assert_close(lg[1, -1], fresh(rows[1] + [6, 8]))
+    with pytest.raises(IndexError):
+        kv.remove(2)
+    # a reused fork (the draft's beams at every step) fills the previous fork's buffers, correctly
+    first = kv.fork([0, 0, 1], extra_slots=2, reuse=True)
+    lg = first.feed([[1], [2], [3]], keep=1)
+    torch.testing.assert_close(lg[2, -1], fresh(rows[1] + [6, 8, 3]))
+    ptr = first.cache.layers[0]._kbuf.data_ptr()
+    second = kv.fork([1, 0], extra_slots=2, reuse=True)
+    assert second.cache.layers[0]._kbuf.data_ptr() == ptr
+    lg = second.feed([[4], [9]], keep=1)
+    torch.testing.assert_close(lg[0, -1], fresh(rows[1] + [6, 8, 4]))
+    torch.testing.assert_close(lg[1, -1], fresh(rows[0] + [5, 7, 9]))
+    lg = kv.feed([[2], [3]], keep=1)                        # forks never write into kv
+    torch.testing.assert_close(lg[0, -1], fresh(rows[0] + [5, 7, 2]))
+
+
 def test_live_statistics_credit_each_version_its_own_steps():
     """A request that spans a swap: MLflow's live per-version sums get each version's own draft and accepted
     tokens (serving/metrics.py split_by_version), and the parts add up to the request."""
