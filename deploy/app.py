@@ -27,7 +27,10 @@ Keys: `app_builder` (serve run / serve deploy) takes `api_key` and `admin_api_ke
 from DRAFTSMITH_API_KEY / DRAFTSMITH_ADMIN_KEY in the environment of the process that builds the app,
 so deploy/serve_config.yaml holds no key. CPU budget: each replica asks Ray for `num_cpus` (default
 2 / replicas on a 2-core machine, so that one or two replicas fit beside the proxy) and sets torch's
-thread count to match.
+thread count to match. Priority: a Ray that `serve_forever` starts runs its workers at niceness 0
+(`RAY_worker_niceness`, unless set already), not Ray's default of 15, under which a load generator or any
+other process at normal priority took the replica's core first (docs/benchmarks.md); a cluster joined
+through RAY_ADDRESS keeps its own setting.
 """
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ from serving.service import Service, ServiceSettings, settings_from_env
 log = logging.getLogger(__name__)
 APP_NAME = "draftsmith"
 SHUTDOWN_TIMEOUT_S = 60.0     # graceful stop (replicas finish in-flight requests: up to 20 s); then SIGKILL
+RAY_WORKER_NICENESS = "RAY_worker_niceness"   # read by the raylet when it starts (Ray's default: 15)
 
 
 @serve.deployment(name="Draftsmith", max_ongoing_requests=64, health_check_period_s=10,
@@ -299,6 +303,10 @@ def serve_forever(host: str = "127.0.0.1", port: int = 8000, target: str | None 
 
             s.redis_url = ensure_embedded()
         s.redis_url = s.redis_url or os.environ.get("REDIS_URL")
+        if not os.environ.get("RAY_ADDRESS"):
+            # a Ray started here runs its workers (the replicas, the proxy) at normal priority: Ray's default
+            # niceness of 15 let any other busy process on the machine take the replicas' cores first
+            os.environ.setdefault(RAY_WORKER_NICENESS, "0")
         ray.init(address=os.environ.get("RAY_ADDRESS") or None, namespace=HUB_NAMESPACE, ignore_reinit_error=True,
                  include_dashboard=False, log_to_driver=True)
         if main_thread:

@@ -401,6 +401,13 @@ def _proc_info(pid: int) -> tuple[int, int, str, int] | None:
     return int(f[1]), int(f[3]), f[0], int(f[19])
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def _tree(root: int) -> dict[int, int]:
     """pid -> start time of every live process below `root`."""
     info = {int(p): _proc_info(int(p)) for p in os.listdir("/proc") if p.isdigit()}
@@ -523,6 +530,11 @@ def test_ray_serve_admin_loopback_only_then_sigterm_empties_the_process_tree(ser
             assert r.status_code == 200, r.text
             for r in (remote.get("/v1/admin/draft"), remote.post("/v1/admin/rollback", json={})):
                 assert_error(r, 403, code="admin_loopback_only")
+        # the replica runs at the command's own priority, not at Ray's default worker niceness of 15
+        replicas = [p for p in _tree(proc.pid) if b"ray::ServeReplica" in _cmdline(p)]
+        assert replicas, "no replica process found below draftsmith serve"
+        for p in replicas:
+            assert os.getpriority(os.PRIO_PROCESS, p) == os.getpriority(os.PRIO_PROCESS, proc.pid)
     except BaseException:
         _stop_hard(proc)
         raise
