@@ -1,7 +1,7 @@
 """HTTP load benchmark: concurrent streaming clients against the Ray Serve app.
 
     .venv/bin/python scripts/bench_load.py [--url http://127.0.0.1:8000] [--clients 1 4 8] [--seconds 60]
-        [--max-tokens 64] [--mode mjsd] [--engine-seconds 60] [--out docs/results/load]
+        [--max-tokens 64] [--mode mjsd] [--engine-seconds 60] [--requests N] [--out docs/results/load]
     .venv/bin/python scripts/bench_load.py --no-http --device cuda --draft data/bootstrap-draft \
         --engine-clients 1 4 8 --engine-seconds 20       # in-process only, e.g. on a GPU (scripts/bench_gpu.sh)
 
@@ -65,10 +65,11 @@ def engine_baseline(prompts: list[str], args, threads: int | None = None, client
         eng.generate_all(chat_prompt_ids(eng.tokenizer, prompts[-1 - j]), SamplingParams(max_tokens=8, seed=j), spec)
     lock, stop = threading.Lock(), threading.Event()
     results: list[dict] = []
+    limit = args.requests if clients == 1 else None   # a fixed list of requests: the same ones as over HTTP
 
     def client(cid: int) -> None:
         k = 0
-        while not stop.is_set():
+        while not stop.is_set() and (limit is None or k < limit):
             ids = chat_prompt_ids(eng.tokenizer, prompts[(cid * 997 + k) % len(prompts)])
             t0, ttft, n = time.perf_counter(), None, 0
             # what the HTTP clients below send: T=0.7 and no top_k / top_p, i.e. OpenAI's defaults (no top-k,
@@ -88,10 +89,11 @@ def engine_baseline(prompts: list[str], args, threads: int | None = None, client
     t0 = time.perf_counter()
     for w in workers:
         w.start()
-    time.sleep(args.engine_seconds)
-    stop.set()
+    if limit is None:
+        time.sleep(args.engine_seconds)
+        stop.set()
     for w in workers:
-        w.join(timeout=300)
+        w.join(timeout=None if limit else 300)
     dt = max(r["end"] for r in results) - t0
     tokens = sum(r["tokens"] for r in results)
     ttft = [r["ttft"] for r in results if r["ttft"] is not None]
@@ -115,10 +117,12 @@ def run_level(url: str, n: int, prompts: list[str], args) -> dict:
     results, stop = [], threading.Event()
     lock = threading.Lock()
 
+    limit = args.requests if n == 1 else None   # a fixed list of requests: the same ones as in-process
+
     def client(cid: int):
         k = 0
         with httpx.Client(base_url=url, timeout=300) as c:
-            while not stop.is_set():
+            while not stop.is_set() and (limit is None or k < limit):
                 body = {"messages": [{"role": "user", "content": prompts[(cid * 997 + k) % len(prompts)]}],
                         "max_tokens": args.max_tokens, "temperature": 0.7, "stream": True,
                         "stream_options": {"include_usage": True}, "speculative": {"mode": args.mode}}
@@ -151,11 +155,12 @@ def run_level(url: str, n: int, prompts: list[str], args) -> dict:
     t_start = time.perf_counter()
     for t in threads:
         t.start()
-    time.sleep(args.seconds)
-    stop.set()
+    if limit is None:
+        time.sleep(args.seconds)
+        stop.set()
     for t in threads:
-        t.join(timeout=300)
-    t_end = max([r["end"] for r in results] + [t_start + args.seconds])
+        t.join(timeout=None if limit else 300)
+    t_end = max([r["end"] for r in results] + ([] if limit else [t_start + args.seconds]))
     ok = [r for r in results if r["status"] == 200 and r["error"] is None]
     lat = [r["end"] - r["start"] for r in ok]
     ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
@@ -205,6 +210,9 @@ def main() -> int:
                         "1 on a 2-core machine), to separate HTTP + Ray cost from the core left to the proxy")
     p.add_argument("--engine-clients", type=int, nargs="+", default=None,
                    help="also run the in-process engine with this many concurrent clients (its batch scheduler)")
+    p.add_argument("--requests", type=int, default=None,
+                   help="1-client levels (in-process and HTTP) send exactly this many requests, the same prompts in "
+                        "the same order, instead of running for a time: the HTTP overhead compares the same work")
     p.add_argument("--no-http", action="store_true", help="in-process levels only, no server")
     p.add_argument("--device", default="cpu", help="in-process levels: the engine's device (cuda on a GPU)")
     p.add_argument("--draft", type=Path, default=None,
