@@ -58,7 +58,12 @@ def engine_baseline(prompts: list[str], args, threads: int | None = None, client
             reg = Registry(None)
             version = reg.champion()
             draft = str(reg.materialize(version)) if version else None
-        eng = Engine.from_paths(None, draft, draft_version=version or "none", device=args.device)
+        sink = None
+        if args.engine_buffer:   # record every step into a Redis buffer, as the replica does
+            from buffer.redis_store import BufferConfig, ReplayBufferWriter
+
+            sink = ReplayBufferWriter(args.engine_buffer, BufferConfig(prefix=BENCH_BUFFER_PREFIX))
+        eng = Engine.from_paths(None, draft, draft_version=version or "none", device=args.device, sink=sink)
         _ENGINES[threads] = (eng, version)
     spec = SpecParams(mode=args.mode if eng.draft is not None else "target")
     for j in range(2):   # warm-up (first calls pay for kernel selection and allocations)
@@ -109,6 +114,19 @@ def engine_baseline(prompts: list[str], args, threads: int | None = None, client
 
 
 _ENGINES: dict = {}
+BENCH_BUFFER_PREFIX = "draftsmith-bench-load"   # --engine-buffer: the in-process engines' records, deleted at the end
+
+
+def drop_bench_buffer(url: str) -> None:
+    from buffer.redis_store import connect
+
+    client = connect(url)
+    try:
+        keys = list(client.scan_iter(match=f"{BENCH_BUFFER_PREFIX}:*", count=1000))
+        if keys:
+            client.delete(*keys)
+    finally:
+        client.close()
 
 
 def run_level(url: str, n: int, prompts: list[str], args) -> dict:
@@ -213,6 +231,9 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=None,
                    help="1-client levels (in-process and HTTP) send exactly this many requests, the same prompts in "
                         "the same order, instead of running for a time: the HTTP overhead compares the same work")
+    p.add_argument("--engine-buffer", default=None, metavar="REDIS_URL",
+                   help="the in-process engines record every step into a replay buffer at this Redis (under "
+                        f"{BENCH_BUFFER_PREFIX}:*, deleted at the end), as the replica records into its own")
     p.add_argument("--no-http", action="store_true", help="in-process levels only, no server")
     p.add_argument("--device", default="cpu", help="in-process levels: the engine's device (cuda on a GPU)")
     p.add_argument("--draft", type=Path, default=None,
@@ -229,7 +250,12 @@ def main() -> int:
             report.setdefault("engine_levels", []).append(engine_baseline(prompts, args, clients=c))
         for t in args.engine_threads or []:
             report.setdefault("engine_at_threads", []).append(engine_baseline(prompts, args, t))
+        for eng, _ in _ENGINES.values():
+            if eng.sink is not None:
+                eng.sink.close()
         _ENGINES.clear()
+        if args.engine_buffer:
+            drop_bench_buffer(args.engine_buffer)
         import gc
 
         gc.collect()
