@@ -175,6 +175,17 @@ def connect(url: str | None = None, *, socket_timeout: float = 2.0, socket_conne
         client_name=client_name, decode_responses=False)
 
 
+def delete_prefix(url: str | None, prefix: str) -> int:
+    """Delete every key under `prefix:` (a buffer's streams, sequences, groups); returns how many. For tests
+    and benchmarks that write a buffer of their own and must leave Redis as they found it."""
+    client = connect(url)
+    try:
+        keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
+        return client.delete(*keys) if keys else 0
+    finally:
+        client.close()
+
+
 def _client(client: "redis.Redis | str | None", **kw) -> redis.Redis:
     return client if isinstance(client, redis.Redis) else connect(client, **kw)
 

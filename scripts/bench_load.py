@@ -117,18 +117,6 @@ _ENGINES: dict = {}
 BENCH_BUFFER_PREFIX = "draftsmith-bench-load"   # --engine-buffer: the in-process engines' records, deleted at the end
 
 
-def drop_bench_buffer(url: str) -> None:
-    from buffer.redis_store import connect
-
-    client = connect(url)
-    try:
-        keys = list(client.scan_iter(match=f"{BENCH_BUFFER_PREFIX}:*", count=1000))
-        if keys:
-            client.delete(*keys)
-    finally:
-        client.close()
-
-
 def run_level(url: str, n: int, prompts: list[str], args) -> dict:
     import httpx
 
@@ -255,7 +243,9 @@ def main() -> int:
                 eng.sink.close()
         _ENGINES.clear()
         if args.engine_buffer:
-            drop_bench_buffer(args.engine_buffer)
+            from buffer.redis_store import delete_prefix
+
+            delete_prefix(args.engine_buffer, BENCH_BUFFER_PREFIX)
         import gc
 
         gc.collect()

@@ -345,11 +345,9 @@ class BatchKV:
             layers = _layers(self.cache)
             pool = self._fork_pool if reuse and len(self._fork_pool) == len(layers) else [None] * len(layers)
             other.cache = copy.copy(self.cache)
-            other.cache.layers = [layer.gathered(idx, extra_slots, into) if isinstance(layer, GrowableLayer)
-                                  else _copied_rows(layer, idx) for layer, into in zip(layers, pool)]
+            other.cache.layers = [layer.gathered(idx, extra_slots, into) for layer, into in zip(layers, pool)]
             if reuse:    # the fork's layers: their buffers as they are at the next fork (grown, if they grew)
-                self._fork_pool = [lr if isinstance(lr, GrowableLayer) and lr._kbuf is not None else None
-                                   for lr in other.cache.layers]
+                self._fork_pool = list(other.cache.layers)
         other.valid = self.valid.index_select(0, idx)
         other.lengths = [self.lengths[int(i)] for i in idx]
         return other
@@ -381,22 +379,11 @@ class BatchKV:
         for layer in _layers(self.cache):
             g = gather[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
             keys, values = layer.keys.gather(2, g), layer.values.gather(2, g)
-            if isinstance(layer, GrowableLayer):      # back into the same buffers: no new allocation to regrow
-                layer._kbuf[: self.rows, :, :width] = keys
-                layer._vbuf[: self.rows, :, :width] = values
-                layer._len = layer._vlen = width
-            else:
-                layer.keys, layer.values = keys, values
+            layer._kbuf[: self.rows, :, :width] = keys     # back into the same buffers: nothing to regrow
+            layer._vbuf[: self.rows, :, :width] = values
+            layer._len = layer._vlen = width
         self.valid = valid
         return True
-
-
-def _copied_rows(layer, idx: torch.Tensor):
-    """A shallow copy of a cache layer holding copies of rows `idx`."""
-    other = copy.copy(layer)
-    other.keys = layer.keys.index_select(0, idx)
-    other.values = layer.values.index_select(0, idx)
-    return other
 
 
 def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:

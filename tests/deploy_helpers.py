@@ -149,15 +149,9 @@ def serve_records(target: Path, draft: Path, redis_url: str, prefix: str, *, req
 
 
 def drop_prefix(redis_url: str, prefix: str) -> None:
-    from buffer.redis_store import connect
+    from buffer.redis_store import delete_prefix
 
-    client = connect(redis_url)
-    try:
-        keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
-        if keys:
-            client.delete(*keys)
-    finally:
-        client.close()
+    delete_prefix(redis_url, prefix)
 
 
 # ----------------------------------------------------------------------------- a real MLflow server

@@ -300,12 +300,9 @@ def test_prefix_cache_prefills_a_shared_prompt_start_once(pair):
 
 
 # ---------------------------------------------------------------------------- the cache itself
-def test_batch_cache_rows_with_holes_match_fresh_forwards():
-    """BatchKV: ragged blocks, rejected slots, joins, leaves, forks and compaction keep every row's logits
-    equal to a fresh forward over its tokens."""
+def _fresh_and_prefill(model):
+    """(fresh(seq): last-position logits of a fresh forward over seq, prefill(seq): a batch-1 cache of seq)."""
     from transformers import DynamicCache
-
-    model = tiny_models.make_model(0, layers=2, sharp=8.0)
 
     def fresh(seq):
         with torch.no_grad():
@@ -314,6 +311,15 @@ def test_batch_cache_rows_with_holes_match_fresh_forwards():
     def prefill(seq):
         with torch.no_grad():
             return model(input_ids=torch.tensor([seq]), past_key_values=DynamicCache(), use_cache=True).past_key_values
+
+    return fresh, prefill
+
+
+def test_batch_cache_rows_with_holes_match_fresh_forwards():
+    """BatchKV: ragged blocks, rejected slots, joins, leaves, forks and compaction keep every row's logits
+    equal to a fresh forward over its tokens."""
+    model = tiny_models.make_model(0, layers=2, sharp=8.0)
+    fresh, prefill = _fresh_and_prefill(model)
 
     gen = torch.Generator().manual_seed(0)
     A = torch.randint(0, 256, (12,), generator=gen).tolist()
@@ -346,17 +352,8 @@ def test_rows_leave_and_join_without_moving_the_other_rows():
     """BatchKV.remove moves the last row into the leaving row's place and add_row writes into a spare row:
     every row's logits stay equal to a fresh forward over its tokens, and neither touches the buffers of
     the rows that stay (no whole-cache copy per request that leaves or joins)."""
-    from transformers import DynamicCache
-
     model = tiny_models.make_model(0, layers=2, sharp=8.0)
-
-    def fresh(seq):
-        with torch.no_grad():
-            return model(input_ids=torch.tensor([seq])).logits[0, -1].float()
-
-    def prefill(seq):
-        with torch.no_grad():
-            return model(input_ids=torch.tensor([seq]), past_key_values=DynamicCache(), use_cache=True).past_key_values
+    fresh, prefill = _fresh_and_prefill(model)
 
     gen = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (9, 4, 7, 6)]
