@@ -113,12 +113,27 @@ def _batch_order(lengths: list[int], batch_size: int, window: int | None) -> lis
     return [i for w in range(0, len(idx), window) for i in sorted(idx[w: w + window], key=lambda i: lengths[i])]
 
 
+MIN_BATCH_S = 5.0   # a batch started before its deadline runs at least this long (some tokens, never none)
+
+
+def _time_left(deadline: float | None) -> dict:
+    """`generate`'s max_time for a batch that must end by `deadline` (a time.time() value): the budget is
+    kept within one decode step, not one batch. A batch of 64 prompts x 128 tokens takes minutes on a slow
+    2-core CPU, and checking the deadline only between batches let the teacher overrun its share by ~110 s
+    there, leaving training 15 steps (docs/benchmarks.md). At least MIN_BATCH_S, so every call yields some
+    tokens; answers cut short still teach every position they reached."""
+    if deadline is None:
+        return {}
+    return {"max_time": max(MIN_BATCH_S, deadline - time.time())}
+
+
 def generate_teacher_data(target, tokenizer, prompts: list[list[int]], *, max_new_tokens: int = 128,
                           batch_size: int = 64, top_k: int = 20, deadline: float | None = None,
                           sources: list[str] | None = None, sort_window: int | None = None,
                           progress=print) -> list[dict]:
     """Greedy target answers + top-k raw log-probs. Stops early (keeping what is done) at `deadline`
-    (a time.time() value), after at least one batch: a slow or loaded machine gets less data, never none. `sources` (one label per prompt) is carried into each example's "source"."""
+    (a time.time() value), within a decode step of it: the batch running then keeps its answers so far (cut
+    short), and a slow or loaded machine gets less data, never none. `sources` (one label per prompt) is carried into each example's "source"."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = tokenizer.eos_token_id
     examples: list[dict] = []
@@ -136,7 +151,7 @@ def generate_teacher_data(target, tokenizer, prompts: list[list[int]], *, max_ne
         with torch.no_grad(), attention_implementation(target):
             out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                                   do_sample=False, output_scores=True, return_dict_in_generate=True,
-                                  pad_token_id=pad, eos_token_id=eos)
+                                  pad_token_id=pad, eos_token_id=eos, **_time_left(deadline))
         top_lp, top_ids = topk_logprobs(out.scores, top_k)          # [B, new, k] each
         gen = out.sequences[:, width:]
         for r, p in enumerate(batch):
@@ -196,7 +211,7 @@ def synthesize_prompts(target, tokenizer, n: int, *, seeds: list[str] = ("",), b
         with torch.no_grad(), attention_implementation(target):
             seqs = target.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=temperature,
                                    top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, pad_token_id=pad,
-                                   eos_token_id=end_id)
+                                   eos_token_id=end_id, **_time_left(deadline))
         for start, conv, row in zip(starts, convs, seqs[:, ids.shape[1]:].tolist()):
             if end_id not in row:
                 continue                                        # the request never closed its turn

@@ -108,3 +108,25 @@ def test_a_passed_deadline_still_gives_one_batch_of_teacher_data_and_one_trainin
     assert fig["train_steps"] == 1
     assert train_draft(tiny_models.make_model(1, layers=2), [], [], subset, deadline=past, bf16=False,
                        progress=lambda m: None)["train_steps"] == 0
+
+
+def test_a_deadline_inside_a_batch_cuts_its_answers_short_instead_of_overrunning(monkeypatch):
+    """The deadline holds within a decode step, not a batch: a batch that would run far past it (here
+    thousands of tokens per answer) stops at it, and its answers so far are kept as teacher data (every
+    position reached has its top-k)."""
+    import training.teacher as teacher
+
+    monkeypatch.setattr(teacher, "MIN_BATCH_S", 0.2)
+    tok = tiny_models.make_tokenizer()
+    model = tiny_models.make_model(0, layers=2)
+    prompts, _, _ = _padded_batch(tok, ["add two and three", "hi"])
+    t0 = time.time()
+    examples = generate_teacher_data(model, tok, prompts, max_new_tokens=20_000, batch_size=2,
+                                     deadline=t0 + 0.5, progress=lambda m: None)
+    elapsed = time.time() - t0
+    assert elapsed < 5.0, elapsed
+    assert len(examples) == 2
+    for e in examples:
+        n = len(e["tokens"]) - e["prompt_len"]
+        assert 0 < n < 20_000
+        assert len(e["topk_ids"]) == n == len(e["topk_logprobs"])
