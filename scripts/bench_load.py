@@ -12,11 +12,19 @@ Reported per level: completed requests, output tokens/s (sum over clients), per-
 time-to-first-token p50/p99, 5xx and other failures. Before the server starts, --engine-seconds of the
 same requests run in-process through Engine (same draft, same settings, one at a time): HTTP + Ray
 overhead at 1 client = 1 - (HTTP tokens/s / in-process tokens/s).
+
+`--paired N` measures that overhead on matched work instead: with the server up and the in-process engine
+(on --engine-threads, default the replica's 1 thread, recording into --engine-buffer when given) loaded
+beside it, request k (prompt k, seed k, T=0.7, OpenAI's default warps) is sent in-process and over HTTP
+back to back, the order alternating, so drift of the host (which moved the in-process figure by 20% between
+runs of the same code) falls on both sides alike. Reported: tokens/s both ways over the same N requests,
+the overhead, the median and spread of the per-pair time ratios, and how many pairs produced the same text.
 Writes bench_load.json and bench_load.png to --out and prints a markdown table.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -182,6 +190,89 @@ def run_level(url: str, n: int, prompts: list[str], args) -> dict:
     return out
 
 
+def paired_overhead(url: str, prompts: list[str], args) -> dict:
+    """HTTP + Ray overhead at one client on matched, interleaved work (see the module docstring)."""
+    import httpx
+    import torch
+
+    threads = (args.engine_threads or [1])[0]
+    engine_baseline(prompts[:2], _warm_args(args), threads)   # loads the engine on `threads` and warms it
+    torch.set_num_threads(threads)
+    eng, _ = _ENGINES[threads]
+    from serving.config import SamplingParams, SpecParams
+    from serving.protocol import OPENAI_TOP_K, OPENAI_TOP_P
+    from training.prompts import chat_prompt_ids
+
+    spec = SpecParams(mode=args.mode if eng.draft is not None else "target")
+
+    def in_process(k: int) -> tuple[float, int, str]:
+        ids = chat_prompt_ids(eng.tokenizer, prompts[k % len(prompts)])
+        sp = SamplingParams(temperature=0.7, top_k=OPENAI_TOP_K, top_p=OPENAI_TOP_P, max_tokens=args.max_tokens,
+                            seed=k)
+        t0, out = time.perf_counter(), []
+        for o in eng.generate(ids, sp, spec):
+            out.extend(o.token_ids)
+        return time.perf_counter() - t0, len(out), eng.tokenizer.decode(out, skip_special_tokens=True)
+
+    def over_http(c, k: int) -> tuple[float, int, str]:
+        body = {"messages": [{"role": "user", "content": prompts[k % len(prompts)]}], "max_tokens": args.max_tokens,
+                "temperature": 0.7, "seed": k, "stream": True, "stream_options": {"include_usage": True},
+                "speculative": {"mode": args.mode}}
+        t0, text, tokens = time.perf_counter(), [], 0
+        with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ev = json.loads(line[6:])
+                if "error" in ev:
+                    raise RuntimeError(ev["error"]["message"])
+                if ev.get("choices"):
+                    text.append(ev["choices"][0]["delta"].get("content") or "")
+                if ev.get("usage"):
+                    tokens = ev["usage"]["completion_tokens"]
+        return time.perf_counter() - t0, tokens, "".join(text)
+
+    pairs = []
+    with httpx.Client(base_url=url, timeout=300) as c:
+        for k in range(-2, args.paired):   # two unmeasured pairs first: the replica's first requests warm it
+            kk = k % len(prompts)
+            if k % 2 == 0:
+                a = in_process(kk)
+                b = over_http(c, kk)
+            else:
+                b = over_http(c, kk)
+                a = in_process(kk)
+            if k < 0:
+                continue
+            pairs.append({"k": k, "in_process_s": a[0], "in_process_tokens": a[1], "http_s": b[0],
+                          "http_tokens": b[1], "same_text": a[2].strip() == b[2].strip()})
+            if (k + 1) % 8 == 0:
+                print(f"[paired] {k + 1}/{args.paired} pairs", flush=True)
+    torch.set_num_threads(os.cpu_count() or 2)
+    ti = sum(p["in_process_tokens"] for p in pairs) / sum(p["in_process_s"] for p in pairs)
+    th = sum(p["http_tokens"] for p in pairs) / sum(p["http_s"] for p in pairs)
+    # per pair: HTTP seconds per token over in-process seconds per token (1.0 = no overhead)
+    ratios = sorted((p["http_s"] / max(1, p["http_tokens"])) / (p["in_process_s"] / max(1, p["in_process_tokens"]))
+                    for p in pairs)
+    out = {"pairs": pairs, "threads": threads, "in_process_tokens_per_s": ti, "http_tokens_per_s": th,
+           "overhead": 1 - th / ti, "pair_ratio_p25": pct(ratios, 0.25), "pair_ratio_median": pct(ratios, 0.5),
+           "pair_ratio_p75": pct(ratios, 0.75), "same_text": sum(p["same_text"] for p in pairs),
+           "buffer": bool(args.engine_buffer)}
+    print(f"[paired] {len(pairs)} pairs: in-process {ti:.1f} tok/s, HTTP {th:.1f} tok/s, overhead "
+          f"{100 * out['overhead']:.1f}%; per-pair time ratio median {out['pair_ratio_median']:.3f} "
+          f"(p25 {out['pair_ratio_p25']:.3f}, p75 {out['pair_ratio_p75']:.3f}); same text in {out['same_text']}",
+          flush=True)
+    return out
+
+
+def _warm_args(args):
+    """args for engine_baseline as a loader: two requests, no timed level."""
+    a = argparse.Namespace(**vars(args))
+    a.requests, a.engine_seconds = 2, 0
+    return a
+
+
 def start_server(port: int) -> subprocess.Popen:
     import httpx
 
@@ -203,6 +294,64 @@ def start_server(port: int) -> subprocess.Popen:
     raise SystemExit("the server did not become healthy in 300 s")
 
 
+@contextlib.contextmanager
+def served(args):
+    """The service's URL: --url, else a `draftsmith serve` started here and stopped on exit."""
+    if args.url is not None:
+        yield args.url
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    print(f"[load] starting draftsmith serve on port {port}", flush=True)
+    proc = start_server(port)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        import signal
+
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def run_paired(prompts: list[str], args, report: dict) -> int:
+    """--paired: the overhead on matched, interleaved requests; writes bench_load_paired.json and a PNG."""
+    with served(args) as url:
+        try:
+            report["paired"] = paired_overhead(url, prompts, args)
+        finally:
+            for eng, _ in _ENGINES.values():
+                if eng.sink is not None:
+                    eng.sink.close()
+            if args.engine_buffer:
+                from buffer.redis_store import delete_prefix
+
+                delete_prefix(args.engine_buffer, BENCH_BUFFER_PREFIX)
+    r = report["paired"]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_load_paired.json").write_text(json.dumps(report, indent=2))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ks = [q["k"] for q in r["pairs"]]
+    ax.plot(ks, [q["in_process_tokens"] / q["in_process_s"] for q in r["pairs"]], "o-", label="in-process engine")
+    ax.plot(ks, [q["http_tokens"] / q["http_s"] for q in r["pairs"]], "s-", label="HTTP (Ray Serve replica)")
+    ax.set_xlabel("request (same prompt and seed both ways)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(f"overhead {100 * r['overhead']:.1f}% on {len(ks)} pairs, {r['threads']} torch thread(s)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(args.out / "bench_load_paired.png", dpi=110)
+    print(f"wrote {args.out}/bench_load_paired.json, bench_load_paired.png")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--url", default=None)
@@ -222,6 +371,10 @@ def main() -> int:
     p.add_argument("--engine-buffer", default=None, metavar="REDIS_URL",
                    help="the in-process engines record every step into a replay buffer at this Redis (under "
                         f"{BENCH_BUFFER_PREFIX}:*, deleted at the end), as the replica records into its own")
+    p.add_argument("--paired", type=int, default=None, metavar="N",
+                   help="only the HTTP overhead at one client, on N matched requests sent in-process and over HTTP "
+                        "in alternation (same prompt and seed); the in-process engine runs on the first "
+                        "--engine-threads (default 1, the replica's on a 2-core machine)")
     p.add_argument("--no-http", action="store_true", help="in-process levels only, no server")
     p.add_argument("--device", default="cpu", help="in-process levels: the engine's device (cuda on a GPU)")
     p.add_argument("--draft", type=Path, default=None,
@@ -232,6 +385,8 @@ def main() -> int:
 
     prompts = load_prompts("gsm8k", "train", 200)
     report = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
+    if args.paired:
+        return run_paired(prompts, args, report)
     if args.engine_seconds > 0:
         report["engine"] = engine_baseline(prompts, args)
         for c in args.engine_clients or []:
@@ -251,27 +406,9 @@ def main() -> int:
         gc.collect()
     if args.no_http:
         report["levels"] = []
-    proc = None
-    url = args.url
-    if url is None and not args.no_http:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        print(f"[load] starting draftsmith serve on port {port}", flush=True)
-        proc = start_server(port)
-        url = f"http://127.0.0.1:{port}"
-    try:
-        if not args.no_http:
+    if not args.no_http:
+        with served(args) as url:
             report["levels"] = [run_level(url, n, prompts, args) for n in args.clients]
-    finally:
-        if proc is not None:
-            import signal
-
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
     eng = report.get("engine", {}).get("tokens_per_s")
     lines = ["| clients | requests ok/all | 5xx | tokens/s | latency p50 / p99 (s) | TTFT p50 / p99 (s) |",
              "|---:|---:|---:|---:|---:|---:|"]
