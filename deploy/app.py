@@ -127,6 +127,10 @@ def build(settings: ServiceSettings, replicas: int = 1, num_cpus: float | None =
         # one core is left to the Serve proxy and HTTP: on 2 cores, 1 torch thread gave 37 tok/s at one
         # streaming client against 31 tok/s with 2 threads (docs/benchmarks.md)
         settings.torch_threads = max(1, ((os.cpu_count() or 2) - 1) // replicas)
+    if settings.prefill_threads is None:
+        # a prompt's prefill is one compute-bound forward: there the proxy's core is worth borrowing
+        # (150-token prompt on a 2-core AMD host: 0.78-0.86 s on one thread, 0.47-0.60 s on two)
+        settings.prefill_threads = max(settings.torch_threads, (os.cpu_count() or 2) // replicas)
     opts = {"num_replicas": replicas, "ray_actor_options": {"num_cpus": cpus}}
     fields = {k: getattr(settings, k) for k in settings.__dataclass_fields__ if k != "replica_id"}
     return DraftsmithDeployment.options(**opts).bind(fields)
@@ -143,6 +147,7 @@ def settings_from_args(args: dict) -> tuple[ServiceSettings, int, float | None]:
             args[field_name] = os.environ.get(env_name) or None
     conv = {"max_running": int, "max_waiting": int, "max_batch_tokens": int, "max_tokens_limit": int, "max_body_bytes": int,
             "request_timeout_s": float, "watch_interval_s": float, "live_interval_s": float, "torch_threads": int,
+            "prefill_threads": int,
             "default_mode": str}
     for k, f in conv.items():
         if k in args and args[k] is not None:

@@ -36,6 +36,7 @@ the error) and leaves the scheduler running for the rest.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -133,6 +134,11 @@ class BatchScheduler:
         self._groups: list[tuple[int, int, float]] = []   # per draft group: (fork rows, forwards, seconds)
         self._row_draft_s: list[float] = []               # draft seconds of each row's group this step
         self.batch_sizes: dict[int, int] = {}    # rows per batched step -> count (telemetry)
+        # torch threads for prompt prefill (None: the decoding steps' count). A prefill is one compute-bound
+        # forward over the whole prompt, where a second core nearly halves the time, while batch-1 decoding
+        # steps are faster on the replica's one thread (docs/benchmarks.md); the replica sets it
+        # (ServiceSettings.prefill_threads) so a new request's first token waits less
+        self.prefill_threads: int | None = None
         self.on_round = None                     # test hook: called with self after every round
         self.prefix_cache = PrefixCache()        # target KV of recent prompts (shared prefixes prefill once)
 
@@ -193,7 +199,8 @@ class BatchScheduler:
         self._retire_gone()
         self._admit()
         if self.prefilling:
-            self._prefill()
+            with self._prefill_threads():
+                self._prefill()
         for req in list(self.solo):
             self._solo_step(req)
         if self.batch:
@@ -219,6 +226,20 @@ class BatchScheduler:
 
                 req.solo = _RequestState(self.engine, req.prompt, req.arm)
                 self.solo.append(req)
+
+    @contextlib.contextmanager
+    def _prefill_threads(self):
+        """torch on `prefill_threads` threads inside the block (this thread is the only one running the
+        models, so the process-wide setting is this thread's), restored after."""
+        n, before = self.prefill_threads, torch.get_num_threads()
+        if not n or n == before:
+            yield
+            return
+        torch.set_num_threads(n)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
 
     def _prefill(self) -> None:
         """Up to `prefill_chunk` prompt tokens this round; a finished prompt joins the batch."""

@@ -122,6 +122,7 @@ class ServiceSettings:
     max_body_bytes: int = 1 << 20
     watch_interval_s: float = 2.0
     torch_threads: int | None = None
+    prefill_threads: int | None = None      # torch threads for prompt prefill (None: torch_threads)
     live_interval_s: float = 15.0
     # the mode of a request that names none (`Service.default_mode`): mjsd, the product's default; a
     # deployment may pick another, e.g. medusa on a GPU, where the heads pay and the standalone draft does
@@ -213,6 +214,8 @@ class Service:
         self._failed_version: str | None = None
         self._swap_lock = threading.Lock()
         self.engine = engine if engine is not None else self._make_engine()
+        if self.s.prefill_threads and getattr(self.engine, "scheduler", None) is not None:
+            self.engine.scheduler.prefill_threads = self.s.prefill_threads
         self.model_name = self.s.served_model_name or self._default_model_name()
         self._pool = cf.ThreadPoolExecutor(max_workers=self.s.max_running + 1, thread_name_prefix="decode")
         self._slots: asyncio.Semaphore | None = None
@@ -842,6 +845,7 @@ def settings_from_env(**overrides) -> ServiceSettings:
         kw["eagle_head"] = env["DRAFTSMITH_EAGLE_HEAD"]
     for name, conv in (("max_running", int), ("max_waiting", int), ("max_batch_tokens", int), ("request_timeout_s", float),
                        ("max_tokens_limit", int), ("watch_interval_s", float), ("torch_threads", int),
+                       ("prefill_threads", int),
                        ("live_interval_s", float), ("default_mode", str)):
         v = env.get(f"DRAFTSMITH_{name.upper()}")
         if v:

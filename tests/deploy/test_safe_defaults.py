@@ -174,6 +174,26 @@ def test_cluster_config_takes_keys_from_the_environment(monkeypatch):
         settings_from_args(args)
 
 
+
+def test_replicas_decode_on_their_share_of_cores_less_one_and_prefill_on_their_share(monkeypatch):
+    """Thread defaults of `build`: on 2 cores one replica decodes on 1 torch thread (the other core is the
+    proxy's) and prefills prompts on 2; two replicas get 1 and 1; explicit settings are kept."""
+    import deploy.app as app
+    from serving.service import ServiceSettings
+
+    monkeypatch.setattr(app.os, "cpu_count", lambda: 2)
+    for replicas, want in ((1, (1, 2)), (2, (1, 1))):
+        s = ServiceSettings()
+        app.build(s, replicas=replicas)
+        assert (s.torch_threads, s.prefill_threads) == want, replicas
+    s = ServiceSettings(torch_threads=2, prefill_threads=1)
+    app.build(s, replicas=1)
+    assert (s.torch_threads, s.prefill_threads) == (2, 1)
+    monkeypatch.setenv("DRAFTSMITH_PREFILL_THREADS", "3")
+    from serving.service import settings_from_env
+
+    assert settings_from_env().prefill_threads == 3
+
 def test_settings_from_env_reads_the_admin_key(monkeypatch):
     from serving.service import settings_from_env
 

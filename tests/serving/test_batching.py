@@ -299,6 +299,36 @@ def test_prefix_cache_prefills_a_shared_prompt_start_once(pair):
     assert pc.hits == 1 and pc.lookups == 3
 
 
+
+def test_prompts_prefill_on_the_prefill_threads_and_decoding_keeps_its_own(pair, monkeypatch):
+    """The replica prefills prompts on `prefill_threads` torch threads (a prompt is one compute-bound
+    forward) and decodes on its own count; T=0 output is unchanged by it."""
+    from serving.runner import SequenceRunner
+
+    eng = make_engine(pair)
+    sampling, spec = SamplingParams(temperature=0.0, max_tokens=12), SpecParams(mode="speculative", gamma=3)
+    prompt = ids(eng, PROMPTS[0])
+    alone = eng.generate_all(prompt, sampling, spec).token_ids
+    seen = {"prefill": set(), "step": set()}
+    feed, step = SequenceRunner.feed, type(eng.scheduler)._batch_step
+
+    def spy_feed(self, *a, **kw):
+        seen["prefill"].add(torch.get_num_threads())
+        return feed(self, *a, **kw)
+
+    def spy_step(self, *a, **kw):
+        seen["step"].add(torch.get_num_threads())
+        return step(self, *a, **kw)
+
+    monkeypatch.setattr(SequenceRunner, "feed", spy_feed)
+    monkeypatch.setattr(type(eng.scheduler), "_batch_step", spy_step)
+    decode_threads = torch.get_num_threads()
+    eng.scheduler.prefill_threads = decode_threads + 1
+    assert eng.generate_all(prompt, sampling, spec).token_ids == alone
+    assert seen["prefill"] == {decode_threads + 1}, seen
+    assert seen["step"] == {decode_threads}, seen
+    assert torch.get_num_threads() == decode_threads
+
 # ---------------------------------------------------------------------------- the cache itself
 def _fresh_and_prefill(model):
     """(fresh(seq): last-position logits of a fresh forward over seq, prefill(seq): a batch-1 cache of seq)."""
