@@ -125,6 +125,18 @@ _ENGINES: dict = {}
 BENCH_BUFFER_PREFIX = "draftsmith-bench-load"   # --engine-buffer: the in-process engines' records, deleted at the end
 
 
+def drop_engines(args) -> None:
+    """Close the in-process engines' buffer writers, forget the engines, and delete their --engine-buffer records."""
+    for eng, _ in _ENGINES.values():
+        if eng.sink is not None:
+            eng.sink.close()
+    _ENGINES.clear()
+    if args.engine_buffer:
+        from buffer.redis_store import delete_prefix
+
+        delete_prefix(args.engine_buffer, BENCH_BUFFER_PREFIX)
+
+
 def run_level(url: str, n: int, prompts: list[str], args) -> dict:
     import httpx
 
@@ -323,13 +335,7 @@ def run_paired(prompts: list[str], args, report: dict) -> int:
         try:
             report["paired"] = paired_overhead(url, prompts, args)
         finally:
-            for eng, _ in _ENGINES.values():
-                if eng.sink is not None:
-                    eng.sink.close()
-            if args.engine_buffer:
-                from buffer.redis_store import delete_prefix
-
-                delete_prefix(args.engine_buffer, BENCH_BUFFER_PREFIX)
+            drop_engines(args)
     r = report["paired"]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_load_paired.json").write_text(json.dumps(report, indent=2))
@@ -393,14 +399,7 @@ def main() -> int:
             report.setdefault("engine_levels", []).append(engine_baseline(prompts, args, clients=c))
         for t in args.engine_threads or []:
             report.setdefault("engine_at_threads", []).append(engine_baseline(prompts, args, t))
-        for eng, _ in _ENGINES.values():
-            if eng.sink is not None:
-                eng.sink.close()
-        _ENGINES.clear()
-        if args.engine_buffer:
-            from buffer.redis_store import delete_prefix
-
-            delete_prefix(args.engine_buffer, BENCH_BUFFER_PREFIX)
+        drop_engines(args)
         import gc
 
         gc.collect()
