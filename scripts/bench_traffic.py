@@ -258,6 +258,8 @@ def run_engine(args) -> int:
     engine = Engine.from_paths(args.target, args.draft, device=args.device, dtype=dtype, heads=args.medusa_heads,
                                 eagle=args.eagle_head)
     progress(f"[traffic] models loaded in {time.perf_counter() - t_load:.1f} s")
+    if args.prior_costs:
+        engine.calibrate = lambda *a, **k: None
     stop_confidence = engine.stop_confidence if args.stop_confidence is None else args.stop_confidence
     labels = row_labels(args)
     specs = {label: make_spec(label, args) for label in labels}
@@ -278,7 +280,8 @@ def run_engine(args) -> int:
 
     def sampling(T: float, max_tokens: int, seed: int) -> SamplingParams:
         # --no-seed: what an OpenAI client sends by default; the controller of an unseeded (or greedy)
-        # request plans with the replica's measured costs, a seeded sampled one with prior costs only
+        # request plans with the replica's measured costs, a seeded sampled one with the replica's frozen
+        # cost profile (Engine.calibrate, measured in the warm-up's first seeded request)
         return SamplingParams(temperature=T, top_k=0, top_p=1.0, max_tokens=max_tokens,
                               seed=None if args.no_seed else seed)
 
@@ -342,12 +345,13 @@ def run_engine(args) -> int:
              f"dtype={next(engine.target.model.parameters()).dtype} threads={torch.get_num_threads()} "
              f"prompts=traffic_prompts x{args.n or 12}/category max_tokens={args.max_tokens} "
              f"T={','.join(f'{T:g}' for T in temps)} top_k=0 top_p=1.0 gamma={args.gamma} beams={args.beams} "
-             f"tau={args.tau} seeds={'none' if args.no_seed else 'per prompt'} stop_confidence={stop_confidence}")
+             f"tau={args.tau} seeds={'none' if args.no_seed else 'per prompt'} stop_confidence={stop_confidence}"
+             f"{' seeded_costs=prior' if args.prior_costs else ''}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = dict(setup=setup, args={k: v for k, v in vars(args).items()}, date=time.strftime("%Y-%m-%d %H:%M"),
                   specs={label: dataclasses.asdict(s) for label, s in specs.items()},
-                  summary=rows, geomean_ratio=gm, records=records)
+                  summary=rows, geomean_ratio=gm, records=records, seeded_cost_profile=engine.seeded_profile)
     (out / "results.json").write_text(json.dumps(report, indent=1))
     md = to_markdown(setup, rows, gm, temps, labels)
     (out / "results.md").write_text(md)
@@ -524,6 +528,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-seed", action="store_true",
                     help="send no seed (the OpenAI default): the controller then plans with the replica's measured "
                          "costs at every temperature, not only at T=0")
+    ap.add_argument("--prior-costs", action="store_true",
+                    help="seeded sampled requests plan from the prior cost ratios instead of the replica's measured "
+                         "profile (Engine.calibrate off): the behaviour before the profile, for an A/B")
     ap.add_argument("--stop-confidence", type=float, default=None,
                     help="adaptive chains end after a token the draft doubts below this (default: the engine's, "
                          "serving/controller.py STOP_CONFIDENCE; rows `+nostop` turn it off)")

@@ -35,6 +35,12 @@ Where the numbers come from:
   And no gap is shorter than what keeps probes within PROBE_BUDGET (2%) of the time at the measured
   cost of a probe (`affordable_gap`): 10 plain steps where a probe costs 0.2 of a step, 44 where it costs 0.87.
 
+Seeded sampled requests: a seed must reproduce the output, and the plan changes the output at T > 0, so such
+a request plans from its own acceptance history (the default prior) and a *frozen* cost model
+(`CostModel.frozen`) holding the replica's cost profile (`cost_profile`): the costs measured once by
+`Engine.calibrate`, relative to a one-token target step and rounded to a log grid (PROFILE_GRID), so that
+the profile, and with it the seed's output, survives timing noise and restarts on the same hardware.
+
 The draft's own doubt: the planned k is an upper bound for a chain. After each drafted token the chain
 ends when the draft's confidence in it (the largest probability of its raw softmax) is below
 `stop_below` (STOP_CONFIDENCE for adaptive chains; MJSD's beams and fixed-gamma requests never stop):
@@ -49,6 +55,8 @@ current step's random draws).
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import threading
 from dataclasses import dataclass, field
@@ -70,6 +78,10 @@ PROBE_BUDGET = 0.02
 # softmax) is below this; the planned k is then an upper bound. Chosen on the bootstrap's held-out teacher
 # data (scripts/bench_confidence.py, docs/benchmarks.md); 0 turns the stop off.
 STOP_CONFIDENCE = 0.6
+# A seeded sampled request plans from a frozen cost profile (`cost_profile`, `CostModel.frozen`): the replica's
+# costs measured once (Engine.calibrate), relative to a one-token target step and rounded to this log grid, so
+# that timing noise between runs and restarts rarely changes the profile, and with it the seed's output.
+PROFILE_GRID = 2 ** 0.25
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -87,6 +99,7 @@ class CostModel:
 
     def __init__(self, weight: float = 0.1) -> None:
         self.weight = weight
+        self.frozen_profile: dict | None = None      # set by `frozen`: observations are then ignored
         self._target: dict[int, float] = {}          # tokens verified -> EWMA seconds
         self._draft: dict[str, float] = {}           # proposer -> EWMA seconds per drafted token
         self._overhead: dict[tuple, float] = {}      # (batch rows, drafted?) -> EWMA seconds outside the forwards
@@ -94,6 +107,8 @@ class CostModel:
         self._lock = threading.Lock()
 
     def _ewma(self, table: dict, key, value: float) -> None:
+        if self.frozen_profile is not None:
+            return
         old = table.get(key)
         table[key] = value if old is None else (1 - self.weight) * old + self.weight * value
 
@@ -186,6 +201,40 @@ class CostModel:
             return {"target_s": dict(self._target), "draft_token_s": dict(self._draft),
                     "draft_forward_s": dict(self._draft_rows),
                     "overhead_s": {f"{r}/{'draft' if d else 'plain'}": t for (r, d), t in self._overhead.items()}}
+
+    @classmethod
+    def frozen(cls, profile: dict) -> "CostModel":
+        """A cost model that holds `profile` (from `cost_profile`) and ignores observations: the costs of a
+        seeded request, whose plan, and so whose output, must not follow the replica's timing."""
+        m = cls()
+        m._target = {int(n): float(v) for n, v in profile["target"].items()}
+        m._draft = {str(k): float(v) for k, v in profile["draft"].items()}
+        m._overhead = {(1, key == "draft"): float(v) for key, v in profile["overhead"].items()}
+        m.frozen_profile = profile
+        return m
+
+
+def _grid(x: float) -> float:
+    """`x` rounded to the nearest point of the log grid PROFILE_GRID**i (0 stays 0)."""
+    if x <= 0:
+        return 0.0
+    return round(PROFILE_GRID ** round(math.log(x) / math.log(PROFILE_GRID)), 6)
+
+
+def cost_profile(costs: CostModel, max_tokens: int = MAX_GAMMA + 1) -> dict | None:
+    """The one-request costs that `costs` has measured, relative to a one-token target step and rounded to
+    PROFILE_GRID: {"target": {tokens: ratio}, "draft": {proposer: ratio per token}, "overhead": {"plain" |
+    "draft": ratio}, "digest": 12 hex}. None until a one-token target step has been measured."""
+    snap = costs.snapshot()
+    base = snap["target_s"].get(1)
+    if not base:
+        return None
+    prof = {"target": {str(n): _grid(t / base) for n, t in sorted(snap["target_s"].items()) if n <= max_tokens},
+            "draft": {k: _grid(t / base) for k, t in sorted(snap["draft_token_s"].items())},
+            "overhead": {key.split("/")[1]: _grid(t / base) for key, t in sorted(snap["overhead_s"].items())
+                         if key.startswith("1/")}}
+    prof["digest"] = hashlib.sha256(json.dumps(prof, sort_keys=True).encode()).hexdigest()[:12]
+    return prof
 
 
 @dataclass

@@ -69,7 +69,7 @@ import torch
 from buffer.records import RecordSink, StepRecord
 from serving.config import (ADAPTIVE_MODES, HEADS_MODES, NGRAM_SWITCH_MODES, TREE_MODES, SamplingParams,
                             SpecParams)
-from serving.controller import STOP_CONFIDENCE, CostModel, ReplicaPriors, RequestController
+from serving.controller import STOP_CONFIDENCE, CostModel, ReplicaPriors, RequestController, cost_profile
 from serving.decoding.bild import bild_should_fallback
 from serving.decoding.eagle import EagleDrafter, EagleHead
 from serving.decoding.ngram import ngram_propose, staged_accept
@@ -109,6 +109,10 @@ EAGLE_NEEDS_HEAD = ("mode 'eagle' needs an EAGLE-style head and this replica has
 # requests wait until enough running ones finish.
 DEFAULT_MAX_BATCH_TOKENS = 65536
 BROKEN_AFTER = 3   # consecutive failed decoding steps before the engine reports itself unhealthy
+# Engine.calibrate: the fixed prompt and length of the requests that measure the seeded requests' cost profile
+CALIBRATION_TEXT = ("A short note on calibration: before a replica takes seeded requests, it times a few plain "
+                    "target steps, a draft chain and a beam search on this text, and keeps what each one costs.")
+CALIBRATION_TOKENS = 16
 CANARY_SALT = "draftsmith-canary:"
 
 
@@ -144,6 +148,9 @@ class GenerationStats:
     wall_time_s: float = 0.0
     energy_j: float | None = None
     energy_reason: str | None = None
+    # a seeded sampled adaptive request: the digest of the cost profile it planned with (Engine.calibrate;
+    # "prior": none could be measured); empty otherwise
+    cost_profile: str = ""
     # per draft version that proposed steps ("none": steps without a draft model): steps, draft_tokens,
     # accepted_tokens; a request that spans a hot-swap lists both versions
     draft_versions: dict = field(default_factory=dict)
@@ -279,6 +286,10 @@ class Engine:
         self.priors = ReplicaPriors()     # acceptance of recent traffic: each new request's prior
         # adaptive chains end after a token the draft doubts (serving/controller.py STOP_CONFIDENCE)
         self.stop_confidence = STOP_CONFIDENCE
+        # the frozen cost profile of seeded sampled requests (calibrate), and the draft it was measured with
+        self.seeded_profile: dict | None = None
+        self._profile_for: tuple | None = None
+        self._calibration_lock = threading.Lock()
         self._broken: str | None = None
         self._failures = 0
 
@@ -518,9 +529,11 @@ class Engine:
         cancel: threading.Event | None = None,
         log_mode: str = "full",
         source: str = "",
+        costs: CostModel | None = None,
     ) -> Iterator[StepOutput]:
         """Decode one request; yields the tokens of each step as the batch scheduler (serving/scheduler.py)
-        produces them. Closing the generator (or setting `cancel`) takes the request out of the batch."""
+        produces them. Closing the generator (or setting `cancel`) takes the request out of the batch.
+        `costs`: where the request's step costs go while it steps alone (calibrate; default the replica's)."""
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("the prompt is empty: at least one token is needed")
@@ -559,17 +572,22 @@ class Engine:
         req = Request(id=request_id, prompt=prompt, sampling=sampling, spec=spec, gen=gen, stats=stats,
                       stop_ids=self.eos_token_ids | set(sampling.stop_token_ids), footprint=footprint,
                       sink=self.sink if log_mode != "none" else None, log_mode=log_mode, source=source,
-                      cancel=cancel, arm=arm)
+                      cancel=cancel, arm=arm, costs=costs)
         if adaptive:
             # A seeded request must reproduce its output, so its controller decides from its own history
-            # only (prior costs, the default prior), never from the replica's timings or other traffic;
-            # except when its output cannot depend on the plan: greedy, in a mode that then emits exactly the
-            # target's greedy tokens (all but mentored, whose KL budget may keep a draft token at T=0), so a
-            # seeded greedy request gets the replica's measured costs like any other.
+            # (the default prior) and the replica's frozen cost profile (calibrate: measured once, rounded),
+            # never from the replica's live timings or other traffic; except when its output cannot depend
+            # on the plan: greedy, in a mode that then emits exactly the target's greedy tokens (all but
+            # mentored, whose KL budget may keep a draft token at T=0), so a seeded greedy request gets the
+            # replica's measured costs like any other.
             seeded = sampling.seed is not None and not (sampling.greedy and mode != "mentored")
             beams = mode == "mjsd" and sampling.temperature > 0 and spec.beams > 1
+            if seeded:
+                profile = self.calibrate()
+                stats.cost_profile = profile["digest"] if profile is not None else "prior"
             req.controller = RequestController(
-                gamma=spec.gamma, costs=CostModel() if seeded else self.costs,
+                gamma=spec.gamma,
+                costs=(CostModel.frozen(profile) if profile is not None else CostModel()) if seeded else self.costs,
                 priors=ReplicaPriors() if seeded else self.priors, version=version,
                 greedy=sampling.greedy, draft_key="beams" if beams else "chain",
                 use_ngram=mode in NGRAM_SWITCH_MODES, stop_below=0.0 if beams else self.stop_confidence)
@@ -584,6 +602,59 @@ class Engine:
                     return
         finally:
             req.closed.set()      # a consumer that stops reading leaves the batch at the next round
+
+    # ------------------------------------------------------------------ the seeded requests' cost profile
+    def _draft_signature(self) -> tuple:
+        """What the draft's cost depends on: its architecture and its output rows (not its weights), so that a
+        hot-swapped draft of the same shape keeps the profile."""
+        if self.draft is None:
+            return ("none",)
+        cfg = self.draft.model.config
+        rows = self.draft.output_token_ids
+        return (type(self.draft.model).__name__, getattr(cfg, "num_hidden_layers", None),
+                getattr(cfg, "hidden_size", None), self.vocab_size if rows is None else len(rows))
+
+    def calibrate(self, force: bool = False, cancel: threading.Event | None = None) -> dict | None:
+        """The cost profile of seeded sampled requests (controller.cost_profile): this replica's one-request
+        step costs, measured once on a fixed prompt (plain target steps, a speculative chain and MJSD's beams
+        at gamma 4, after one warm-up pass), relative to a one-token target step, rounded to a coarse grid.
+        Measured again only when a draft of another shape is loaded, or with `force`. A seeded request's plan
+        then follows this replica's costs (a CPU where verification is dear, a GPU where 8 beams cost more
+        than the prior) while its output still does not depend on the timing of its own steps; the
+        profile's digest is in the request's statistics and the response's `system_fingerprint`, which, as
+        in OpenAI's API, names the backend configuration that a seed reproduces on. None when the
+        measurement failed or was cancelled (`cancel` set: the replica is closing; the prior costs then apply)."""
+        sig = self._draft_signature()
+        with self._calibration_lock:
+            if self.seeded_profile is not None and self._profile_for == sig and not force:
+                return self.seeded_profile
+            t0 = time.perf_counter()
+            ids = self.tokenizer(CALIBRATION_TEXT, add_special_tokens=False)["input_ids"]
+            prompt = [int(t) % self.vocab_size for t in ids][: max(1, self.max_context // 4)] or [0]
+            sampling = SamplingParams(temperature=0.7, max_tokens=CALIBRATION_TOKENS, seed=0)
+            specs = [SpecParams(mode="target")]
+            if self.draft is not None:
+                specs += [SpecParams(mode="speculative", adaptive=False), SpecParams(mode="mjsd", adaptive=False)]
+            measured = CostModel(weight=0.3)
+            try:
+                for costs in (CostModel(), measured):        # a warm-up pass, then the measured one
+                    for spec in specs:
+                        if cancel is not None and cancel.is_set():
+                            return self.seeded_profile
+                        room = self.max_context - len(prompt) - CALIBRATION_TOKENS - 2
+                        spec = SpecParams(mode=spec.mode, adaptive=False, gamma=max(1, min(spec.gamma, room)))
+                        self.generate_all(prompt, sampling, spec, log_mode="none", costs=costs, cancel=cancel,
+                                          request_id=f"calibration-{uuid.uuid4().hex[:8]}")
+                if cancel is not None and cancel.is_set():
+                    return self.seeded_profile
+            except Exception as exc:  # noqa: BLE001 - a failed measurement leaves seeded requests on the prior
+                log.warning("cost calibration failed (%s: %s); seeded requests plan from prior costs",
+                            type(exc).__name__, exc)
+                return self.seeded_profile
+            self.seeded_profile, self._profile_for = cost_profile(measured), sig
+            log.info("cost profile %s measured in %.1f s: %s", (self.seeded_profile or {}).get("digest"),
+                     time.perf_counter() - t0, self.seeded_profile)
+            return self.seeded_profile
 
     def _step_failed(self, exc: Exception) -> None:
         """A decoding step raised (device error, out of memory, a corrupt model): after

@@ -20,6 +20,8 @@ Errors are `{"error": {"message", "type", "param", "code"}}` with a 4xx/5xx stat
 """
 from __future__ import annotations
 
+import hashlib
+
 import time
 import uuid
 from typing import Any, Literal, Union
@@ -324,6 +326,7 @@ def spec_metrics(stats: dict) -> dict:
         "tokens_per_s": stats.get("tokens_per_s"),
         "energy_j": stats.get("energy_j"),
         "energy_reason": stats.get("energy_reason"),
+        "cost_profile": stats.get("cost_profile") or None,   # seeded sampled requests (Engine.calibrate)
     }
 
 
@@ -340,6 +343,15 @@ def finish_reason(engine_reason: str | None, stopped_by_string: bool) -> str | N
     return None if engine_reason is None else "stop"
 
 
+def system_fingerprint(model: str, stats: dict) -> str:
+    """OpenAI's `system_fingerprint`: the backend configuration that a `seed` reproduces its output on. Here:
+    the served model, the draft version(s) that proposed, and the cost profile a seeded sampled request
+    planned with (Engine.calibrate); a response with the same seed and fingerprint has the same text."""
+    versions = ",".join(sorted(stats.get("draft_versions") or {})) or str(stats.get("draft_version", ""))
+    key = f"{model}|{stats.get('mode', '')}|{versions}|{stats.get('cost_profile', '')}"
+    return "fp_" + hashlib.sha256(key.encode()).hexdigest()[:10]
+
+
 def completion_body(rid: str, model: str, chat: bool, text: str, reason: str, usage_: dict, stats: dict) -> dict:
     choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
     if chat:
@@ -347,8 +359,8 @@ def completion_body(rid: str, model: str, chat: bool, text: str, reason: str, us
     else:
         choice["text"] = text
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [choice], "usage": usage_,
-            "metrics": {"speculative_decoding": spec_metrics(stats)}}
+            "model": model, "system_fingerprint": system_fingerprint(model, stats), "choices": [choice],
+            "usage": usage_, "metrics": {"speculative_decoding": spec_metrics(stats)}}
 
 
 def chunk_body(rid: str, model: str, chat: bool, text: str | None, reason: str | None, *, first: bool = False,
@@ -369,5 +381,5 @@ def chunk_body(rid: str, model: str, chat: bool, text: str | None, reason: str |
 
 def usage_chunk(rid: str, model: str, chat: bool, usage_: dict, stats: dict, created: int | None = None) -> dict:
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "model": model,
-            "created": created or int(time.time()), "choices": [], "usage": usage_,
-            "metrics": {"speculative_decoding": spec_metrics(stats)}}
+            "created": created or int(time.time()), "system_fingerprint": system_fingerprint(model, stats),
+            "choices": [], "usage": usage_, "metrics": {"speculative_decoding": spec_metrics(stats)}}

@@ -48,7 +48,7 @@ import torch
 
 from buffer.records import RecordSink, SequenceRecord, StepRecord
 from serving.config import SamplingParams, SpecParams
-from serving.controller import Plan, RequestController, RowOption, plan_batch
+from serving.controller import CostModel, Plan, RequestController, RowOption, plan_batch
 from serving.decoding.bild import bild_should_fallback
 from serving.decoding.mjsd import beam_sample_finalize, beam_sample_step
 from serving.decoding.types import VerifyResult
@@ -83,6 +83,7 @@ class Request:
     cancel: threading.Event | None = None
     controller: RequestController | None = None
     arm: str = "champion"                # "canary": drafts with the engine's canary while it has one
+    costs: CostModel | None = None       # where its steps' costs go when it steps alone (None: the engine's)
     out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     closed: threading.Event = field(default_factory=threading.Event)   # the consumer went away
     seq: list[int] = field(default_factory=list)
@@ -484,12 +485,13 @@ class BatchScheduler:
                     plans[i] = _RowPlan(proposer(req.spec, req.sampling), plan.k, plan)
         return plans
 
-    def _observe_batch_costs(self, blocks, proposals, keep: int, t_draft: float, t_target: float,
+    def _observe_batch_costs(self, reqs, blocks, proposals, keep: int, t_draft: float, t_target: float,
                              t_wall: float) -> None:
         """What this step's forwards cost, for the controller: the target pass by the tokens it verified
         (rows x block width), a draft forward by its rows, the rest of the step by batch size. Steps that
-        also re-fed context (a prefill remainder, a draft rebuilt after a swap) teach nothing."""
-        costs = self.engine.costs
+        also re-fed context (a prefill remainder, a draft rebuilt after a swap) teach nothing. A request
+        stepping alone with its own cost model (Engine.calibrate) teaches that model instead."""
+        costs = reqs[0].costs if len(reqs) == 1 and reqs[0].costs is not None else self.engine.costs
         steady_target = all(len(b) == len(p[0]) + 1 for b, p in zip(blocks, proposals))
         if not steady_target:
             return
@@ -527,7 +529,7 @@ class BatchScheduler:
                     rec = None if record is None else (record[0][i, keep - k - 1:], record[1][i, keep - k - 1:])
                     results.append(self._accept(i, req, plans[i], proposals[i], probs[i][keep - k - 1:], rec,
                                                 self._row_draft_s[i], t_target, len(reqs)))
-                self._observe_batch_costs(blocks, proposals, keep, t_draft, t_target, time.perf_counter() - wall0)
+                self._observe_batch_costs(reqs, blocks, proposals, keep, t_draft, t_target, time.perf_counter() - wall0)
                 eng._failures = 0
             except Exception as exc:  # noqa: BLE001
                 eng._step_failed(exc)
@@ -731,8 +733,8 @@ class BatchScheduler:
             elif plan.plan.probe:
                 stats.probe_steps += 1
             req.controller.observe(plan.plan, n, k)
-            if batch == 1:   # the cost model describes a request stepping alone
-                self._observe_costs(req, plan, k, draft_s, target_s)
+        if batch == 1:   # the cost model describes a request stepping alone
+            self._observe_costs(req, plan, k, draft_s, target_s)
         recorded = req.sink is not None and spec.mode != "target" and (k or req.controller is not None)
         if recorded:
             try:
@@ -751,7 +753,8 @@ class BatchScheduler:
         """A request alone: its proposer's draft time per token (the target and the rest of the step are
         observed for every batch size by _observe_batch_costs)."""
         if plan.proposer in ("chain", "beams") and k and self._steady_draft:
-            self.engine.costs.observe_draft(req.controller.draft_key, k, draft_s)
+            key = req.controller.draft_key if req.controller is not None else plan.proposer
+            (req.costs or self.engine.costs).observe_draft(key, k, draft_s)
 
 
 def _confidence_stop(state: dict, logits: torch.Tensor, threshold: float, step: int) -> None:

@@ -123,6 +123,9 @@ class ServiceSettings:
     watch_interval_s: float = 2.0
     torch_threads: int | None = None
     prefill_threads: int | None = None      # torch threads for prompt prefill (None: torch_threads)
+    # measure the seeded requests' cost profile (Engine.calibrate) at start and after a swap to a draft of
+    # another shape, in the background; off: the first seeded sampled request measures it
+    calibrate: bool = True
     live_interval_s: float = 15.0
     # the mode of a request that names none (`Service.default_mode`): mjsd, the product's default; a
     # deployment may pick another, e.g. medusa on a GPU, where the heads pay and the standalone draft does
@@ -223,6 +226,8 @@ class Service:
         self.waiting = 0
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._publish_loop, name="telemetry", daemon=True)]
+        if self.s.calibrate and hasattr(self.engine, "calibrate"):
+            self._threads.append(threading.Thread(target=self._calibrate, name="calibration", daemon=True))
         if ((self.registry is not None and self.s.draft is None) or self.heads_source is not None
                 or self.eagle_source is not None):
             self._threads.append(threading.Thread(target=self._watch_loop, name="draft-watcher", daemon=True))
@@ -406,6 +411,13 @@ class Service:
                     f"{self.s.target or 'the default target'} ({mine[:12]})")
         return None
 
+    def _calibrate(self) -> None:
+        """The seeded requests' cost profile (Engine.calibrate; a no-op while the draft keeps its shape)."""
+        try:
+            self.engine.calibrate(cancel=self._stop)
+        except Exception as e:  # noqa: BLE001 - without a profile seeded requests plan from prior costs
+            log.warning("cost calibration: %s", e)
+
     def _watch_loop(self) -> None:
         while not self._stop.wait(self._watch_delay()):
             if self.registry is not None and self.s.draft is None:
@@ -413,6 +425,8 @@ class Service:
                     self.check_champion(due_only=True)
                 except Exception as e:  # noqa: BLE001 - the watcher must not die
                     log.warning("draft watcher: %s", e)
+                if self.s.calibrate and hasattr(self.engine, "calibrate"):
+                    self._calibrate()
                 try:
                     self.check_canary()
                 except Exception as e:  # noqa: BLE001
@@ -831,6 +845,9 @@ class Service:
     def close(self) -> None:
         self._stop.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        for t in self._threads:
+            if t.name == "calibration":      # cancelled by _stop: gone within a decoding step
+                t.join(timeout=10.0)
         if self.sink is not None and hasattr(self.sink, "close"):
             self.sink.close(timeout_s=2.0)
 
@@ -845,7 +862,7 @@ def settings_from_env(**overrides) -> ServiceSettings:
         kw["eagle_head"] = env["DRAFTSMITH_EAGLE_HEAD"]
     for name, conv in (("max_running", int), ("max_waiting", int), ("max_batch_tokens", int), ("request_timeout_s", float),
                        ("max_tokens_limit", int), ("watch_interval_s", float), ("torch_threads", int),
-                       ("prefill_threads", int),
+                       ("prefill_threads", int), ("calibrate", lambda v: v.strip().lower() not in ("0", "false", "no", "off")),
                        ("live_interval_s", float), ("default_mode", str)):
         v = env.get(f"DRAFTSMITH_{name.upper()}")
         if v:

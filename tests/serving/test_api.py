@@ -125,9 +125,16 @@ def test_stop_strings_cut_the_output_streamed_and_not(client):
 
 
 def test_seeded_sampling_is_reproducible_over_http(client):
-    a = complete(client, max_tokens=20, temperature=1.0, seed=7).json()["choices"][0]["text"]
-    b = complete(client, max_tokens=20, temperature=1.0, seed=7).json()["choices"][0]["text"]
-    assert a == b
+    """The same seed on the same backend configuration (OpenAI's `system_fingerprint`: model, draft
+    version, the seeded request's cost profile) gives the same text."""
+    a, b = (complete(client, max_tokens=20, temperature=1.0, seed=7).json() for _ in range(2))
+    assert a["choices"][0]["text"] == b["choices"][0]["text"]
+    assert a["system_fingerprint"].startswith("fp_") and a["system_fingerprint"] == b["system_fingerprint"]
+    profile = a["metrics"]["speculative_decoding"]["cost_profile"]
+    assert profile and profile == b["metrics"]["speculative_decoding"]["cost_profile"]
+    greedy = complete(client, max_tokens=4, temperature=0, seed=7).json()
+    assert greedy["metrics"]["speculative_decoding"]["cost_profile"] is None   # plans with the live costs
+    assert greedy["system_fingerprint"] != a["system_fingerprint"]
 
 
 def test_every_mode_answers(client):
@@ -473,8 +480,11 @@ def test_metrics_are_prometheus_and_match_the_responses(pair):
     srv = LiveServer(tiny_service(*pair)).start()
     try:
         with httpx.Client(base_url=srv.url, timeout=30) as c:
-            blocks = [complete(c, max_tokens=12, temperature=0.8, seed=i, speculative={"mode": "speculative"})
-                      .json()["metrics"]["speculative_decoding"] for i in range(3)]
+            # fixed gamma: every step drafts (an adaptive seeded request plans from the replica's cost
+            # profile, where the tiny models may not pay)
+            bodies = [complete(c, max_tokens=12, temperature=0.8, seed=i,
+                               speculative={"mode": "speculative", "adaptive": False}).json() for i in range(3)]
+            blocks = [b["metrics"]["speculative_decoding"] for b in bodies]
             text = c.get("/metrics").text
         fams = {f.name: f for f in text_string_to_metric_families(text)}
         value = {s.name + json.dumps(s.labels, sort_keys=True): s.value for f in fams.values() for s in f.samples}
@@ -488,7 +498,9 @@ def test_metrics_are_prometheus_and_match_the_responses(pair):
         for pos in range(4):
             assert v("spec_decode_num_accepted_tokens_per_pos_total", position=str(pos)) == \
                 sum(b["accepted_per_position"][pos] for b in blocks)
-        assert v("request_success_total", finished_reason="length") == 3
+        for reason in {b["choices"][0]["finish_reason"] for b in bodies}:
+            assert v("request_success_total", finished_reason=reason) == \
+                sum(b["choices"][0]["finish_reason"] == reason for b in bodies)
         assert v("e2e_request_latency_seconds_count") == 3
         assert v("time_to_first_token_seconds_count") == 3
         assert v("num_requests_waiting") == 0

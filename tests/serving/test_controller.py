@@ -480,29 +480,104 @@ def test_speculative_sampling_stays_exact_with_the_confidence_stop(engines, monk
     assert scipy_stats.chisquare(obs[keep], ex[keep] * obs[keep].sum() / ex[keep].sum()).pvalue > 1e-4
 
 
-def test_a_seeded_greedy_request_uses_the_replicas_costs_a_seeded_sampled_one_its_own(engines, monkeypatch):
-    """A seed must reproduce a sampled output, so a seeded T > 0 request plans from prior costs only; at T=0
-    the output is the target's greedy whatever the plan, so a seeded greedy request plans with the replica's
-    measured costs and recent acceptance, like an unseeded one (the OpenAI client's seed no longer turns the
+def test_a_seeded_greedy_request_uses_the_replicas_costs_a_seeded_sampled_one_the_frozen_profile(engines,
+                                                                                              monkeypatch):
+    """A seed must reproduce a sampled output, so a seeded T > 0 request plans from the replica's frozen cost
+    profile (Engine.calibrate), never from its live costs or other traffic's acceptance; at T=0 the output
+    is the target's greedy whatever the plan, so a seeded greedy request plans with the replica's measured
+    costs and recent acceptance, like an unseeded one (the OpenAI client's seed no longer turns the
     controller blind)."""
     eng = engines["same"]
     seen = []
     real_submit = eng.scheduler.submit
 
     def submit(req):
-        seen.append(req.controller)
+        seen.append(req)
         real_submit(req)
 
     monkeypatch.setattr(eng.scheduler, "submit", submit)
     prompt = eng.tokenizer(PROMPT)["input_ids"]
-    for sampling in (SamplingParams(temperature=0.0, max_tokens=4, seed=1),
-                     SamplingParams(temperature=0.0, max_tokens=4),
-                     SamplingParams(temperature=1.0, max_tokens=4, seed=1)):
-        eng.generate_all(prompt, sampling, SpecParams(mode="speculative", gamma=4))
-    greedy_seeded, greedy, sampled_seeded = seen
+    results = [eng.generate_all(prompt, sampling, SpecParams(mode="speculative", gamma=4))
+               for sampling in (SamplingParams(temperature=0.0, max_tokens=4, seed=1),
+                                SamplingParams(temperature=0.0, max_tokens=4),
+                                SamplingParams(temperature=1.0, max_tokens=4, seed=1))]
+    greedy_seeded, greedy, sampled_seeded = [r.controller for r in seen if r.controller is not None]
     assert greedy_seeded.costs is eng.costs and greedy_seeded.priors is eng.priors
     assert greedy.costs is eng.costs
     assert sampled_seeded.costs is not eng.costs and sampled_seeded.priors is not eng.priors
+    profile = eng.seeded_profile
+    assert profile is not None and sampled_seeded.costs.frozen_profile == profile
+    assert results[2].stats.cost_profile == profile["digest"] and results[0].stats.cost_profile == ""
+    # the calibration's own requests are fixed-gamma, unrecorded, and teach a cost model of their own
+    eng.calibrate(force=True)
+    calib = [r for r in seen if r.id.startswith("calibration-")]
+    assert {r.spec.mode for r in calib} == {"target", "speculative", "mjsd"}
+    assert calib and all(r.controller is None and r.sink is None and r.costs is not eng.costs for r in calib)
+
+
+def test_cost_profile_is_relative_rounded_and_stable_under_timing_noise():
+    from serving.controller import PROFILE_GRID, cost_profile
+
+    g = PROFILE_GRID
+
+    def measured(scale: float, noise: float) -> CostModel:
+        """Costs at the grid's points (x a target step of 0.1 s), timed with `noise` either way."""
+        c = CostModel(weight=1.0)
+        c.observe_target(1, scale * 0.1 * (1 + noise))
+        c.observe_target(5, scale * 0.1 * g ** 4 * (1 - noise))
+        c.observe_draft("beams", 2, scale * 2 * 0.1 * g ** -3 * (1 + noise))
+        c.observe_overhead(True, scale * 0.1 * g ** -13, rows=1)
+        c.observe_overhead(False, scale * 0.1 * g ** -18 * (1 - noise), rows=1)
+        c.observe_overhead(True, scale * 0.050, rows=4)        # a batch's overhead: not one request's
+        c.observe_target(40, 1.0)                              # beyond any gamma: left out
+        return c
+
+    assert cost_profile(CostModel()) is None                   # nothing measured: the prior applies
+    a, b = cost_profile(measured(1.0, 0.0)), cost_profile(measured(3.0, 0.04))
+    assert a == b                                              # another speed, 4% noise: the same profile
+    assert a["target"] == {"1": 1.0, "5": pytest.approx(2.0, rel=1e-5)}
+    assert a["draft"] == {"beams": pytest.approx(g ** -3, rel=1e-5)}
+    assert cost_profile(measured(1.0, 0.0)) == a
+    assert set(a["overhead"]) == {"draft", "plain"}
+    frozen = CostModel.frozen(a)
+    frozen.observe_target(1, 99.0)
+    frozen.observe_draft("beams", 1, 99.0)
+    assert frozen.target_s(1) == 1.0 and frozen.draft_token_s("beams") == a["draft"]["beams"]
+    assert frozen.target_s(3) == pytest.approx(1.5, rel=1e-5)   # the line through the measured sizes
+    assert frozen.overhead_s(True) == a["overhead"]["draft"]
+    assert cost_profile(measured(1.0, 0.3))["digest"] != a["digest"]
+
+
+def test_a_seeded_sampled_request_follows_the_profile_and_reproduces_its_output(engines, monkeypatch):
+    """Where the replica measured that verification is dear (a second verified token costing 2x a step), a
+    seeded T > 0 request drafts (almost) nothing, whatever the prior ratio would say; where drafting is
+    cheap it drafts. And its output with one seed is the same before and after the live costs change."""
+    from serving.controller import cost_profile
+
+    eng = engines["same"]
+    eng.calibrate()
+    prompt = eng.tokenizer(PROMPT)["input_ids"]
+    sampling = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, max_tokens=30, seed=7)
+    spec = SpecParams(mode="speculative", gamma=4)
+
+    def profile(verify_slope: float, draft_ratio: float) -> dict:
+        c = CostModel(weight=1.0)
+        for n in (1, 5):
+            c.observe_target(n, 0.1 * (1 + verify_slope * (n - 1)))
+        c.observe_draft("chain", 1, 0.1 * draft_ratio)
+        return cost_profile(c)
+
+    monkeypatch.setattr(eng, "seeded_profile", profile(verify_slope=1.0, draft_ratio=0.1))
+    dear = eng.generate_all(prompt, sampling, spec).stats
+    assert dear.steps - dear.zero_draft_steps <= 1, dear          # one probe at most
+    monkeypatch.setattr(eng, "seeded_profile", profile(verify_slope=0.01, draft_ratio=0.01))
+    cheap = eng.generate_all(prompt, sampling, spec)
+    assert cheap.stats.draft_tokens > 0 and cheap.stats.cost_profile != dear.cost_profile
+    monkeypatch.setattr(eng, "costs", CostModel())
+    for n in range(1, 6):                                         # live timings change; the seed's output doesn't
+        eng.costs.observe_target(n, 5.0 * n)
+    again = eng.generate_all(prompt, sampling, spec)
+    assert again.token_ids == cheap.token_ids and again.stats.cost_profile == cheap.stats.cost_profile
 
 
 def test_confidence_replay_matches_greedy_speculative_decoding_by_hand():
