@@ -260,6 +260,9 @@ def run_engine(args) -> int:
     progress(f"[traffic] models loaded in {time.perf_counter() - t_load:.1f} s")
     if args.prior_costs:
         engine.calibrate = lambda *a, **k: None
+    if args.seeded_prior is not None:
+        engine.seeded_prior = args.seeded_prior
+    engine.profile_dir = args.profile_dir
     stop_confidence = engine.stop_confidence if args.stop_confidence is None else args.stop_confidence
     labels = row_labels(args)
     specs = {label: make_spec(label, args) for label in labels}
@@ -346,7 +349,8 @@ def run_engine(args) -> int:
              f"prompts=traffic_prompts x{args.n or 12}/category max_tokens={args.max_tokens} "
              f"T={','.join(f'{T:g}' for T in temps)} top_k=0 top_p=1.0 gamma={args.gamma} beams={args.beams} "
              f"tau={args.tau} seeds={'none' if args.no_seed else 'per prompt'} stop_confidence={stop_confidence}"
-             f"{' seeded_costs=prior' if args.prior_costs else ''}")
+             f"{' seeded_costs=prior' if args.prior_costs else ''}"
+             f"{f' seeded_prior={args.seeded_prior}' if args.seeded_prior is not None else ''}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = dict(setup=setup, args={k: v for k, v in vars(args).items()}, date=time.strftime("%Y-%m-%d %H:%M"),
@@ -531,6 +535,11 @@ def main(argv=None) -> int:
     ap.add_argument("--prior-costs", action="store_true",
                     help="seeded sampled requests plan from the prior cost ratios instead of the replica's measured "
                          "profile (Engine.calibrate off): the behaviour before the profile, for an A/B")
+    ap.add_argument("--profile-dir", default=None,
+                    help="keep / read the seeded requests' cost profile here (as the service does), so that runs "
+                         "compared with each other plan seeded requests from the same profile")
+    ap.add_argument("--seeded-prior", type=float, default=None,
+                    help="the acceptance a seeded sampled request assumes before its own steps (Engine.seeded_prior)")
     ap.add_argument("--stop-confidence", type=float, default=None,
                     help="adaptive chains end after a token the draft doubts below this (default: the engine's, "
                          "serving/controller.py STOP_CONFIDENCE; rows `+nostop` turn it off)")

@@ -27,6 +27,9 @@ Where the numbers come from:
   failure; a fully accepted step none), shrunk towards a prior. Each request has one per proposer; its
   prior is the replica's estimate for that (draft version, proposer, greedy or sampled) from recent
   traffic, which every request's steps update too.
+- Caution without evidence: a request whose prior has seen no traffic (a seeded request, whose prior must
+  not depend on other requests; a new draft version) drafts only if drafting pays at its estimate minus
+  CAUTION_Z standard errors; the number of tokens still follows the point estimate.
 - Probing: once a request stops drafting (k = 0) no new evidence arrives, so every `probe_gap` plain steps
   it drafts one token; a probe that is rejected doubles the gap (up to `max_probe_gap`), one that is
   accepted resets it. Where the measured costs say drafting would not pay even at an acceptance of
@@ -68,6 +71,11 @@ PRIOR_VERIFY_SLOPE = 0.03      # extra target time per extra verified token, rel
 # model leaves out (a draft catch-up after plain steps), so a predicted 1-3% gain measured as a loss on the
 # traffic-mix benchmark's low-acceptance categories (docs/benchmarks.md).
 MIN_GAIN = 0.05
+# Without evidence (a request whose prior carries no traffic: a seeded request, a new draft version) the
+# controller drafts only when drafting pays at the pessimistic end of its estimate, alpha - CAUTION_Z standard
+# errors (AcceptanceEstimate.lower); how many tokens it then drafts still follows the point estimate. Where
+# verification is cheap the start is unchanged; where it is dear the request waits for its probes' evidence.
+CAUTION_Z = 0.5
 # Probing (RequestController.take) backs off to the longest gap at once when drafting would not pay at this
 # acceptance under the measured costs: a probe there costs most of a step and can only refresh the costs.
 HOPELESS_ALPHA = 0.9
@@ -252,6 +260,11 @@ class AcceptanceEstimate:
     def alpha(self) -> float:
         return (self.accepted + self.strength * self.prior) / (self.accepted + self.rejected + self.strength)
 
+    def lower(self, z: float) -> float:
+        """alpha minus z standard errors, the prior's strength counted as observations."""
+        a, n = self.alpha, self.accepted + self.rejected + self.strength
+        return max(0.0, a - z * math.sqrt(a * (1.0 - a) / n))
+
     def update(self, proposed: int, accepted: int) -> None:
         """A step proposed `proposed` tokens and `accepted` of them were accepted."""
         if proposed <= 0:
@@ -278,6 +291,11 @@ class ReplicaPriors:
     def alpha(self, version: str, proposer: str, greedy: bool) -> float:
         with self._lock:
             return self._get((version, proposer, greedy)).alpha
+
+    def observations(self, version: str, proposer: str, greedy: bool) -> int:
+        """How many steps of recent traffic the prior for this key has seen (0: the default prior alone)."""
+        with self._lock:
+            return self._get((version, proposer, greedy)).observations
 
     def update(self, version: str, proposer: str, greedy: bool, proposed: int, accepted: int) -> None:
         with self._lock:
@@ -321,6 +339,7 @@ class RequestController:
     probe_gap0: int = 4
     max_probe_gap: int = 32
     est: dict = field(default_factory=dict)
+    evidence: dict = field(default_factory=dict)   # proposer -> observations behind its prior (CAUTION_Z)
     zero_run: int = 0
     probe_gap: int = 4
     steps: int = 0
@@ -334,6 +353,7 @@ class RequestController:
         if proposer not in self.est:
             key = self.draft_key if proposer == "draft" else proposer
             self.est[proposer] = AcceptanceEstimate(prior=self.priors.alpha(self.version, key, self.greedy))
+            self.evidence[proposer] = self.priors.observations(self.version, key, self.greedy)
         return self.est[proposer]
 
     def alpha(self, proposer: str) -> float:
@@ -342,8 +362,11 @@ class RequestController:
     def plan(self, ngram_available: int = 0) -> Plan:
         """The next step's proposer and draft length. `ngram_available`: how many tokens the n-gram lookup
         proposes now (0: no match)."""
-        k, rate = best_k(self.alpha("draft"), self.gamma, lambda k: self.costs.step_s(self.draft_key, k),
-                         self.min_gain)
+        step_s = lambda k: self.costs.step_s(self.draft_key, k)   # noqa: E731
+        k, rate = best_k(self.alpha("draft"), self.gamma, step_s, self.min_gain)
+        est = self._estimate("draft")
+        if k and not self.evidence["draft"] and best_k(est.lower(CAUTION_Z), self.gamma, step_s, self.min_gain)[0] == 0:
+            k, rate = 0, 1.0 / step_s(0)     # no traffic behind the prior: draft only where it pays pessimistically
         plan = Plan("draft" if k else "none", k)
         if self.use_ngram and ngram_available:
             kn, rate_n = best_k(self.alpha("ngram"), min(self.gamma, ngram_available),

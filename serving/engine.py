@@ -55,6 +55,7 @@ The engine lock is held for one *step* at a time, so concurrent requests interle
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import threading
@@ -114,6 +115,13 @@ CALIBRATION_TEXT = ("A short note on calibration: before a replica takes seeded 
                     "target steps, a draft chain and a beam search on this text, and keeps what each one costs.")
 CALIBRATION_TOKENS = 16
 CANARY_SALT = "draftsmith-canary:"
+
+
+def _read_lines(path: str) -> list[str]:
+    try:
+        return Path(path).read_text().splitlines()
+    except OSError:
+        return []
 
 
 def canary_bucket(request_id: str) -> float:
@@ -288,6 +296,10 @@ class Engine:
         self.stop_confidence = STOP_CONFIDENCE
         # the frozen cost profile of seeded sampled requests (calibrate), and the draft it was measured with
         self.seeded_profile: dict | None = None
+        self.seeded_prior = 0.5           # the acceptance a seeded sampled request assumes before its own steps
+        # where measured profiles are kept across restarts and shared by the replicas of one machine (None: not
+        # kept); Service sets it from ServiceSettings.profile_dir
+        self.profile_dir: str | Path | None = None
         self._profile_for: tuple | None = None
         self._calibration_lock = threading.Lock()
         self._broken: str | None = None
@@ -588,7 +600,7 @@ class Engine:
             req.controller = RequestController(
                 gamma=spec.gamma,
                 costs=(CostModel.frozen(profile) if profile is not None else CostModel()) if seeded else self.costs,
-                priors=ReplicaPriors() if seeded else self.priors, version=version,
+                priors=ReplicaPriors(prior=self.seeded_prior) if seeded else self.priors, version=version,
                 greedy=sampling.greedy, draft_key="beams" if beams else "chain",
                 use_ngram=mode in NGRAM_SWITCH_MODES, stop_below=0.0 if beams else self.stop_confidence)
         self.scheduler.submit(req)
@@ -628,6 +640,11 @@ class Engine:
         with self._calibration_lock:
             if self.seeded_profile is not None and self._profile_for == sig and not force:
                 return self.seeded_profile
+            kept = self._kept_profile(sig) if not force else None
+            if kept is not None:
+                self.seeded_profile, self._profile_for = kept, sig
+                log.info("cost profile %s read from %s", kept["digest"], self.profile_dir)
+                return kept
             t0 = time.perf_counter()
             ids = self.tokenizer(CALIBRATION_TEXT, add_special_tokens=False)["input_ids"]
             prompt = [int(t) % self.vocab_size for t in ids][: max(1, self.max_context // 4)] or [0]
@@ -651,10 +668,64 @@ class Engine:
                 log.warning("cost calibration failed (%s: %s); seeded requests plan from prior costs",
                             type(exc).__name__, exc)
                 return self.seeded_profile
-            self.seeded_profile, self._profile_for = cost_profile(measured), sig
+            self.seeded_profile, self._profile_for = self._keep_profile(sig, cost_profile(measured)), sig
             log.info("cost profile %s measured in %.1f s: %s", (self.seeded_profile or {}).get("digest"),
                      time.perf_counter() - t0, self.seeded_profile)
             return self.seeded_profile
+
+    def _profile_path(self, sig: tuple) -> Path | None:
+        """The file of the profile for this machine, target, draft shape, device, dtype and thread count."""
+        if not self.profile_dir:
+            return None
+        if self.target_device.type == "cuda":
+            hw = torch.cuda.get_device_name(self.target_device)
+        else:
+            hw = next((line.split(":", 1)[1].strip() for line in _read_lines("/proc/cpuinfo")
+                       if line.startswith("model name")), os.uname().machine)
+        cfg = self.target.model.config
+        key = json.dumps([self.target_name, type(self.target.model).__name__, getattr(cfg, "num_hidden_layers", None),
+                          getattr(cfg, "hidden_size", None), str(next(self.target.model.parameters()).dtype),
+                          list(sig), self.target_device.type, hw, torch.get_num_threads()])
+        return Path(self.profile_dir) / f"profile-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+    def _kept_profile(self, sig: tuple) -> dict | None:
+        path = self._profile_path(sig)
+        if path is None or not path.exists():
+            return None
+        try:
+            prof = json.loads(path.read_text())
+            if not (isinstance(prof, dict) and {"target", "draft", "overhead", "digest"} <= set(prof)
+                    and "1" in prof["target"]):
+                raise ValueError("not a cost profile")
+            return prof
+        except Exception as exc:  # noqa: BLE001 - a damaged file is measured again and replaced
+            log.warning("ignoring the cost profile file %s (%s); measuring again", path, exc)
+            return None
+
+    def _keep_profile(self, sig: tuple, prof: dict | None) -> dict | None:
+        """Write a measured profile for the next start and the other replicas: the first writer wins (a
+        replica that measured at the same time takes the kept one), so every replica of a machine plans
+        seeded requests alike."""
+        path = self._profile_path(sig)
+        if path is None or prof is None:
+            return prof
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{uuid.uuid4().hex[:8]}.tmp")
+            tmp.write_text(json.dumps(prof, sort_keys=True))
+            try:
+                os.link(tmp, path)                      # atomic, and fails where another replica was first
+            except FileExistsError:
+                kept = self._kept_profile(sig)
+                if kept is not None:
+                    prof = kept
+                else:
+                    os.replace(tmp, path)               # the existing file was damaged: ours replaces it
+            finally:
+                tmp.unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("cannot keep the cost profile in %s: %s", path.parent, exc)
+        return prof
 
     def _step_failed(self, exc: Exception) -> None:
         """A decoding step raised (device error, out of memory, a corrupt model): after

@@ -126,6 +126,10 @@ class ServiceSettings:
     # measure the seeded requests' cost profile (Engine.calibrate) at start and after a swap to a draft of
     # another shape, in the background; off: the first seeded sampled request measures it
     calibrate: bool = True
+    # where the measured profile is kept, so that restarts and the other replicas of this machine plan seeded
+    # requests alike (Engine.profile_dir; settings_from_env: $DRAFTSMITH_PROFILE_DIR, default
+    # <cache dir>/cost-profiles); None: each replica measures its own
+    profile_dir: str | None = None
     live_interval_s: float = 15.0
     # the mode of a request that names none (`Service.default_mode`): mjsd, the product's default; a
     # deployment may pick another, e.g. medusa on a GPU, where the heads pay and the standalone draft does
@@ -219,6 +223,8 @@ class Service:
         self.engine = engine if engine is not None else self._make_engine()
         if self.s.prefill_threads and getattr(self.engine, "scheduler", None) is not None:
             self.engine.scheduler.prefill_threads = self.s.prefill_threads
+        if self.s.profile_dir and hasattr(self.engine, "profile_dir"):
+            self.engine.profile_dir = self.s.profile_dir
         self.model_name = self.s.served_model_name or self._default_model_name()
         self._pool = cf.ThreadPoolExecutor(max_workers=self.s.max_running + 1, thread_name_prefix="decode")
         self._slots: asyncio.Semaphore | None = None
@@ -869,5 +875,8 @@ def settings_from_env(**overrides) -> ServiceSettings:
             kw[name] = conv(v)
     if env.get("DRAFTSMITH_ADMIN_KEY"):
         kw["admin_api_key"] = env["DRAFTSMITH_ADMIN_KEY"]
+    from buffer.paths import cache_dir
+
+    kw["profile_dir"] = env.get("DRAFTSMITH_PROFILE_DIR") or str(cache_dir() / "cost-profiles")
     kw.update({k: v for k, v in overrides.items() if v is not None})
     return ServiceSettings(**kw)

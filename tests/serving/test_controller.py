@@ -4,6 +4,7 @@ and switches to n-gram proposals only when they are the better buy. Plus the eng
 on: T=0 output equal to target-only greedy output, and steps that draft nothing still recorded."""
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -191,6 +192,40 @@ from serving.config import ADAPTIVE_MODES, NGRAM_SWITCH_MODES, SamplingParams, S
 from serving.controller import Plan   # noqa: E402
 from serving.engine import Engine   # noqa: E402
 from tests.tiny_models import ListSink   # noqa: E402
+
+def test_without_evidence_a_request_drafts_only_where_drafting_pays_pessimistically():
+    """A request whose prior has seen no traffic (a seeded request; a new draft version) starts drafting only
+    if drafting pays at alpha - CAUTION_Z standard errors: where verification is dear (fp32 on a CPU) it
+    waits for its probes' evidence, where it is cheap it starts as before, with k from the point estimate;
+    the same prior backed by traffic drafts at once."""
+    from serving.controller import CAUTION_Z
+
+    def profile(slope: float, draft: float) -> CostModel:
+        c = CostModel(weight=1.0)
+        for n in (1, 5):
+            c.observe_target(n, 0.1 * (1 + slope * (n - 1)))
+        c.observe_draft("beams", 1, 0.1 * draft)
+        c.observe_overhead(True, 0.1 * 0.0625)
+        c.observe_overhead(False, 0.1 * 0.031)
+        return c
+
+    def ctrl(c: CostModel, priors: ReplicaPriors) -> RequestController:
+        return RequestController(gamma=4, costs=c, priors=priors, version="v1", greedy=False, draft_key="beams")
+
+    dear, cheap = profile(0.17, 0.21), profile(0.0, 0.15)
+    step = lambda c: (lambda k: c.step_s("beams", k))   # noqa: E731
+    assert best_k(0.5, 4, step(dear), 0.05)[0] > 0                         # the point estimate alone drafts
+    assert best_k(0.5 - CAUTION_Z * (0.25 / 2) ** 0.5, 4, step(dear), 0.05)[0] == 0
+    assert ctrl(dear, ReplicaPriors()).plan().k == 0
+    backed = ReplicaPriors()
+    for _ in range(10):
+        backed.update("v1", "beams", False, proposed=2, accepted=1)         # alpha stays 0.5, with evidence
+    assert backed.alpha("v1", "beams", False) == pytest.approx(0.5) and ctrl(dear, backed).plan().k > 0
+    assert ctrl(cheap, ReplicaPriors()).plan().k == best_k(0.5, 4, step(cheap), 0.05)[0] > 0
+    # a good draft still gets going where verification is dear: its probes bring the evidence
+    plans = run(ctrl(dear, ReplicaPriors()), accept_p=0.9, steps=120, rng=random.Random(3))
+    assert plans[0].k == 0 and sum(p.k > 0 for p in plans[-40:]) >= 30
+
 
 PROMPT = "abc abc abd the cat sat on the mat the cat"   # repeats: the n-gram lookup finds matches
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40)
@@ -598,3 +633,25 @@ def test_confidence_replay_matches_greedy_speculative_decoding_by_hand():
     s = simulate(conf, agree, ex, max_k=4, threshold=0.5, c=0.1, slope=0.0)
     assert s["acceptance"] == pytest.approx(5 / 5)
     assert s["speedup"] == pytest.approx(6 / (5 * 0.1 + 2))
+
+
+def test_a_kept_profile_is_shared_by_the_next_start_and_a_damaged_one_is_measured_again(pair, tmp_path,
+                                                                                         monkeypatch):
+    """Rounding cannot keep a ratio that sits on a grid boundary from flipping between two measurements, so
+    a replica keeps its profile in `profile_dir`: the next start (and every other replica of the machine)
+    reads it instead of measuring, and plans seeded requests alike."""
+    target, draft = pair
+    first, second = make_engine(target, draft), make_engine(target, draft)
+    first.profile_dir = second.profile_dir = tmp_path
+    prof = first.calibrate()
+    assert prof is not None and len(list(tmp_path.glob("profile-*.json"))) == 1
+    measured = []
+    monkeypatch.setattr(second, "generate_all", lambda *a, **k: measured.append(a))
+    assert second.calibrate() == prof and measured == []          # read, not measured
+    (path,) = tmp_path.glob("profile-*.json")
+    path.write_text("{not json")
+    third = make_engine(target, draft)
+    third.profile_dir = tmp_path
+    again = third.calibrate()                                     # measured again, and the file replaced
+    assert again is not None and json.loads(path.read_text())["digest"] == again["digest"]
+    assert not list(tmp_path.glob("*.tmp"))
