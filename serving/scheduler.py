@@ -36,11 +36,13 @@ the error) and leaves the scheduler running for the rest.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -63,6 +65,20 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 IDLE_EXIT_S = 30.0   # the scheduler thread exits after this long with nothing to do (restarted on submit)
+_EXIT = object()     # put in a scheduler's inbox at interpreter exit: its thread ends there (_stop_all)
+_LIVE: "weakref.WeakSet[BatchScheduler]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    """End every scheduler thread before the interpreter tears torch down: a daemon thread that has run
+    torch ops and is still alive at exit can make the process abort ("terminate called without an active
+    exception", exit status 134) after its work is done, seen with in-process scripts and test runs."""
+    for sched in list(_LIVE):
+        t = sched._thread
+        if t is not None and t.is_alive():
+            sched._inbox.put(_EXIT)
+            t.join(timeout=10.0)
 
 
 @dataclass
@@ -146,6 +162,7 @@ class BatchScheduler:
     # ------------------------------------------------------------------ public
     def submit(self, req: Request) -> None:
         self._inbox.put(req)
+        _LIVE.add(self)
         with self._start_lock:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="batch-scheduler", daemon=True)
@@ -171,9 +188,13 @@ class BatchScheduler:
             try:
                 timeout = 0.0 if active else max(0.0, IDLE_EXIT_S - (time.monotonic() - idle_since))
                 req = self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait()
-                self.waiting.append(req)
                 while True:
-                    self.waiting.append(self._inbox.get_nowait())
+                    if req is _EXIT:
+                        with self._start_lock:
+                            self._thread = None
+                        return
+                    self.waiting.append(req)
+                    req = self._inbox.get_nowait()
             except queue.Empty:
                 pass
             if not (self.waiting or self.prefilling or self.batch or self.solo):

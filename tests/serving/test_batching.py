@@ -510,3 +510,30 @@ def test_the_sequence_record_is_in_the_buffer_when_the_answer_arrives(pair, mode
                            SpecParams(adaptive=False, mode=mode, gamma=3), request_id="r1", source="unit")
     assert res.stats.steps > 0 and len(sink.steps) > 0
     assert len(sink.seqs) == 1 and sink.seqs[0].request_id == "r1"
+
+
+def test_a_script_that_decoded_exits_cleanly(tmp_path):
+    """The scheduler thread has run torch ops; left alive at interpreter exit it made in-process scripts
+    abort after their work was done (exit status 134, "terminate called without an active exception").
+    An atexit hook ends every scheduler thread first."""
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    target, draft = tiny_models.save_pair(tmp_path)
+    script = textwrap.dedent(f"""
+        import torch
+        torch.set_num_threads(2)
+        from serving.config import SamplingParams, SpecParams
+        from serving.engine import Engine
+        eng = Engine.from_paths({str(target)!r}, {str(draft)!r}, device="cpu", dtype=torch.float32)
+        for mode in ("target", "speculative", "mjsd"):
+            eng.generate_all([1, 2, 3, 4, 5], SamplingParams(temperature=0.7, max_tokens=8, seed=0),
+                             SpecParams(mode=mode, adaptive=False, beams=3))
+        print("decoded")
+    """)
+    root = Path(__file__).resolve().parents[2]
+    for _ in range(3):
+        r = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and "decoded" in r.stdout, (r.returncode, r.stderr[-2000:])
