@@ -36,8 +36,9 @@ temperature, dashed line at 1.0). Progress lines with rates go to stderr.
 
 --http: instead of the in-process engine, start `draftsmith serve --draft DRAFT` on a free port (as
 scripts/bench_load.py does; or use `--url`) and send the same prompts, non-streaming, as chat requests at
-temperature 0: the served default (no `speculative` field) against `{"speculative": {"mode": "target"}}`,
-interleaved prompt by prompt. Reports the per-category ratio of client-side tokens/s (end to end, HTTP + Ray
+the first of `--temperatures` (OpenAI's default warps, a seed per prompt: a seeded request at T > 0 plans
+from the replica's cost profile): the served default (no `speculative` field) against
+`{"speculative": {"mode": "target"}}`, interleaved prompt by prompt. Reports the per-category ratio of client-side tokens/s (end to end, HTTP + Ray
 included) and of the server-side engine tokens/s, plus the `metrics.speculative_decoding` totals; writes
 http_results.json and http_results.md into --out.
 
@@ -422,8 +423,8 @@ def run_http(args) -> int:
     try:
         with httpx.Client(base_url=url, timeout=600) as client:
             def ask(msgs, label, seed, max_tokens):
-                body = {"messages": msgs, "max_tokens": max_tokens, "temperature": 0, "top_k": 0, "top_p": 1.0,
-                        "seed": seed, "log_mode": "none"}
+                body = {"messages": msgs, "max_tokens": max_tokens, "temperature": args.temperatures[0], "top_k": 0,
+                        "top_p": 1.0, "seed": seed, "log_mode": "none"}
                 if settings[label] is not None:
                     body["speculative"] = settings[label]
                 t0 = time.perf_counter()
@@ -452,7 +453,8 @@ def run_http(args) -> int:
                         toks = body["usage"]["completion_tokens"]
                         records.append(dict(category=cat, prompt_index=i, mode=label, seed=seed, tokens=toks,
                                             wall_s=round(wall, 4), server_wall_s=m.get("wall_time_s"),
-                                            text=body["choices"][0]["message"]["content"], spec_metrics=m))
+                                            text=body["choices"][0]["message"]["content"], spec_metrics=m,
+                                            system_fingerprint=body.get("system_fingerprint")))
                     done += 1
                     el = time.perf_counter() - t_run
                     last = {r["mode"]: r for r in records[-len(order):]}
@@ -492,7 +494,7 @@ def run_http(args) -> int:
     dflt = [r for r in rows if r["mode"] == "default"]
     gm = {"client": r3(geomean([r["ratio_to_target"] for r in dflt])),
           "server": r3(geomean([r["server_ratio_to_target"] for r in dflt]))}
-    setup = (f"HTTP {url} draft={args.draft} served default vs target-only, T=0 top_k=0 top_p=1.0, "
+    setup = (f"HTTP {url} draft={args.draft} served default vs target-only, T={args.temperatures[0]:g} top_k=0 top_p=1.0, "
              f"max_tokens={args.max_tokens}, {args.n or 12} prompts/category, non-streaming, one client")
     lines = [setup, "", "| category | mode | client tokens/s | vs target | server tokens/s | vs target | acceptance | "
              "drafted/step |", "|---|---|---:|---:|---:|---:|---:|---:|"]
