@@ -1,4 +1,5 @@
 import os
+import tempfile
 from pathlib import Path
 
 # tests/ is a package grouped like the code (tests/buffer, tests/serving, tests/training, tests/deploy); the
@@ -7,6 +8,9 @@ from pathlib import Path
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# replicas that tests start (in-process or as `draftsmith serve`) keep their measured cost profiles here, not
+# in the user's cache (serving/engine.py Engine.calibrate)
+os.environ.setdefault("DRAFTSMITH_PROFILE_DIR", tempfile.mkdtemp(prefix="draftsmith-test-profiles-"))
 
 # Tiny-model forwards are dominated by thread hand-offs: on a shared 2-core machine two torch threads
 # per process made them up to 30x slower than one. Every test process runs torch on one thread.

@@ -194,6 +194,20 @@ def test_replicas_decode_on_their_share_of_cores_less_one_and_prefill_on_their_s
 
     assert settings_from_env().prefill_threads == 3
 
+def test_the_cost_profile_is_kept_under_the_cache_dir_unless_told_otherwise(monkeypatch, tmp_path):
+    from serving.service import ServiceSettings, settings_from_env
+
+    monkeypatch.delenv("DRAFTSMITH_PROFILE_DIR", raising=False)
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
+    assert settings_from_env().profile_dir == str(tmp_path / "cache" / "cost-profiles")
+    monkeypatch.setenv("DRAFTSMITH_PROFILE_DIR", str(tmp_path / "p"))
+    assert settings_from_env().profile_dir == str(tmp_path / "p")
+    assert settings_from_env(profile_dir="/elsewhere").profile_dir == "/elsewhere"
+    assert ServiceSettings().profile_dir is None and ServiceSettings().calibrate is True
+    monkeypatch.setenv("DRAFTSMITH_CALIBRATE", "0")
+    assert settings_from_env().calibrate is False
+
+
 def test_settings_from_env_reads_the_admin_key(monkeypatch):
     from serving.service import settings_from_env
 
