@@ -594,13 +594,14 @@ class Engine:
             # replica's measured costs like any other.
             seeded = sampling.seed is not None and not (sampling.greedy and mode != "mentored")
             beams = mode == "mjsd" and sampling.temperature > 0 and spec.beams > 1
+            costs, priors = self.costs, self.priors
             if seeded:
                 profile = self.calibrate()
                 stats.cost_profile = profile["digest"] if profile is not None else "prior"
+                costs = CostModel.frozen(profile) if profile is not None else CostModel()
+                priors = ReplicaPriors(prior=self.seeded_prior)
             req.controller = RequestController(
-                gamma=spec.gamma,
-                costs=(CostModel.frozen(profile) if profile is not None else CostModel()) if seeded else self.costs,
-                priors=ReplicaPriors(prior=self.seeded_prior) if seeded else self.priors, version=version,
+                gamma=spec.gamma, costs=costs, priors=priors, version=version,
                 greedy=sampling.greedy, draft_key="beams" if beams else "chain",
                 use_ngram=mode in NGRAM_SWITCH_MODES, stop_below=0.0 if beams else self.stop_confidence)
         self.scheduler.submit(req)
