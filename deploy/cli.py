@@ -2,7 +2,7 @@
 
     draftsmith serve [--host H] [--port P] [--target T] [--draft D] [--replicas N] [--api-key K] [--admin-key K]
     draftsmith bootstrap [--out DIR] [--budget 14m] [--force]
-    draftsmith distill [--every 10m] [--min-records N] [--margin 0.01] [--no-watchdog] [--canary-share 0.25]
+    draftsmith distill [--every 10m] [--min-records N] [--drift] [--margin 0.01] [--no-watchdog] [--canary-share 0.25]
     draftsmith watch [--poll 10s] [--once]         (the watchdog and the canary judge alone, no distillation)
     draftsmith register CANDIDATE_DIR            (or a full model folder: a new base draft)
     draftsmith promote VERSION [--force] [--ignore-pause]
@@ -197,6 +197,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "forgetting earlier traffic after a shift (default: the job's, 0)")
     d.add_argument("--min-records", type=_positive_int, default=None,
                    help="run when at least N new records are in the buffer")
+    d.add_argument("--drift", action="store_true",
+                   help="with --every: start a job before the interval ends when the champion's live acceptance "
+                        "over the last --drift-window is significantly below its gate figure (deploy/scheduler.py, "
+                        "'Triggers')")
+    d.add_argument("--drift-window", type=_duration, default=300.0,
+                   help="live intervals the drift trigger judges (default 5m)")
+    d.add_argument("--drift-tolerance", type=_fraction, default=0.05,
+                   help="relative drop below the gate figure that is not yet drift (default 0.05)")
     d.add_argument("--poll", type=_duration, default=10.0, help="how often the schedule is checked (default 10s)")
     d.add_argument("--max-jobs", type=_positive_int, default=None, help="stop the scheduler after N jobs")
     _gate_options(d)
@@ -216,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--ray-submit", choices=("auto", "job", "task"), default="auto",
                    help="how a job goes to Ray: the job submission API ('job', needs the dashboard), a Ray task "
                         "('task'), or 'auto' (default): the job API when the cluster has a dashboard")
+    d.add_argument("--job-nice", type=int, choices=range(0, 20), default=0, metavar="0..19",
+                   help="CPU priority a job lowers itself by (nice; a Ray job or task, not --runner process): "
+                        "on a machine that also serves, a higher value leaves serving the CPU (default 0)")
     d.add_argument("--ray-cpus", type=_positive_float, default=1.0,
                    help="CPUs a Ray job asks for (default 1; torch uses as many threads)")
     d.add_argument("--ray-gpus", type=_gpus, default="auto",
@@ -449,7 +460,7 @@ def _real_distill(args):
     overrides = _read_config(args.config)
     try:
         settings = RaySettings(submit=getattr(args, "ray_submit", "auto"), num_cpus=getattr(args, "ray_cpus", 1.0),
-                               num_gpus=getattr(args, "ray_gpus", "auto"))
+                               num_gpus=getattr(args, "ray_gpus", "auto"), nice=getattr(args, "job_nice", 0))
     except ValueError as e:
         raise BadInput(str(e)) from None
     return DistillRunner(lambda request: job_config(request, args.target, overrides),
@@ -501,15 +512,20 @@ def cmd_distill(args) -> int:
     import threading
 
     from deploy.gate import engine_smoke_check
-    from deploy.scheduler import DistillScheduler, LiveWatchdog, ScheduleConfig, WatchdogPolicy
+    from deploy.scheduler import DistillScheduler, DriftPolicy, LiveWatchdog, ScheduleConfig, WatchdogPolicy
 
     policy = _gate_policy(args)
     if args.kind in HEADS:
+        if args.drift:
+            raise BadInput(f"--drift schedules draft jobs; a --kind {args.kind} schedule runs by --every only")
         return _distill_heads(args, policy)
     schedule = None
+    if args.drift and args.every is None:
+        raise BadInput("--drift brings a scheduled job forward: pass --every DURATION too (e.g. --every 10m --drift)")
     if args.every is not None or args.min_records is not None:
         try:
-            schedule = ScheduleConfig(every_s=args.every, min_records=args.min_records, poll_s=args.poll)
+            drift = DriftPolicy(window_s=args.drift_window, tolerance=args.drift_tolerance) if args.drift else None
+            schedule = ScheduleConfig(every_s=args.every, min_records=args.min_records, poll_s=args.poll, drift=drift)
         except ValueError as e:
             raise BadInput(str(e)) from None
     reg = _registry(args)
@@ -527,8 +543,8 @@ def cmd_distill(args) -> int:
     if schedule is None:
         out = sched.run_job()
         return EXIT_OK if out.status in ("promoted", "rejected", "held", "canary") else EXIT_FAILED
-    print(f"[distill] scheduler started: every {args.every or '-'} s, min records {args.min_records or '-'}; "
-          "Ctrl-C stops it")
+    print(f"[distill] scheduler started: every {args.every or '-'} s, min records {args.min_records or '-'}"
+          + (f", drift over {args.drift_window:.0f} s" if args.drift else "") + "; Ctrl-C stops it")
     getattr(distill, "announce", lambda: None)()      # where jobs run (deploy/ray_jobs.py)
     stop = threading.Event()
     try:

@@ -88,8 +88,25 @@ def run_job(cfg: dict, progress: Callable[[str], None] = print) -> Path:
     return run_distillation(cfg, progress=progress, tracker=tracker_for(cfg))
 
 
+def lower_priority() -> int:
+    """Lower this process's CPU priority by DRAFTSMITH_JOB_NICE (set by deploy/ray_jobs.py `job_env` from
+    `draftsmith distill --job-nice`), so a job on the machine that serves takes the CPU time serving leaves;
+    returns the niceness now. Called before torch starts its threads (Linux: threads inherit it)."""
+    raw = os.environ.get("DRAFTSMITH_JOB_NICE", "0").strip() or "0"
+    try:
+        want = int(raw)
+    except ValueError:
+        log.warning("DRAFTSMITH_JOB_NICE=%r is not an integer; the job runs at normal priority", raw)
+        return os.nice(0)
+    now = os.nice(0)
+    if want > now:
+        now = os.nice(min(want, 19) - now)
+    return now
+
+
 def _ray_task(cfg: dict) -> str:
     logging.basicConfig(level=logging.INFO)
+    lower_priority()
     return str(run_job(cfg))
 
 
@@ -112,6 +129,9 @@ def run_in_ray(cfg: dict, num_cpus: float = 2, num_gpus: float = 0) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    nice = lower_priority()
+    if nice:
+        print(f"[distill] this job runs at nice {nice}: serving on the same machine comes first", flush=True)
     p = build_parser("python -m deploy.distill_job")
     p.add_argument("--ray", action="store_true", help="run as a Ray task (RAY_ADDRESS or a local Ray)")
     p.add_argument("--num-cpus", type=float, default=2, help="CPUs of the Ray task (default 2)")

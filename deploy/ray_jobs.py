@@ -352,8 +352,11 @@ class RaySettings:
     lost_after_s: float = 60.0
     python: str | None = None
     log_lines: int = 40
+    nice: int = 0
 
     def __post_init__(self) -> None:
+        if isinstance(self.nice, bool) or not isinstance(self.nice, int) or not (0 <= self.nice <= 19):
+            raise ValueError(f"the job's nice value must be an integer in 0..19, got {self.nice!r}")
         if self.submit not in SUBMIT_MODES:
             raise ValueError(f"submit must be one of {', '.join(SUBMIT_MODES)}, got {self.submit!r}")
         if not (isinstance(self.num_cpus, (int, float)) and self.num_cpus > 0):
@@ -370,12 +373,14 @@ class RaySettings:
         return float(self.num_gpus)
 
 
-def job_env(num_cpus: float, local: bool) -> dict:
+def job_env(num_cpus: float, local: bool, nice: int = 0) -> dict:
     """The job's environment: the settings it shares with the scheduler (data dir, caches, MLflow, hub),
-    never the HTTP API's keys; torch's threads matched to the CPUs it asked for."""
+    never the HTTP API's keys; torch's threads matched to the CPUs it asked for; the CPU priority it lowers
+    itself to (`DRAFTSMITH_JOB_NICE`, applied by deploy/distill_job.py before torch starts a thread)."""
     env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES) and k not in _ENV_SECRETS}
     env["DRAFTSMITH_DATA"] = str(_data_dir())
     env["OMP_NUM_THREADS"] = str(max(1, int(num_cpus)))
+    env["DRAFTSMITH_JOB_NICE"] = str(int(nice))
     env["PYTHONUNBUFFERED"] = "1"
     if local:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
@@ -480,7 +485,7 @@ def _submit_job(cfg: dict, cluster: RayCluster, st: RaySettings, job: _Job, pyth
         client = JobSubmissionClient(cluster.dashboard_url)
     except Exception as e:  # noqa: BLE001 - dashboard down or not a dashboard
         raise job.fail("failed", f"the job API at {cluster.dashboard_url} does not answer ({e})") from e
-    runtime_env: dict = {"env_vars": job_env(st.num_cpus, cluster.local)}
+    runtime_env: dict = {"env_vars": job_env(st.num_cpus, cluster.local, st.nice)}
     if not cluster.local:
         runtime_env.update(working_dir=str(ROOT), excludes=_WORKING_DIR_EXCLUDES)
     entrypoint = shlex.join([python, "-m", "deploy.distill_job", "--config-json", json.dumps(cfg, default=str)])
@@ -540,7 +545,7 @@ def _submit_task(cfg: dict, cluster: RayCluster, st: RaySettings, job: _Job, gpu
     # the driver runs here, beside the scheduler (its task runs wherever Ray places it): this interpreter
     cmd = [sys.executable, "-m", "deploy.distill_job", "--ray", "--num-cpus", f"{st.num_cpus:g}", "--num-gpus", f"{gpus:g}",
            "--config-json", json.dumps(cfg, default=str)]
-    env = {**os.environ, **job_env(st.num_cpus, True), "RAY_ADDRESS": cluster.address}
+    env = {**os.environ, **job_env(st.num_cpus, True, st.nice), "RAY_ADDRESS": cluster.address}
     for k in _ENV_SECRETS:
         env.pop(k, None)
     started = threading.Event()

@@ -58,6 +58,17 @@ Triggers (`ScheduleConfig`):
 - `every_s` only: a job each `every_s` seconds (the first one `every_s` after start);
 - `min_records` only: a job as soon as `pending_records(cursor) >= min_records` (polled every `poll_s`);
 - both: once `every_s` has passed since the last job, a job as soon as enough records are pending.
+- `drift` (a `DriftPolicy`, `draftsmith distill --drift`; with `every_s`): a job may start before the interval
+  ends when the champion's live acceptance over its newest `window_s` of logged intervals (MLflow
+  `draftsmith-live`, the watchdog's `live_figure`) is significantly below its reference, less `tolerance`:
+  its gate figure (`gate_predicted_live_acceptance`, else `gate_expected_rate`) when it has one, else (a
+  bootstrapped version 1) its own live figure over its earlier tenure (both standard errors then count).
+  Traffic that the champion serves worse than it was promoted for is new traffic to learn from, so it is
+  learnt from sooner; the watchdog (below), which judges the same figure at a far stricter level and checks
+  offline before acting, is not replaced by it. Still needed: `min_records` pending records when set, at
+  least `min_gap_s` since the last job, `min_draft_tokens` drafted tokens over `min_intervals` intervals in
+  the window. The champion's live figure is per version, over all traffic: a category that drifts shows
+  there in proportion to its share (serving has no category label).
 """
 from __future__ import annotations
 
@@ -189,10 +200,33 @@ class JobOutcome:
 
 
 @dataclass
+class DriftPolicy:
+    """When live acceptance has drifted far enough to start a job early (module docstring, "Triggers")."""
+
+    window_s: float = 300.0
+    tolerance: float = 0.05
+    confidence: float = 0.9
+    min_draft_tokens: int = 500
+    min_intervals: int = 2
+    min_gap_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not (self.window_s > 0) or not (self.min_gap_s >= 0):
+            raise ValueError(f"drift window must be > 0 and min gap >= 0, got {self.window_s!r}, {self.min_gap_s!r}")
+        if not (0.0 <= self.tolerance < 1.0):
+            raise ValueError(f"drift tolerance must be in [0, 1), got {self.tolerance!r}")
+        if not (0.5 <= self.confidence < 1.0):
+            raise ValueError(f"drift confidence must be in [0.5, 1), got {self.confidence!r}")
+        if self.min_draft_tokens < 1 or self.min_intervals < 1:
+            raise ValueError("drift min_draft_tokens and min_intervals must be >= 1")
+
+
+@dataclass
 class ScheduleConfig:
     every_s: float | None = None
     min_records: int | None = None
     poll_s: float = 10.0
+    drift: DriftPolicy | None = None
 
     def __post_init__(self) -> None:
         if self.every_s is None and self.min_records is None:
@@ -204,6 +238,8 @@ class ScheduleConfig:
             raise ValueError(f"--min-records must be an integer >= 1, got {self.min_records!r}")
         if not (self.poll_s > 0):
             raise ValueError(f"poll interval must be > 0, got {self.poll_s!r}")
+        if self.drift is not None and self.every_s is None:
+            raise ValueError("--drift brings an interval's job forward: it needs --every")
 
 
 def parse_duration(text: str) -> float:
@@ -464,16 +500,51 @@ class DistillScheduler:
                            f"{self.evidence_wait_s:.0f} s after registration); the next job waits for its verdict")
         now = self.clock()
         sch = self.schedule
+        early = None
         if sch.every_s is not None:
             since = now - (self._last_job if self._last_job is not None else self._started)
             if since < sch.every_s:
-                return False, f"next interval in {sch.every_s - since:.0f} s"
+                early = self.drift(since) if sch.drift is not None else None
+                if early is None:
+                    return False, f"next interval in {sch.every_s - since:.0f} s"
         if sch.min_records is not None:
             n = int(self.pending_records(self.cursor()))
             if n < sch.min_records:
-                return False, f"{n} new records, waiting for {sch.min_records}"
-            return True, f"{n} new records >= {sch.min_records}"
-        return True, "interval elapsed"
+                return False, f"{n} new records, waiting for {sch.min_records}" + (f" ({early})" if early else "")
+            return True, f"{n} new records >= {sch.min_records}" + (f"; {early}" if early else "")
+        return True, early or "interval elapsed"
+
+    def drift(self, since_last_job_s: float) -> str | None:
+        """Why the champion's live acceptance has drifted (module docstring, "Triggers"), or None."""
+        pol = self.schedule.drift
+        if since_last_job_s < pol.min_gap_s:
+            return None
+        reg = self.registry
+        champ = reg.champion()
+        if champ is None:
+            return None
+        info = reg.get(champ)
+        intervals = [it for it in reg.live_intervals(champ, since_ms=reg.champion_since_ms(info))
+                     if it.get("draft_tokens")]
+        recent = live_figure(intervals, pol.window_s)
+        if recent.rate is None or recent.drafted < pol.min_draft_tokens or recent.intervals < pol.min_intervals:
+            return None
+        z = NormalDist().inv_cdf(pol.confidence)
+        ref = info.metrics.get("gate_predicted_live_acceptance", info.metrics.get("gate_expected_rate"))
+        if ref is not None:
+            what, gap = f"its gate figure {ref:.3f}", recent.rate + z * recent.se - ref * (1 - pol.tolerance)
+        else:
+            newest = max(it["time_ms"] for it in intervals)
+            base = live_figure([it for it in intervals if it["time_ms"] < newest - pol.window_s * 1000])
+            if base.rate is None or base.drafted < pol.min_draft_tokens:
+                return None
+            ref = base.rate
+            what = f"its own earlier live figure {ref:.3f}"
+            gap = recent.rate - ref * (1 - pol.tolerance) + z * math.hypot(recent.se, base.se)
+        if gap >= 0:
+            return None
+        return (f"drift: version {champ}'s live acceptance {recent.rate:.3f} +- {recent.se:.3f} over the last "
+                f"{pol.window_s:.0f} s is significantly below {what} less {pol.tolerance:.0%}")
 
     def tick(self) -> JobOutcome | None:
         """One pass of the schedule: the watchdog, a pending gate, then a job when due; returns the job's

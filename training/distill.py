@@ -28,6 +28,21 @@ i.e. the mean number of accepted draft tokens if position j is accepted with pro
 given the earlier ones (the recorded draft prefix is the context of each position, which is the
 context speculative sampling reaches when it accepts that prefix). Reported: the mean of alpha over
 positions and the mean of E[L] over steps.
+
+**Acceptance weighting** (`acceptance_weight` s in [0, 1], issue 15's "replay weighted toward
+low-acceptance requests"; 0 = off, the default). Before the first optimizer step the parent (the draft with
+its fresh, zero-effect adapter, on the job's output vocabulary) is scored on every training row as above
+(`row_alphas`, the record's own warp); a request's miss rate m = 1 - its mean alpha over all its scored rows,
+including those of steps that drafted nothing (where the controller had given up on the draft, so the
+recorded acceptance says nothing). Every row of request i then weighs
+
+    w_i = (1 - s) + s * m_i / mean_j(m_j)         (mean over requests; mean weight 1)
+
+in the loss (training/losses.py `weight`): at s = 1 a request the parent misses twice as often counts twice,
+at s = 0 all count alike. Replayed older records are weighted the same way, so a share of old data is
+still trained on (against forgetting) but mostly where the parent has lost it. Costs one no-grad pass over
+the training window (its seconds, requests and per-source miss rates and weights: `TrainReport.weighting`,
+the job's `candidate.json` and its MLflow run).
 """
 from __future__ import annotations
 
@@ -72,6 +87,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 0
     log_every: int = 10
+    acceptance_weight: float = 0.0         # module docstring, "Acceptance weighting"
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:
@@ -92,6 +108,9 @@ class TrainConfig:
             raise ValueError(f"lora_alpha must be > 0, got {self.lora_alpha!r}")
         if not (self.grad_clip > 0) or self.weight_decay < 0:
             raise ValueError("grad_clip must be > 0 and weight_decay >= 0")
+        if isinstance(self.acceptance_weight, bool) or not isinstance(self.acceptance_weight, (int, float)) \
+                or not (0.0 <= self.acceptance_weight <= 1.0):
+            raise ValueError(f"acceptance_weight must be a number in [0, 1] (0: off), got {self.acceptance_weight!r}")
 
 
 # ----------------------------------------------------------------------------- the draft
@@ -269,11 +288,10 @@ class AcceptanceReport:
 
 
 @torch.no_grad()
-def offline_acceptance(draft: Draft, units: list[Unit], *, batch_tokens: int = 4096) -> AcceptanceReport:
-    """Offline acceptance of `draft` on (held-out) units; see the module docstring."""
+def row_alphas(draft: Draft, units: list[Unit], *, batch_tokens: int = 4096) -> Iterable[tuple[Unit, np.ndarray]]:
+    """(unit, alpha per scored row [R]) for every unit: the draft's acceptance under each record's warp."""
     was_training = draft.model.training
     draft.model.eval()
-    per_src: dict[str, dict[str, list[float]]] = {}
     try:
         for group in make_batches(units, batch_tokens):
             batch = draft.collate(group)
@@ -288,19 +306,25 @@ def offline_acceptance(draft: Draft, units: list[Unit], *, batch_tokens: int = 4
                                             t, k, p)
             start = 0
             for u in group:
-                a = alpha[start: start + u.num_rows].numpy()
+                yield u, alpha[start: start + u.num_rows].numpy()
                 start += u.num_rows
-                acc = per_src.setdefault(u.source or "unlabelled", {"alpha": [], "eal": []})
-                for s, gamma in enumerate(u.step_gamma):
-                    if gamma == 0:      # a step that drafted nothing (adaptive controller): trained on, not scored
-                        continue
-                    rows = (u.row_step == s)
-                    order = np.argsort(u.row_offset[rows])
-                    step_alpha = a[rows][order][:gamma]        # draft positions only, not the bonus row
-                    acc["alpha"].extend(step_alpha.tolist())
-                    acc["eal"].append(expected_accepted_length(step_alpha))
     finally:
         draft.model.train(was_training)
+
+
+def offline_acceptance(draft: Draft, units: list[Unit], *, batch_tokens: int = 4096) -> AcceptanceReport:
+    """Offline acceptance of `draft` on (held-out) units; see the module docstring."""
+    per_src: dict[str, dict[str, list[float]]] = {}
+    for u, a in row_alphas(draft, units, batch_tokens=batch_tokens):
+        acc = per_src.setdefault(u.source or "unlabelled", {"alpha": [], "eal": []})
+        for s, gamma in enumerate(u.step_gamma):
+            if gamma == 0:      # a step that drafted nothing (adaptive controller): trained on, not scored
+                continue
+            rows = (u.row_step == s)
+            order = np.argsort(u.row_offset[rows])
+            step_alpha = a[rows][order][:gamma]        # draft positions only, not the bonus row
+            acc["alpha"].extend(step_alpha.tolist())
+            acc["eal"].append(expected_accepted_length(step_alpha))
 
     def summary(alphas: list[float], eals: list[float]) -> dict:
         return {"acceptance": float(np.mean(alphas)) if alphas else None,
@@ -324,6 +348,41 @@ class TrainReport:
     seconds: float
     tokens_per_s: float
     rows_per_s: float
+    weighting: dict | None = None      # acceptance weighting: requests, miss rates, weights, seconds
+
+
+def request_weights(draft: Draft, units: list[Unit], strength: float, *,
+                    batch_tokens: int = 4096) -> tuple[dict[str, float], dict]:
+    """Per-request loss weights (module docstring, "Acceptance weighting") from `draft`'s acceptance on
+    every scored row of `units`, and a summary (per source: requests, mean miss rate, mean weight)."""
+    t0 = time.perf_counter()
+    sums: dict[str, list[float]] = {}
+    source: dict[str, str] = {}
+    for u, a in row_alphas(draft, units, batch_tokens=batch_tokens):
+        acc = sums.setdefault(u.request_id, [0.0, 0])
+        acc[0] += float(a.sum())
+        acc[1] += int(a.shape[0])
+        source[u.request_id] = u.source or "unlabelled"
+    miss = {r: 1.0 - tot / n for r, (tot, n) in sums.items() if n}
+    mean_miss = float(np.mean(list(miss.values()))) if miss else 0.0
+    if mean_miss <= 1e-9:        # the parent already agrees everywhere: nothing to lean towards
+        weights = {r: 1.0 for r in miss}
+    else:
+        weights = {r: (1.0 - strength) + strength * m / mean_miss for r, m in miss.items()}
+    by_src: dict[str, dict] = {}
+    for r, w in weights.items():
+        d = by_src.setdefault(source[r], {"requests": 0, "miss": 0.0, "weight": 0.0})
+        d["requests"] += 1
+        d["miss"] += miss[r]
+        d["weight"] += w
+    for d in by_src.values():
+        d["miss"] = round(d["miss"] / d["requests"], 4)
+        d["weight"] = round(d["weight"] / d["requests"], 4)
+    summary = {"strength": strength, "requests": len(weights), "mean_miss": round(mean_miss, 4),
+               "weight_min": round(min(weights.values()), 4) if weights else None,
+               "weight_max": round(max(weights.values()), 4) if weights else None,
+               "by_source": dict(sorted(by_src.items())), "seconds": round(time.perf_counter() - t0, 3)}
+    return weights, summary
 
 
 def train(draft: Draft, units: list[Unit], cfg: TrainConfig, *,
@@ -338,6 +397,13 @@ def train(draft: Draft, units: list[Unit], cfg: TrainConfig, *,
     if not params:
         raise ValueError("the draft has no trainable parameters (load it with lora_r set)")
     loss_fn = get_loss(cfg.loss, cfg.beta)
+    weights, weighting = None, None
+    if cfg.acceptance_weight > 0:
+        weights, weighting = request_weights(draft, units, cfg.acceptance_weight, batch_tokens=cfg.batch_tokens)
+        srcs = ", ".join(f"{k} miss {v['miss']:.3f} weight {v['weight']:.2f}" for k, v in weighting["by_source"].items())
+        progress(f"[distill] acceptance weighting (strength {cfg.acceptance_weight:g}) over {weighting['requests']} "
+                 f"requests in {weighting['seconds']:.1f} s: weights {weighting['weight_min']:.2f}-"
+                 f"{weighting['weight_max']:.2f}; {srcs}")
     batches = make_batches(units, cfg.batch_tokens)
     total = cfg.steps or max(cfg.min_steps, cfg.epochs * len(batches))
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -356,7 +422,10 @@ def train(draft: Draft, units: list[Unit], cfg: TrainConfig, *,
             batch = draft.collate(batches[i])
             logits = draft.row_logits(batch)
             mask = torch.ones(logits.shape[0], dtype=torch.bool)
-            loss = loss_fn(logits, batch.target_cols, batch.target_logprobs, mask)
+            w = None
+            if weights is not None:
+                w = torch.cat([torch.full((u.num_rows,), weights.get(u.request_id, 1.0)) for u in batch.units])
+            loss = loss_fn(logits, batch.target_cols, batch.target_logprobs, mask, weight=w)
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"non-finite {cfg.loss} loss at step {step + 1}")
             opt.zero_grad(set_to_none=True)
@@ -381,7 +450,7 @@ def train(draft: Draft, units: list[Unit], cfg: TrainConfig, *,
     draft.model.eval()
     el = time.perf_counter() - t0
     tail = losses[-min(10, len(losses)):]
-    return TrainReport(step, losses[0], float(np.mean(tail)), tokens, rows, el, tokens / el, rows / el)
+    return TrainReport(step, losses[0], float(np.mean(tail)), tokens, rows, el, tokens / el, rows / el, weighting)
 
 
 def peak_rss_mb() -> float:

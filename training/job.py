@@ -17,7 +17,9 @@ One job:
 3. pack both into units (training/data.py), measure offline acceptance of the parent draft on the
    parent's output vocabulary (as it is served: "before");
 4. re-choose the output vocabulary from the training units (below), train LoRA on it
-   (training/distill.py), measure again on the new vocabulary ("after");
+   (training/distill.py; with `acceptance_weight` s > 0 each request's rows weigh more the more often the
+   parent misses them, replay included: training/distill.py "Acceptance weighting"), measure again on the
+   new vocabulary ("after");
 5. write `<out_dir>/adapter/` (peft, safetensors) + `vocabulary.json` + `candidate.json`
    (docs/architecture.md, "Candidate folder"); `data_window.last_id` is the newest stream id trained
    on (the cursor).
@@ -366,6 +368,9 @@ def run_distillation(cfg: dict, progress: Callable[[str], None] = print,
             "vocab_size": vocab.size, "vocab_parent_size": vocab.parent_size,
             "vocab_entered": len(vocab.entered), "vocab_left": len(vocab.left),
         }
+        if report.weighting:
+            metrics["weighting_seconds"] = report.weighting["seconds"]
+            metrics["weighting_mean_miss"] = report.weighting["mean_miss"]
         for src, b in before.by_source.items():
             metrics[f"offline_acceptance_before.{src}"] = b["acceptance"]
             metrics[f"offline_acceptance_after.{src}"] = after.by_source[src]["acceptance"]
@@ -386,6 +391,7 @@ def run_distillation(cfg: dict, progress: Callable[[str], None] = print,
             "metrics": metrics,
             "eval": {"before": before.to_dict(), "after": after.to_dict()},
             "vocabulary": vocab.summary(),
+            "weighting": report.weighting,
             "mlflow_run_id": tracking.run_id if tracking else None,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }

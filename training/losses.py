@@ -12,9 +12,11 @@ of Language Models"). Every loss takes
     target_logprobs   [N, k]  RAW (temperature-1, unwarped) target log-softmax values of those entries,
                               as the replay buffer stores them
     mask              [N]     bool: rows that count
+    weight            [N]     optional, float >= 0: each row's weight (training/distill.py, "Acceptance
+                              weighting"); None = every row counts once
 
-and returns the mean of the per-row divergence over the unmasked rows (0 when every row is
-masked, still attached to the graph so `backward()` works and gives zero gradients).
+and returns the (weighted) mean of the per-row divergence over the unmasked rows (0 when every row is
+masked or weighs nothing, still attached to the graph so `backward()` works and gives zero gradients).
 
 **Mass outside the top-k: one "tail" cell.** The target is known on its top-k tokens only, so both
 distributions are compared on the partition {each target top-k token the draft can emit} ∪ {tail =
@@ -120,28 +122,36 @@ def _kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
     return (a * diff).sum(-1)
 
 
-def _reduce(per_row: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean over unmasked rows; 0 (with a gradient path) when all are masked; masked rows may hold inf/NaN."""
+def _reduce(per_row: torch.Tensor, mask: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """(Weighted) mean over unmasked rows; 0 (with a gradient path) when all are masked or weigh nothing;
+    masked rows may hold inf/NaN."""
     kept = torch.where(mask, per_row, torch.zeros_like(per_row))
-    return kept.sum() / mask.sum().clamp(min=1)
+    if weight is None:
+        return kept.sum() / mask.sum().clamp(min=1)
+    if weight.shape != mask.shape or not weight.is_floating_point():
+        raise ValueError(f"weight must be a float tensor [N={mask.shape[0]}], got {tuple(weight.shape)} {weight.dtype}")
+    w = torch.where(mask, weight.to(per_row.dtype), torch.zeros_like(per_row))
+    if bool((w < 0).any()) or not bool(torch.isfinite(w).all()):
+        raise ValueError("row weights must be finite and >= 0")
+    return (kept * w).sum() / w.sum().clamp(min=1e-12)
 
 
 def forward_kl(draft_logits: torch.Tensor, target_ids: torch.Tensor, target_logprobs: torch.Tensor,
-               mask: torch.Tensor) -> torch.Tensor:
+               mask: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
     """Forward KL(P || Q) = sum_c P_c (log P_c - log Q_c) (mode-covering; OSD's default)."""
     log_p, log_q = _cells(draft_logits, target_ids, target_logprobs, mask)
-    return _reduce(_kl(log_p, log_q), mask)
+    return _reduce(_kl(log_p, log_q), mask, weight)
 
 
 def reverse_kl(draft_logits: torch.Tensor, target_ids: torch.Tensor, target_logprobs: torch.Tensor,
-               mask: torch.Tensor) -> torch.Tensor:
+               mask: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
     """Reverse KL(Q || P) = sum_c Q_c (log Q_c - log P_c) (mode-seeking)."""
     log_p, log_q = _cells(draft_logits, target_ids, target_logprobs, mask)
-    return _reduce(_kl(log_q, log_p), mask)
+    return _reduce(_kl(log_q, log_p), mask, weight)
 
 
 def generalized_jsd(draft_logits: torch.Tensor, target_ids: torch.Tensor, target_logprobs: torch.Tensor,
-                    mask: torch.Tensor, beta: float = 0.5) -> torch.Tensor:
+                    mask: torch.Tensor, beta: float = 0.5, weight: torch.Tensor | None = None) -> torch.Tensor:
     """Generalized Jensen-Shannon divergence of GKD (Agarwal et al., Eq. 1; TRL's current trainer):
 
         M = beta * P + (1 - beta) * Q
@@ -158,19 +168,19 @@ def generalized_jsd(draft_logits: torch.Tensor, target_ids: torch.Tensor, target
     log_p, log_q = _cells(draft_logits, target_ids, target_logprobs, mask)
     log_m = torch.logsumexp(torch.stack([log_p + math.log(beta), log_q + math.log(1.0 - beta)]), dim=0)
     per_row = beta * _kl(log_p, log_m) + (1.0 - beta) * _kl(log_q, log_m)
-    return _reduce(per_row, mask)
+    return _reduce(per_row, mask, weight)
 
 
 def tvd(draft_logits: torch.Tensor, target_ids: torch.Tensor, target_logprobs: torch.Tensor,
-        mask: torch.Tensor) -> torch.Tensor:
+        mask: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
     """Total variation distance TVD = 0.5 * sum_c |P_c - Q_c| in [0, 1] (DistillSpec). Per row,
     1 - TVD = sum_c min(P_c, Q_c) is the acceptance rate of speculative sampling at temperature 1
     (over the k+1 cells: an upper bound on the full-vocabulary acceptance)."""
     log_p, log_q = _cells(draft_logits, target_ids, target_logprobs, mask)
-    return _reduce(0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1), mask)
+    return _reduce(0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1), mask, weight)
 
 
-LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+LossFn = Callable[..., torch.Tensor]      # (draft_logits, target_ids, target_logprobs, mask, weight=None)
 LOSSES = ("forward_kl", "reverse_kl", "jsd", "tvd")
 
 
@@ -183,7 +193,7 @@ def get_loss(name: str, beta: float = 0.5) -> LossFn:
     if name == "jsd":
         if not (0.0 < beta < 1.0):
             raise ValueError(f"jsd beta must be in (0, 1), got {beta!r}")
-        return lambda d, i, lp, m: generalized_jsd(d, i, lp, m, beta=beta)
+        return lambda d, i, lp, m, weight=None: generalized_jsd(d, i, lp, m, beta=beta, weight=weight)
     if name == "tvd":
         return tvd
     raise ValueError(f"unknown loss {name!r}; choose one of {', '.join(LOSSES)}")

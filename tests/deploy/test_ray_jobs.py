@@ -41,6 +41,24 @@ def _free_port() -> int:
 
 
 # ----------------------------------------------------------------------------- no Ray needed
+def test_a_job_lowers_its_own_cpu_priority_as_asked(monkeypatch):
+    """--job-nice N reaches the job as DRAFTSMITH_JOB_NICE (job_env), which the job's process applies before
+    torch starts a thread; a value it cannot read is a warning, not a failed job; 0..19 only."""
+    from deploy.ray_jobs import RaySettings, job_env
+
+    assert job_env(1, True, 7)["DRAFTSMITH_JOB_NICE"] == "7" and job_env(2, False)["DRAFTSMITH_JOB_NICE"] == "0"
+    for bad in (-1, 20, 2.5, True):
+        with pytest.raises(ValueError, match="nice"):
+            RaySettings(nice=bad)
+    code = "import os; from deploy.distill_job import lower_priority; print(lower_priority(), os.nice(0))"
+    base = os.nice(0)
+    for value, want in (("7", max(7, base)), ("eleven", base), ("", base)):
+        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "DRAFTSMITH_JOB_NICE": value})
+        assert out.returncode == 0 and out.stdout.split() == [str(want)] * 2, (value, out.stdout, out.stderr)
+        assert ("not an integer" in out.stderr) == (value == "eleven")
+
+
 def test_finding_the_cluster_and_the_in_process_fallback(tmp_path, monkeypatch):
     from deploy.ray_jobs import (CLUSTER_FILE, DistillRunner, RayUnavailable, find_cluster,
                                  read_published_cluster, unpublish_cluster)
@@ -319,7 +337,7 @@ def test_a_failing_ray_job_leaves_its_records_pending_and_the_next_one_registers
     good = overrides(buffer, group)
     bad = overrides(buffer, group, min_heldout=100_000)            # more held-out steps than the buffer has
     cfg = {"use": bad}
-    runner = runner_for(lambda: cfg["use"])
+    runner = runner_for(lambda: cfg["use"], nice=5)                # --job-nice 5: the job lowers its priority
     sched = make_scheduler(registry, data, runner, good)
     seen = []
     record = sched.record_job
@@ -331,6 +349,7 @@ def test_a_failing_ray_job_leaves_its_records_pending_and_the_next_one_registers
     assert job["runner"] == "ray-job" and job["state"] == "failed" and job["id"].startswith("draftsmith-distill-v1-")
     assert "RayJobError" in out.message and job["id"] in out.message
     assert any("held-out step records" in line for line in job["log_tail"]), job["log_tail"]
+    assert any("this job runs at nice 5" in line for line in job["log_tail"]), job["log_tail"]
     assert seen[0] == "submitted" and seen[-1] == "failed" and "running" in seen
     client = JobSubmissionClient(cluster.info["dashboard_url"])
     assert client.get_job_status(job["id"]) == JobStatus.FAILED         # it really ran on that cluster

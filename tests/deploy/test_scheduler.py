@@ -562,3 +562,71 @@ def test_watchdog_with_nothing_to_roll_back_to_records_the_finding(registry, tmp
     assert registry.champion() == "1" and "gate figure 0.600" in registry.get("1").tags["draftsmith.watchdog"]
     assert dog.check().action == "degraded"                            # recorded once, not per tick
     assert sum(h["action"] == "watchdog" for h in registry.history()) == 1
+
+
+# ----------------------------------------------------------------------------- issue 15: the drift trigger
+def test_drift_brings_a_job_forward_when_live_acceptance_falls_below_the_gate_figure(registry, tmp_path):
+    """With --every and --drift, a job starts before its interval ends once the champion's live acceptance
+    over the newest window is significantly below its gate figure (real MLflow live intervals); not
+    before the evidence minimum, not within min_gap_s of the last job, not without min_records."""
+    from deploy.scheduler import DriftPolicy
+
+    clock = [0.0]
+    pending = [50]
+    distill, calls = candidate_maker(tmp_path)
+    drift = DriftPolicy(window_s=60, tolerance=0.05, min_draft_tokens=1500, min_intervals=2, min_gap_s=30)
+    sched = scheduler(registry, distill, tmp_path, clock=lambda: clock[0],
+                      schedule=ScheduleConfig(every_s=3600, min_records=10, poll_s=0.01, drift=drift),
+                      pending_records=lambda since: pending[0])
+    assert sched.run_job().status == "promoted" and registry.champion() == "2"
+    fig = registry.get("2").metrics["gate_expected_rate"]
+    clock[0] = 100.0
+    ok, why = sched.due()
+    assert ok is False and why.startswith("next interval in")        # no live evidence yet
+    now = time.time()
+    log_live(registry, "2", [fig, fig + 0.01, fig - 0.01], now + 1)    # as the gate predicted: no drift
+    assert sched.due()[0] is False and sched.drift(100.0) is None
+    log_live(registry, "2", [fig - 0.25], now + 200)                   # one low interval: below the minimum
+    assert sched.due()[0] is False
+    log_live(registry, "2", [fig - 0.25, fig - 0.27, fig - 0.26], now + 215)
+    assert sched.drift(10.0) is None                                   # too soon after the last job
+    pending[0] = 5
+    ok, why = sched.due()
+    assert ok is False and "waiting for 10" in why and "drift" in why  # drift seen, records still short
+    pending[0] = 50
+    ok, why = sched.due()
+    assert ok is True and "drift: version 2's live acceptance" in why and f"gate figure {fig:.3f}" in why
+    out = sched.tick()
+    assert out is not None and out.status == "promoted" and len(calls) == 2 and registry.champion() == "3"
+    clock[0] = 200.0
+    assert sched.drift(100.0) is None and sched.due()[0] is False      # the new champion has no live figure yet
+
+
+def test_drift_on_a_version_without_a_gate_figure_compares_with_its_own_earlier_tenure(registry, tmp_path):
+    """The bootstrapped version 1 was never gated: its recent window is compared with its own earlier
+    live figure, both standard errors counted; without earlier evidence nothing triggers."""
+    from deploy.scheduler import DriftPolicy
+
+    distill, calls = candidate_maker(tmp_path)
+    sched = scheduler(registry, distill, tmp_path, clock=lambda: 10.0,
+                      schedule=ScheduleConfig(every_s=3600, poll_s=0.01,
+                                              drift=DriftPolicy(window_s=60, min_draft_tokens=1500, min_gap_s=0)))
+    assert registry.get("1").metrics.get("gate_expected_rate") is None
+    now = time.time()
+    log_live(registry, "1", [0.50, 0.52, 0.49, 0.51], now + 1)          # its tenure so far: all in one window
+    assert sched.due()[0] is False                                     # nothing earlier to compare with
+    log_live(registry, "1", [0.30, 0.31, 0.29], now + 400)              # the newest window, well below
+    ok, why = sched.due()
+    assert ok is True and "its own earlier live figure 0.50" in why
+    log_live(registry, "1", [0.50, 0.49, 0.51], now + 500)              # recovered in the newest window
+    assert sched.due()[0] is False
+
+
+def test_drift_needs_an_interval_and_valid_settings():
+    from deploy.scheduler import DriftPolicy
+
+    with pytest.raises(ValueError, match="needs --every"):
+        ScheduleConfig(min_records=5, drift=DriftPolicy())
+    for bad in ({"tolerance": 1.0}, {"confidence": 0.3}, {"window_s": 0}, {"min_draft_tokens": 0}):
+        with pytest.raises(ValueError, match="drift"):
+            DriftPolicy(**bad)

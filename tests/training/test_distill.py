@@ -602,3 +602,38 @@ def test_cli_trains_through_a_local_ray_task(served, tmp_path, capsys):
     out = capsys.readouterr().out.strip().splitlines()[-1]
     meta = json.loads((tmp_path / "candidate" / "candidate.json").read_text())
     assert out == str(tmp_path / "candidate") and meta["train_config"]["steps"] == 5
+
+
+# ----------------------------------------------------------------------------- issue 15: acceptance weighting
+def test_acceptance_weighting_leans_towards_the_requests_the_parent_misses(served, tmp_path):
+    """request_weights: w = (1 - s) + s * miss / mean miss per request, from the parent's acceptance on every
+    scored row (checked by hand from `row_alphas`); mean weight 1; s = 0 weighs all alike; a job with the
+    setting records it in candidate.json and its metrics; a setting outside [0, 1] is refused."""
+    units, _ = data.build_units(train_steps(served), served.seqs)
+    draft = distill.Draft(served.draft, lora_r=16)
+    weights, summary = distill.request_weights(draft, units, 1.0, batch_tokens=1024)
+    tot: dict[str, list[float]] = {}
+    for u, a in distill.row_alphas(draft, units, batch_tokens=1024):
+        acc = tot.setdefault(u.request_id, [0.0, 0])
+        acc[0] += float(a.sum())
+        acc[1] += len(a)
+    miss = {r: 1 - s / n for r, (s, n) in tot.items()}
+    mean = float(np.mean(list(miss.values())))
+    assert set(weights) == served.train_ids
+    for r, w in weights.items():
+        assert w == pytest.approx(miss[r] / mean, rel=1e-6)
+    assert float(np.mean(list(weights.values()))) == pytest.approx(1.0, abs=1e-9)
+    assert max(weights.values()) > min(weights.values())
+    assert set(summary["by_source"]) == {"a", "b"} and summary["requests"] == len(served.train_ids)
+    half, _ = distill.request_weights(draft, units, 0.5, batch_tokens=1024)
+    assert all(half[r] == pytest.approx(0.5 + 0.5 * weights[r]) for r in weights)
+    flat, _ = distill.request_weights(draft, units, 0.0, batch_tokens=1024)
+    assert set(flat.values()) == {1.0}
+
+    meta = json.loads((run_distillation(job_cfg(served, tmp_path, acceptance_weight=1.0, steps=5),
+                                        progress=lambda s: None) / "candidate.json").read_text())
+    assert meta["train_config"]["acceptance_weight"] == 1.0
+    assert meta["weighting"]["requests"] == len(served.train_ids) and meta["weighting"]["seconds"] >= 0
+    assert meta["metrics"]["weighting_mean_miss"] == pytest.approx(meta["weighting"]["mean_miss"])
+    with pytest.raises(ValueError, match="acceptance_weight"):
+        parse_config(job_cfg(served, tmp_path, acceptance_weight=1.5))

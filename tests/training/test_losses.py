@@ -259,3 +259,28 @@ def test_bad_inputs_are_refused_with_a_clear_error():
         forward_kl(logits, ids + 20, lps, mask)
     with pytest.raises(ValueError, match="unknown loss"):
         get_loss("osd_jsd")
+
+
+@pytest.mark.parametrize("name", LOSSES)
+def test_row_weights_give_the_weighted_mean_of_the_per_row_losses(name):
+    """weight w: sum_r w_r loss_r / sum_r w_r over unmasked rows; integer weights equal repeating rows;
+    all-ones weights equal no weights; bad weights are refused."""
+    logits, ids, lps, _ = random_case(11)
+    n = logits.shape[0]
+    m = torch.ones(n, dtype=torch.bool)
+    fn = get_loss(name)
+    per_row = torch.stack([fn(logits[r:r + 1], ids[r:r + 1], lps[r:r + 1], m[:1]) for r in range(n)])
+    w = torch.tensor([0.0, 1.0, 2.0, 3.0, 0.5])[:n]
+    got = fn(logits, ids, lps, m, weight=w)
+    assert float(got) == pytest.approx(float((per_row * w).sum() / w.sum()), rel=1e-5)
+    rep = torch.tensor([1, 2, 2, 3, 3, 3])                      # rows 1, 2, 2, 3, 3, 3: weights 0, 1, 2, 3
+    assert float(fn(logits, ids, lps, m, weight=w.clone().index_fill_(0, torch.tensor([4]), 0.0))) == \
+        pytest.approx(float(fn(logits[rep], ids[rep], lps[rep], torch.ones(len(rep), dtype=torch.bool))), rel=1e-5)
+    assert float(fn(logits, ids, lps, m, weight=torch.ones(n))) == pytest.approx(float(fn(logits, ids, lps, m)), rel=1e-6)
+    masked = m.clone()
+    masked[2] = False                                           # a masked row weighs nothing whatever its weight
+    assert float(fn(logits, ids, lps, masked, weight=w)) == pytest.approx(
+        float((per_row * w * masked).sum() / (w * masked).sum()), rel=1e-5)
+    for bad in (torch.full((n,), -1.0), torch.ones(n + 1), torch.ones(n, dtype=torch.long)):
+        with pytest.raises(ValueError, match="weight"):
+            fn(logits, ids, lps, m, weight=bad)
