@@ -282,7 +282,8 @@ def plot(records: list[dict], events: list[tuple[float, str]], shift_at: float, 
     ymax = ax1.get_ylim()[1]
     for t, label in events:
         ax1.text(t / 60, ymax, label, rotation=90, va="top", ha="right", fontsize=7)
-    ax1.text(shift_at / 60, 0.0, " traffic shift", fontsize=8, va="bottom")
+    ax1.text(shift_at / 60, 0.02, " traffic shift", fontsize=8, va="bottom",
+             transform=ax1.get_xaxis_transform())      # y in axes fraction: inside the plot whatever its range
     ax1.set_ylabel(f"live acceptance\n(accepted/proposed, rolling {window} req.)")
     ax2.set_ylabel(f"tokens/s per request\n(rolling {window} req.)")
     ax2.set_xlabel("minutes since traffic started")
