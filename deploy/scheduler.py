@@ -527,7 +527,7 @@ class DistillScheduler:
         intervals = [it for it in reg.live_intervals(champ, since_ms=reg.champion_since_ms(info))
                      if it.get("draft_tokens")]
         recent = live_figure(intervals, pol.window_s)
-        if recent.rate is None or recent.drafted < pol.min_draft_tokens or recent.intervals < pol.min_intervals:
+        if not recent.enough(pol):         # the watchdog's evidence rule, on the drift policy's minimums
             return None
         z = NormalDist().inv_cdf(pol.confidence)
         ref = info.metrics.get("gate_predicted_live_acceptance", info.metrics.get("gate_expected_rate"))
@@ -628,7 +628,7 @@ class LiveFigure:
     drafted: float
     intervals: int
 
-    def enough(self, policy: WatchdogPolicy) -> bool:
+    def enough(self, policy: "WatchdogPolicy | DriftPolicy") -> bool:
         return self.rate is not None and self.drafted >= policy.min_draft_tokens \
             and self.intervals >= policy.min_intervals
 
