@@ -266,6 +266,15 @@ def _merge_adapter(parent_dir: Path, adapter_dir: Path, out_dir: Path, *, what: 
             shutil.copy2(p, out_dir / p.name)
 
 
+def merge_candidate(parent_dir: Path, cdir: Path, out_dir: Path, *, what: str | None = None) -> None:
+    """out_dir := a plain draft folder: the parent draft with candidate `cdir`'s adapter merged in and its
+    vocabulary (if it has one) as the output rows. What a squash registers; also scripts that chain jobs."""
+    what = what or f"candidate {cdir}"
+    _merge_adapter(Path(parent_dir), Path(cdir) / "adapter", Path(out_dir), what=what)
+    if (Path(cdir) / VOCABULARY).is_file():
+        _write_folder_vocabulary(Path(out_dir), read_vocabulary_file(Path(cdir) / VOCABULARY, UsageError), what=what)
+
+
 def _config_dtype(folder: Path):
     import torch
 

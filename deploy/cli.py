@@ -2,7 +2,8 @@
 
     draftsmith serve [--host H] [--port P] [--target T] [--draft D] [--replicas N] [--api-key K] [--admin-key K]
     draftsmith bootstrap [--out DIR] [--budget 14m] [--force]
-    draftsmith distill [--every 10m] [--min-records N] [--drift] [--margin 0.01] [--no-watchdog] [--canary-share 0.25]
+    draftsmith distill [--every 10m] [--min-records N] [--drift] [--pipeline] [--margin 0.01] [--no-watchdog]
+                       [--canary-share 0.25]
     draftsmith watch [--poll 10s] [--once]         (the watchdog and the canary judge alone, no distillation)
     draftsmith register CANDIDATE_DIR            (or a full model folder: a new base draft)
     draftsmith promote VERSION [--force] [--ignore-pause]
@@ -205,6 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="live intervals the drift trigger judges (default 5m)")
     d.add_argument("--drift-tolerance", type=_fraction, default=0.05,
                    help="relative drop below the gate figure that is not yet drift (default 0.05)")
+    d.add_argument("--pipeline", action="store_true",
+                   help="with a canary: a job due while the canary is judged starts at once, trained from the canary; "
+                        "its candidate is registered once the canary is promoted, discarded if it is dropped "
+                        "(deploy/scheduler.py, 'Pipelining')")
     d.add_argument("--poll", type=_duration, default=10.0, help="how often the schedule is checked (default 10s)")
     d.add_argument("--max-jobs", type=_positive_int, default=None, help="stop the scheduler after N jobs")
     _gate_options(d)
@@ -516,16 +521,21 @@ def cmd_distill(args) -> int:
 
     policy = _gate_policy(args)
     if args.kind in HEADS:
-        if args.drift:
-            raise BadInput(f"--drift schedules draft jobs; a --kind {args.kind} schedule runs by --every only")
+        if args.drift or args.pipeline:
+            raise BadInput(f"--{'drift' if args.drift else 'pipeline'} schedules draft jobs; a --kind {args.kind} "
+                           "schedule runs by --every only")
         return _distill_heads(args, policy)
     schedule = None
     if args.drift and args.every is None:
         raise BadInput("--drift brings a scheduled job forward: pass --every DURATION too (e.g. --every 10m --drift)")
+    if args.pipeline and (not args.canary_share or (args.every is None and args.min_records is None)):
+        raise BadInput("--pipeline overlaps a scheduled job with a canary: it needs --every or --min-records and "
+                       "--canary-share above 0")
     if args.every is not None or args.min_records is not None:
         try:
             drift = DriftPolicy(window_s=args.drift_window, tolerance=args.drift_tolerance) if args.drift else None
-            schedule = ScheduleConfig(every_s=args.every, min_records=args.min_records, poll_s=args.poll, drift=drift)
+            schedule = ScheduleConfig(every_s=args.every, min_records=args.min_records, poll_s=args.poll, drift=drift,
+                                      pipeline=args.pipeline)
         except ValueError as e:
             raise BadInput(str(e)) from None
     reg = _registry(args)
@@ -544,7 +554,8 @@ def cmd_distill(args) -> int:
         out = sched.run_job()
         return EXIT_OK if out.status in ("promoted", "rejected", "held", "canary") else EXIT_FAILED
     print(f"[distill] scheduler started: every {args.every or '-'} s, min records {args.min_records or '-'}"
-          + (f", drift over {args.drift_window:.0f} s" if args.drift else "") + "; Ctrl-C stops it")
+          + (f", drift over {args.drift_window:.0f} s" if args.drift else "")
+          + (", jobs pipelined with canaries" if args.pipeline else "") + "; Ctrl-C stops it")
     getattr(distill, "announce", lambda: None)()      # where jobs run (deploy/ray_jobs.py)
     stop = threading.Event()
     try:

@@ -101,9 +101,9 @@ from typing import Any
 from buffer.paths import DEFAULT_TARGET, cache_dir, data_dir, default_tracking_uri, is_default_target  # noqa: F401
 from deploy.artifacts import (MANIFEST, MARKER, TARGET_CONFIG_IGNORED, VOCABULARY, WEIGHT_INDEXES,  # noqa: F401
                               WEIGHT_SUFFIXES, _canonical_json, _folder_vocabulary, _merge_adapter, _sha256,
-                              _write_folder_vocabulary, file_manifest, read_candidate, read_vocabulary_file,
-                              resolve_target_folder, short_hash, target_fingerprint, verify_manifest,
-                              vocabulary_digest)
+                              _write_folder_vocabulary, file_manifest, merge_candidate, read_candidate,
+                              read_vocabulary_file, resolve_target_folder, short_hash, target_fingerprint,
+                              verify_manifest, vocabulary_digest)
 from deploy.errors import (ArtifactError, PromotionsPaused, RegistryError, RegistryUnavailable,  # noqa: F401
                            UsageError)
 
@@ -897,10 +897,7 @@ class Registry:
         with tempfile.TemporaryDirectory(prefix="draftsmith-squash-") as tmp:
             merged = Path(tmp) / "draft"
             merged.mkdir()
-            _merge_adapter(parent_dir, cdir / "adapter", merged, what=f"candidate {cdir}")
-            if (cdir / VOCABULARY).is_file():
-                _write_folder_vocabulary(merged, read_vocabulary_file(cdir / VOCABULARY, UsageError),
-                                         what=f"candidate {cdir}")
+            merge_candidate(parent_dir, cdir, merged)
             tags = {**tags, **_vocab_tags(_folder_vocabulary(merged, ArtifactError)), SQUASHED_FROM_TAG: parent,
                     SQUASHED_CHAIN_TAG: json.dumps(chain)}
             version = self._create_version(

@@ -51,8 +51,16 @@ is promoted (`Registry.end_canary(promote=True)`: champion -> previous) unless i
 met, without waiting for `min_duration_s`. A canary that has not gathered enough evidence by `timeout_s`
 is dropped (a canary is promoted only on evidence; the reason says which arm lacked it). While promotion
 is paused a passing canary is held (it keeps its share) and dropped at the timeout. No distillation job
-starts while a canary runs. Reasons and figures go on the version (`draftsmith.canary_*` tags, `canary_*`
+starts while a canary runs, unless the schedule pipelines (below). Reasons and figures go on the version (`draftsmith.canary_*` tags, `canary_*`
 metrics), into the history, `canary-status.json` and `draftsmith status`.
+
+**Pipelining** (`ScheduleConfig.pipeline`, `draftsmith distill --pipeline`; issue 15's job latency): a job
+that is due while a canary runs starts at once, trained from the canary (its parent) on the records after
+the canary's window, while the scheduler goes on judging the canary every `poll_s` in its own thread. When
+the job ends, the candidate waits for the canary's decision: promoted (the parent is now the champion)
+-> the candidate is registered, acked and gated as usual; dropped -> the candidate is discarded unregistered
+(outcome "discarded"), its records stay pending for the next job, which trains from the champion. A
+learning loop then runs a job and a canary at once instead of one after the other.
 
 Triggers (`ScheduleConfig`):
 - `every_s` only: a job each `every_s` seconds (the first one `every_s` after start);
@@ -186,7 +194,7 @@ AckFn = Callable[[Path], int]
 
 @dataclass
 class JobOutcome:
-    status: str                      # "promoted" | "canary" | "rejected" | "held" (accepted, paused) | "failed" | "skipped"
+    status: str    # "promoted" | "canary" | "rejected" | "held" (accepted, paused) | "failed" | "skipped" | "discarded"
     message: str
     version: str | None = None       # registered candidate version (None if none was registered)
     parent_version: str | None = None
@@ -227,6 +235,7 @@ class ScheduleConfig:
     min_records: int | None = None
     poll_s: float = 10.0
     drift: DriftPolicy | None = None
+    pipeline: bool = False     # a job may start while a canary runs, trained from it (module docstring, "Pipelining")
 
     def __post_init__(self) -> None:
         if self.every_s is None and self.min_records is None:
@@ -365,20 +374,28 @@ class DistillScheduler:
         if champion is None:
             return JobOutcome("failed", "no champion draft to distill from: run `draftsmith bootstrap` first",
                               started=t0)
-        called = False
+        called, canary = False, None
         try:
-            parent_path = self.registry.materialize(champion)
-            request = JobRequest(champion, parent_path, self.registry.target, self.cursor(), self.target_sha256)
-            self.progress(f"[distill] job started from champion version {champion} "
+            canary = self._pipelined_canary()
+            parent = canary or champion
+            parent_path = self.registry.materialize(parent)
+            request = JobRequest(parent, parent_path, self.registry.target, self.cursor(), self.target_sha256)
+            self.progress(f"[distill] job started from {'canary' if canary else 'champion'} version {parent} "
                           f"(records after {request.since_id or 'the start'})")
             called = True
-            cand_dir = Path(self.distill(request))
+            cand_dir = Path(self._judging_while(lambda: self.distill(request)) if canary else self.distill(request))
         except Exception as e:  # noqa: BLE001 - a failed job must leave everything as it was
             log.error("distillation job failed:\n%s", traceback.format_exc())
             return JobOutcome("failed", f"distillation failed ({type(e).__name__}: {e}); champion {champion} "
-                                        "untouched, records left pending", parent_version=champion, started=t0,
-                              job=self._job_state() if called else None)
+                                        "untouched, records left pending", parent_version=canary or champion,
+                              started=t0, job=self._job_state() if called else None)
         job = self._job_state()
+        if canary is not None:
+            fate = self._await_canary(canary)
+            if fate != "promoted":
+                return JobOutcome("discarded", f"this job trained from canary version {canary}, which was {fate}; "
+                                               f"its candidate {cand_dir} is not registered and its records stay "
+                                               "pending for the next job", parent_version=canary, started=t0, job=job)
         try:
             version = self.registry.register_candidate(cand_dir, target_sha256=self.target_sha256,
                                                        tags={GATE_PENDING_TAG: "scheduler"})
@@ -397,6 +414,62 @@ class DistillScheduler:
         out = self._verdict_outcome(verdict, version, champion, t0, note)
         out.job = job
         return out
+
+    # ------------------------------------------------------------------ pipelining
+    def _judge_canary(self) -> None:
+        if self.canary is not None:
+            try:
+                self.canary.check()
+            except Exception as e:  # noqa: BLE001 - e.g. MLflow down: no decision
+                log.warning("[canary] %s", e)
+
+    def _pipelined_canary(self) -> str | None:
+        """The running canary's version when a pipelined job is to train from it (module docstring)."""
+        if self.schedule is None or not self.schedule.pipeline or self.canary is None:
+            return None
+        c = self.registry.canary()
+        return None if c is None else str(c["version"])
+
+    def _judging_while(self, fn: Callable[[], "str | os.PathLike"]) -> "str | os.PathLike":
+        """fn() (a job) in a worker thread while this thread goes on judging the canary every poll_s."""
+        box: dict = {}
+
+        def run() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as e:  # noqa: BLE001 - re-raised in the scheduler's thread
+                box["error"] = e
+
+        worker = threading.Thread(target=run, name="distill-job", daemon=True)
+        worker.start()
+        while worker.is_alive():
+            worker.join(self.schedule.poll_s)
+            if worker.is_alive():
+                self._judge_canary()
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    def _await_canary(self, version: str) -> str:
+        """Judge canary `version` every poll_s until it is decided (the judge's own timeout bounds this; a
+        registry that stays unreadable for as long gives up); "promoted" or what became of it otherwise."""
+        limit = time.monotonic() + (self.canary.policy.timeout_s if self.canary is not None else 0) + 600
+        announced = False
+        while True:
+            try:
+                c = self.registry.canary()
+                if c is None or str(c["version"]) != version:
+                    return "promoted" if self.registry.champion() == version else "not promoted (dropped)"
+            except Exception as e:  # noqa: BLE001 - MLflow down: wait for it, within the limit
+                log.warning("[distill] cannot read the canary (%s)", e)
+            if time.monotonic() > limit:
+                return "still undecided when the wait ran out"
+            if not announced:
+                self.progress(f"[distill] the job is done; its parent, canary version {version}, is still being "
+                              "judged: the candidate waits for that decision")
+                announced = True
+            self._judge_canary()
+            time.sleep(self.schedule.poll_s)
 
     def record_job(self, info: dict) -> None:
         """Write a running job's state (deploy/ray_jobs.py `job_info`) to `distill-job.json`."""
@@ -492,7 +565,7 @@ class DistillScheduler:
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(paused.get("time", 0)))
             return False, f"paused since {when} ({paused.get('reason')}); `draftsmith resume` to continue"
         canary = self.registry.canary() if self.canary is not None else None
-        if canary is not None:
+        if canary is not None and not self.schedule.pipeline:
             return False, f"canary version {canary['version']} is being judged; the next job waits for its decision"
         waiting = self.waiting_candidate()
         if waiting is not None:
@@ -554,11 +627,7 @@ class DistillScheduler:
                 self.watchdog.check()
             except Exception as e:  # noqa: BLE001 - e.g. MLflow down: no action
                 log.warning("[watchdog] %s", e)
-        if self.canary is not None:
-            try:
-                self.canary.check()
-            except Exception as e:  # noqa: BLE001 - e.g. MLflow down: no decision
-                log.warning("[canary] %s", e)
+        self._judge_canary()
         try:
             self.gate_pending()
         except Exception as e:  # noqa: BLE001

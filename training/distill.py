@@ -64,6 +64,23 @@ from training.losses import LOSSES, get_loss
 log = logging.getLogger(__name__)
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# `TrainConfig.lora_targets`: a named set, or a comma-separated list of these module names
+LORA_TARGET_SETS = {"all": LORA_TARGETS, "attention": LORA_TARGETS[:4], "mlp": LORA_TARGETS[4:]}
+
+
+def lora_target_modules(spec: str) -> list[str]:
+    """The LoRA target modules named by `spec` ("all", "attention", "mlp", or e.g. "q_proj,v_proj")."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"lora_targets must be one of {', '.join(LORA_TARGET_SETS)} or a comma-separated "
+                         f"list of {', '.join(LORA_TARGETS)}, got {spec!r}")
+    if spec in LORA_TARGET_SETS:
+        return list(LORA_TARGET_SETS[spec])
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    bad = [n for n in names if n not in LORA_TARGETS]
+    if bad or not names:
+        raise ValueError(f"lora_targets: unknown module(s) {', '.join(bad) or spec!r}; use one of "
+                         f"{', '.join(LORA_TARGET_SETS)} or a comma-separated list of {', '.join(LORA_TARGETS)}")
+    return names
 EAL_GAMMA = 4
 
 
@@ -83,6 +100,7 @@ class TrainConfig:
     min_steps: int = 50
     lora_r: int = 16
     lora_alpha: float | None = None        # None: 2 * lora_r
+    lora_targets: str = "all"              # lora_target_modules(): "all" | "attention" | "mlp" | "q_proj,v_proj"
     batch_tokens: int = 4096
     warmup_steps: int = 10
     weight_decay: float = 0.0
@@ -113,6 +131,7 @@ class TrainConfig:
         if isinstance(self.acceptance_weight, bool) or not isinstance(self.acceptance_weight, (int, float)) \
                 or not (0.0 <= self.acceptance_weight <= 1.0):
             raise ValueError(f"acceptance_weight must be a number in [0, 1] (0: off), got {self.acceptance_weight!r}")
+        lora_target_modules(self.lora_targets)
 
 
 # ----------------------------------------------------------------------------- the draft
@@ -139,7 +158,8 @@ class Draft:
     (the job measures the parent's rows "before", then trains and measures on the new ones)."""
 
     def __init__(self, folder: str | Path, *, lora_r: int | None = 16, lora_alpha: float | None = None,
-                 adapter: str | Path | None = None, output_token_ids: Iterable[int] | None = None) -> None:
+                 adapter: str | Path | None = None, output_token_ids: Iterable[int] | None = None,
+                 lora_targets: str = "all") -> None:
         from transformers import AutoModelForCausalLM
 
         self.folder = Path(folder)
@@ -159,7 +179,7 @@ class Draft:
             from peft import LoraConfig, get_peft_model
 
             cfg = LoraConfig(r=lora_r, lora_alpha=lora_alpha or 2 * lora_r, lora_dropout=0.0, bias="none",
-                             target_modules=list(LORA_TARGETS))
+                             target_modules=lora_target_modules(lora_targets))
             self.model = get_peft_model(base, cfg)
         else:
             self.model = base

@@ -331,7 +331,8 @@ def run_distillation(cfg: dict, progress: Callable[[str], None] = print,
             progress(f"[distill] replaying {len(rep)} older training steps from {len(rep_seqs)} requests "
                      f"(before {first})")
 
-        draft = distill.Draft(job.base_draft_path, lora_r=tcfg.lora_r, lora_alpha=tcfg.lora_alpha)  # parent's rows
+        draft = distill.Draft(job.base_draft_path, lora_r=tcfg.lora_r, lora_alpha=tcfg.lora_alpha,
+                              lora_targets=tcfg.lora_targets)  # parent's rows
         before = distill.offline_acceptance(draft, eval_units, batch_tokens=tcfg.batch_tokens)
         progress(f"[distill] held-out: {n_held} steps from {len(held_seqs)} requests; offline acceptance "
                  f"before {before.acceptance:.4f}, E[L] {before.expected_accepted_length:.3f}")
@@ -381,8 +382,8 @@ def run_distillation(cfg: dict, progress: Callable[[str], None] = print,
             "target_sha256": job.target_sha256,
             "loss": tcfg.loss,
             "train_config": {**asdict(tcfg), "lora_alpha": tcfg.lora_alpha or 2 * tcfg.lora_r,
-                             "lora_targets": list(distill.LORA_TARGETS), "rows": job.rows, "max_len": job.max_len,
-                             "heldout_fraction": job.heldout_fraction},
+                             "lora_targets": distill.lora_target_modules(tcfg.lora_targets), "rows": job.rows,
+                             "max_len": job.max_len, "heldout_fraction": job.heldout_fraction},
             "data_window": {**used_window.summary(bcfg.steps_key), "group": job.group, "since_id": job.since_id,
                             "replay": {k: v for k, v in replay.summary(bcfg.steps_key).items()
                                        if k in ("first_id", "last_id", "steps", "requests", "sources")},

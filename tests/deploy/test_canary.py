@@ -317,6 +317,65 @@ def test_the_scheduler_starts_a_canary_after_a_gate_pass_and_waits_for_it(regist
     assert registry.canary()["version"] == "3"
 
 
+def test_a_pipelined_job_trains_from_the_canary_and_waits_for_its_decision(registry, tmp_path):
+    """Pipelining (`ScheduleConfig.pipeline`): a job due while canary 2 is judged starts at once from it; the
+    scheduler goes on judging the canary while the job runs (it is promoted meanwhile), then registers the
+    job's candidate on version 2 and makes it the next canary. A job whose canary is dropped (here after the
+    job has finished: the scheduler waits for the decision) is discarded: nothing registered, champion kept."""
+    from deploy.scheduler import DistillScheduler, JobLock, ScheduleConfig
+    from tests.deploy_helpers import make_candidate, synthetic_evidence
+
+    registry.start_canary("2", 0.3)
+    seen, threads = [], []
+
+    def distill(req):
+        seen.append(req.parent_version)
+        k = len(seen)
+        now = time.time()
+        if k == 1:                          # canary 2 as good as the champion: promoted while the job runs
+            log_live(registry, "1", [0.60, 0.62, 0.61], now + 1)
+            log_live(registry, "2", [0.63, 0.60, 0.64], now + 1)
+            time.sleep(0.3)
+            assert registry.canary() is None and registry.champion() == "2"
+        else:                               # canary 3 much worse, decided only after the job returned
+            def later():
+                time.sleep(0.2)
+                log_live(registry, "2", [0.60, 0.62, 0.61], now + 100)
+                log_live(registry, "3", [0.30, 0.31, 0.33], now + 100)
+            threads.append(threading.Thread(target=later))
+            threads[-1].start()
+        return make_candidate(tmp_path / f"c{k}", req.parent_path, parent_version=req.parent_version, seed=10 + k,
+                              last_id=f"1700000000000-{40 + k}", target_sha256=req.target_sha256)
+
+    sched = DistillScheduler(registry, distill, smoke_check=lambda p: (True, "fake"), target_sha256=SHA,
+                             lock=JobLock(tmp_path / "l.lock"), progress=lambda m: None,
+                             evidence=synthetic_evidence(0.1), canary_share=0.3, canary=judge(registry, tmp_path),
+                             schedule=ScheduleConfig(every_s=0.01, poll_s=0.05, pipeline=True))
+    time.sleep(0.02)
+    ok, why = sched.due()
+    assert ok, why                                                 # a canary no longer blocks the next job
+    out = sched.run_job()
+    assert seen == ["2"] and out.status == "canary", out.message
+    assert registry.champion() == "2" and registry.canary()["version"] == "3"
+    assert registry.get("3").parent_version == "2"
+
+    n_versions = len(registry.versions())
+    out = sched.run_job()
+    for t in threads:
+        t.join()
+    assert seen == ["2", "3"] and out.status == "discarded", out.message
+    assert "canary version 3, which was not promoted (dropped)" in out.message
+    assert registry.champion() == "2" and registry.canary() is None and len(registry.versions()) == n_versions
+
+    plain = DistillScheduler(registry, distill, smoke_check=lambda p: (True, "fake"), target_sha256=SHA,
+                             lock=JobLock(tmp_path / "l.lock"), progress=lambda m: None,
+                             evidence=synthetic_evidence(0.1), canary_share=0.3, canary=judge(registry, tmp_path),
+                             schedule=ScheduleConfig(every_s=0.01, poll_s=0.05))
+    registry.start_canary("3", 0.3, reason="again")
+    time.sleep(0.02)
+    assert plain.due() == (False, "canary version 3 is being judged; the next job waits for its decision")
+
+
 def test_status_shows_the_canary(registry, tmp_path, monkeypatch, capsys):
     from deploy import cli
 

@@ -89,6 +89,13 @@ def test_bad_arguments_exit_2_with_a_hint(capsys, tmp_path):
         assert code == 2 and text in err, (argv, err)
 
 
+def test_pipeline_needs_a_schedule_and_a_canary(capsys):
+    for argv in (("--pipeline", "--every", "5m", "--canary-share", "0"), ("--pipeline",),
+                 ("--pipeline", "--every", "5m", "--kind", "medusa")):
+        code, _, err = run(capsys, "distill", *argv)
+        assert code == 2 and "--pipeline" in err and ("canary" in err or "--kind medusa" in err), (argv, err)
+
+
 def test_operator_workflow(env, capsys, tmp_path, gate_config):
     target, uri = env
     base = make_degraded_draft(tmp_path / "base", target)              # a poor draft of this target

@@ -637,3 +637,27 @@ def test_acceptance_weighting_leans_towards_the_requests_the_parent_misses(serve
     assert meta["metrics"]["weighting_mean_miss"] == pytest.approx(meta["weighting"]["mean_miss"])
     with pytest.raises(ValueError, match="acceptance_weight"):
         parse_config(job_cfg(served, tmp_path, acceptance_weight=1.5))
+
+
+def test_lora_targets_choose_which_layers_an_adapter_trains(served, tmp_path):
+    """`lora_targets`: "attention" puts LoRA on q/k/v/o only, "mlp" on gate/up/down only, a list on exactly
+    those; the job's adapter records the choice (peft's adapter_config.json) and loads back; unknown names are
+    refused with the valid ones listed."""
+    def wrapped(d: distill.Draft) -> set[str]:
+        return {n.rsplit(".", 1)[-1] for n, m in d.model.named_modules() if hasattr(m, "lora_A")}
+
+    attention, mlp = {"q_proj", "k_proj", "v_proj", "o_proj"}, {"gate_proj", "up_proj", "down_proj"}
+    assert wrapped(distill.Draft(served.draft, lora_r=4, lora_targets="attention")) == attention
+    assert wrapped(distill.Draft(served.draft, lora_r=4, lora_targets="mlp")) == mlp
+    assert wrapped(distill.Draft(served.draft, lora_r=4, lora_targets="q_proj, v_proj")) == {"q_proj", "v_proj"}
+    assert wrapped(distill.Draft(served.draft, lora_r=4)) == set(distill.LORA_TARGETS)
+
+    cand = run_distillation(job_cfg(served, tmp_path, lora_targets="mlp", steps=3), progress=lambda s: None)
+    meta = json.loads((cand / "candidate.json").read_text())
+    assert set(meta["train_config"]["lora_targets"]) == mlp          # the modules it resolved to
+    saved = json.loads((cand / "adapter" / "adapter_config.json").read_text())
+    assert set(saved["target_modules"]) == mlp
+    assert wrapped(distill.Draft(served.draft, lora_r=None, adapter=cand / "adapter")) == set(saved["target_modules"])
+    for bad in ("everything", "q_proj,lm_head", ""):
+        with pytest.raises(ValueError, match="lora_targets"):
+            parse_config(job_cfg(served, tmp_path, lora_targets=bad))
