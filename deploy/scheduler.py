@@ -22,7 +22,9 @@ Faults (issue 17). MLflow unreadable: the trigger check fails (`due` raises, not
 fails before registration (records pending), and promotion fails closed (`Registry.promote` raises).
 A candidate registered by a job whose gate could not finish (MLflow or Redis failing mid-gate), or
 whose accepted verdict met a pause, carries `draftsmith.gate_pending`; every tick gates it again
-(`gate_pending`) once MLflow answers and promotions are not paused, so promotion resumes by itself.
+(`gate_pending`) once MLflow answers and promotions are not paused, so promotion resumes by itself. A
+candidate short of held-out evidence is gated again only once the gate's sample has changed
+(`EvidenceSource.sample_key`: a new held-out request finished), not on every tick.
 
 **Watchdog** (`LiveWatchdog`, every tick before anything else): the champion's live acceptance over the
 newest `window_s` of its logged intervals since it became champion (MLflow `draftsmith-live`: accepted /
@@ -310,6 +312,7 @@ class DistillScheduler:
         self.evidence_wait_s = float(evidence_wait_s)
         self._started = clock()
         self._last_job: float | None = None
+        self._evidence_keys: dict[str, tuple] = {}      # waiting candidate -> its last gate's sample_key()
 
     # ------------------------------------------------------------------ one job
     def cursor(self) -> str | None:
@@ -512,6 +515,8 @@ class DistillScheduler:
             return None
         if self.registry.promotions_paused():
             return None
+        if waiting and not self._evidence_changed(cand):
+            return None
         if not self.lock.acquire():
             return None
         t0 = time.time()
@@ -525,6 +530,23 @@ class DistillScheduler:
         self._write_status(out)
         self.progress(f"[distill] {out.status}: {out.message}")
         return out
+
+    def _evidence_changed(self, version: str) -> bool:
+        """Whether the gate's held-out sample changed since candidate `version` was last gated again short of
+        it (`EvidenceSource.sample_key`); gating it on the same sample would score both drafts again, on the
+        cores serving uses, for the same verdict. True when the evidence source cannot tell."""
+        key_fn = getattr(self.evidence, "sample_key", None)
+        if key_fn is None:
+            return True
+        try:
+            key = key_fn()
+        except Exception as e:  # noqa: BLE001 - e.g. Redis down: let the gate run and report it
+            log.warning("[distill] cannot read the gate's sample size: %s", e)
+            return True
+        if self._evidence_keys.get(version) == key:
+            return False
+        self._evidence_keys[version] = key
+        return True
 
     def _awaits_evidence(self, info) -> bool:
         """A candidate rejected only because the gate's held-out sample was too small (not because it was

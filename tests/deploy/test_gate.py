@@ -174,6 +174,10 @@ def test_gate_promotes_a_draft_that_is_better_on_its_own_sample(registry, tmp_pa
     assert verdict.candidate_expected_rate > verdict.champion_expected_rate
     assert registry.aliases() == {CHAMPION: v, PREVIOUS: "1"}
     assert registry.get(v).metrics["gate_expected_rate"] == pytest.approx(verdict.candidate_expected_rate)
+    # the sample's cheap fingerprint (what the scheduler compares before gating a waiting candidate again)
+    n, newest = evidence.sample_key()
+    assert newest == verdict.window["last_id"] and n >= verdict.records > 0
+    assert evidence.sample_key() == (n, newest)
 
 
 # ----------------------------------------------------------------------------- target pinning

@@ -430,6 +430,33 @@ def test_a_candidate_short_of_held_out_evidence_waits_for_it_instead_of_being_di
     assert out.status == "held" and sched.waiting_candidate() is None and sched.due()[0]
 
 
+def test_a_waiting_candidate_is_gated_again_only_when_the_held_out_sample_changed(registry, tmp_path):
+    """Re-gating scores both drafts; on the same sample it would give the same verdict. With an evidence
+    source that can fingerprint its sample (`sample_key`), a tick re-gates only once the key changed."""
+    small, large = synthetic_evidence(0.1, n=5), synthetic_evidence(0.1, n=40)
+    state = {"evidence": small, "key": (50, "1-0"), "collected": 0, "pending": 100}
+
+    class Source:
+        def sample_key(self):
+            return state["key"]
+
+        def collect(self, a, b):
+            state["collected"] += 1
+            return state["evidence"](a, b)
+
+    distill, calls = candidate_maker(tmp_path)
+    sched = scheduler(registry, distill, tmp_path, evidence=Source(),
+                      schedule=ScheduleConfig(min_records=5, poll_s=0.01),
+                      pending_records=lambda since: state["pending"])
+    assert sched.run_job().status == "held" and state["collected"] == 1
+    assert sched.tick() is None and state["collected"] == 2      # first look at this sample: gated again
+    assert sched.tick() is None and sched.tick() is None and state["collected"] == 2   # same sample: not scored
+    assert sched.waiting_candidate() == "2" and len(calls) == 1
+    state["key"], state["evidence"], state["pending"] = (60, "2-0"), large, 0    # a held-out request finished
+    assert sched.tick() is None and state["collected"] == 3
+    assert registry.champion() == "2"
+
+
 def test_an_accepted_candidate_held_by_a_pause_is_promoted_after_resume(registry, tmp_path):
     distill, _ = candidate_maker(tmp_path)
     sched = scheduler(registry, distill, tmp_path)
