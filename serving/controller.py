@@ -37,6 +37,12 @@ Where the numbers come from:
   fast small-batch matmuls), the gap goes to HOPELESS_PROBE_GAP at once: such probes only refresh the costs.
   And no gap is shorter than what keeps probes within PROBE_BUDGET (2%) of the time at the measured
   cost of a probe (`affordable_gap`): 10 plain steps where a probe costs 0.2 of a step, 44 where it costs 0.87.
+  The gap is the replica's (`ReplicaPriors.probe_gap`: a new request starts from the gap the last one of its
+  draft version left) and counted in plain steps since any request of the replica drafted
+  (`CostModel.count_plain`), or the request's own if longer: costs that say drafting does not pay are only refreshed by a probe, and requests
+  shorter than the gap would otherwise never probe, so one bad measurement (a cold first pass of a new shape)
+  stopped a replica drafting for good. A cost key's first WARM_OBSERVATIONS keep their minimum for the same
+  reason. (A seeded request, on a frozen cost model, counts its own steps only.)
 
 Seeded sampled requests: a seed must reproduce the output, and the plan changes the output at T > 0, so such
 a request plans from its own acceptance history (the default prior) and a *frozen* cost model
@@ -80,6 +86,10 @@ CAUTION_Z = 0.5
 # acceptance under the measured costs: a probe there costs most of a step and can only refresh the costs.
 HOPELESS_ALPHA = 0.9
 HOPELESS_PROBE_GAP = 128     # plain steps between such probes (a probe costs about one more step)
+# A cost key's first observations keep their minimum before the weighted mean starts: the first target pass over
+# a new number of tokens (a new batch shape) pays one-off allocations and kernel selection, measured at several
+# times a warm pass on this project's CPU; taken at face value it made a cold replica's drafting look hopeless.
+WARM_OBSERVATIONS = 3
 # Elsewhere probes are spaced so that they take at most this share of a request's time (affordable_gap).
 PROBE_BUDGET = 0.02
 # A draft chain ends after a token whose draft confidence (the largest probability of the draft's raw
@@ -112,13 +122,31 @@ class CostModel:
         self._draft: dict[str, float] = {}           # proposer -> EWMA seconds per drafted token
         self._overhead: dict[tuple, float] = {}      # (batch rows, drafted?) -> EWMA seconds outside the forwards
         self._draft_rows: dict[int, float] = {}      # rows in a batched draft forward -> EWMA seconds per forward
+        self._seen: dict[tuple, int] = {}            # (table, key) -> observations so far (WARM_OBSERVATIONS)
+        self._plain_run = 0                          # plain request steps since any request drafted (take)
         self._lock = threading.Lock()
 
     def _ewma(self, table: dict, key, value: float) -> None:
+        """The first WARM_OBSERVATIONS of a key keep their minimum (a shape's first calls carry one-off
+        costs); after them an exponentially weighted mean."""
         if self.frozen_profile is not None:
             return
         old = table.get(key)
-        table[key] = value if old is None else (1 - self.weight) * old + self.weight * value
+        seen = self._seen.get((id(table), key), 0)
+        self._seen[(id(table), key)] = seen + 1
+        if old is None:
+            table[key] = value
+        elif seen < WARM_OBSERVATIONS:
+            table[key] = min(old, value)
+        else:
+            table[key] = (1 - self.weight) * old + self.weight * value
+
+    def count_plain(self, drafted: bool) -> int:
+        """One request step of this replica (RequestController.take): a plain one adds to the run of plain steps
+        since any request drafted, a drafting one (or a probe) ends it; returns the run."""
+        with self._lock:
+            self._plain_run = 0 if drafted else self._plain_run + 1
+            return self._plain_run
 
     def observe_target(self, tokens: int, seconds: float) -> None:
         if tokens >= 1 and seconds > 0:
@@ -281,6 +309,7 @@ class ReplicaPriors:
     def __init__(self, prior: float = 0.5, decay: float = 0.98) -> None:
         self.default, self.decay = prior, decay
         self._est: dict[tuple, AcceptanceEstimate] = {}
+        self._gaps: dict[tuple, int] = {}
         self._lock = threading.Lock()
 
     def _get(self, key: tuple) -> AcceptanceEstimate:
@@ -300,6 +329,15 @@ class ReplicaPriors:
     def update(self, version: str, proposer: str, greedy: bool, proposed: int, accepted: int) -> None:
         with self._lock:
             self._get((version, proposer, greedy)).update(proposed, accepted)
+
+    def probe_gap(self, version: str, proposer: str, greedy: bool, default: int) -> int:
+        """The probe gap the replica's latest request of this key ended with (RequestController: probing)."""
+        with self._lock:
+            return self._gaps.get((version, proposer, greedy), default)
+
+    def set_probe_gap(self, version: str, proposer: str, greedy: bool, gap: int) -> None:
+        with self._lock:
+            self._gaps[(version, proposer, greedy)] = int(gap)
 
 
 @dataclass
@@ -347,7 +385,15 @@ class RequestController:
     def __post_init__(self) -> None:
         if not (1 <= self.gamma <= MAX_GAMMA):
             raise ValueError(f"gamma must be in [1, {MAX_GAMMA}], got {self.gamma}")
-        self.probe_gap = self.probe_gap0
+        # probing state is the replica's (module docstring, "Probing"), except on a frozen cost model
+        self.shared = self.costs.frozen_profile is None
+        self.probe_gap = (self.priors.probe_gap(self.version, self.draft_key, self.greedy, self.probe_gap0)
+                          if self.shared else self.probe_gap0)
+
+    def _set_gap(self, gap: int) -> None:
+        self.probe_gap = gap
+        if self.shared:
+            self.priors.set_probe_gap(self.version, self.draft_key, self.greedy, gap)
 
     def _estimate(self, proposer: str) -> AcceptanceEstimate:
         if proposer not in self.est:
@@ -382,15 +428,20 @@ class RequestController:
         those costs, so probes come every HOPELESS_PROBE_GAP plain steps."""
         if plan.k == 0:
             self.zero_run += 1
-            if self.zero_run >= self.probe_gap:       # no evidence arrives while not drafting: probe
+            # plain steps since drafting last happened: on the replica (any request), or this request's own if
+            # longer; requests shorter than the gap still probe between them (module docstring, "Probing")
+            run = max(self.zero_run, self.costs.count_plain(False)) if self.shared else self.zero_run
+            if run >= self.probe_gap:       # no evidence arrives while not drafting: probe
                 if self.probe_gap < HOPELESS_PROBE_GAP and self.hopeless():
-                    self.probe_gap = HOPELESS_PROBE_GAP
+                    self._set_gap(HOPELESS_PROBE_GAP)
                     return plan
                 floor = self.affordable_gap()
-                if self.zero_run < floor:
-                    self.probe_gap = floor
+                if run < floor:
+                    self._set_gap(floor)
                     return plan
                 plan = Plan("draft", 1, probe=True)
+        if plan.k and self.shared:
+            self.costs.count_plain(True)
         return plan
 
     def affordable_gap(self) -> int:
@@ -419,7 +470,7 @@ class RequestController:
         self.priors.update(self.version, key, self.greedy, proposed, accepted)
         if plan.proposer == "draft":
             if plan.probe:
-                self.probe_gap = self.probe_gap0 if accepted else min(self.max_probe_gap, 2 * self.probe_gap)
+                self._set_gap(self.probe_gap0 if accepted else min(self.max_probe_gap, 2 * self.probe_gap))
             self.zero_run = 0
 
 

@@ -93,6 +93,44 @@ def test_where_no_acceptance_could_pay_probes_are_rare():
     assert sum(p.k > 0 for p in cheap) > 150
 
 
+def test_hopeless_costs_are_probed_across_short_requests_and_recover():
+    """A cold replica measured a dear verification once (a new shape's first pass): a probe looks too dear to
+    come more often than every ~90 plain steps (`affordable_gap`). Requests shorter than that still probe,
+    the gap counted over the replica's plain steps, and once the probes measure the true (cheap) costs the
+    next requests draft again. Before, each request counted its own plain steps, so 60-step requests never
+    probed and the replica never drafted again."""
+
+    rng = random.Random(5)
+    c = CostModel(weight=0.3)
+    for n in (1, 2, 3, 4, 5):
+        c.observe_target(n, 0.030 if n == 1 else 0.080)    # 1 token warm, every longer pass cold
+    c.observe_draft("chain", 1, 0.003)
+    priors = ReplicaPriors(prior=0.5)
+    probes = []
+    for r in range(20):                                     # 20 requests of 60 steps
+        ctrl = RequestController(gamma=4, costs=c, priors=priors, version="v1", greedy=True)
+        for _ in range(60):
+            plan = ctrl.plan()
+            if plan.k:
+                probes.append((r, plan.probe))
+                # what a warm pass over 1 + k tokens costs on this machine: the measurement the probe brings
+                c.observe_target(1 + plan.k, 0.030 * (1 + 0.03 * plan.k))
+                c.observe_draft("chain", plan.k, 0.003 * plan.k)
+            n = 0
+            while n < plan.k and rng.random() < 0.7:
+                n += 1
+            ctrl.observe(plan, n)
+    assert probes and probes[0][1]                          # the first drafting step was a probe ...
+    assert 1 <= probes[0][0] <= 3                           # ... within a few requests, though each is < the gap
+    late = [p for p in probes if p[0] >= 15]
+    assert len(late) > 100 and not all(is_probe for _, is_probe in late)   # drafting for real again
+    # a frozen cost model (a seeded request's) never changes: it keeps to its own per-request count
+    frozen = CostModel.frozen({"target": {"1": 1.0, "2": 2.5, "3": 3.0, "4": 3.5, "5": 4.0},
+                               "draft": {"chain": 0.1}, "overhead": {}, "digest": "x"})
+    ctrl = RequestController(gamma=4, costs=frozen, priors=ReplicaPriors(prior=0.5), version="v1", greedy=True)
+    assert ctrl.hopeless() and sum(ctrl.plan().k for _ in range(100)) == 0
+
+
 def test_probes_stay_within_their_time_budget():
     """A probe costs c + slope more than a plain step: probes are spaced to cost at most PROBE_BUDGET of the
     time (cheap verification: about every 7 steps; a second token at 0.6 of a step: about every 35)."""
@@ -165,9 +203,12 @@ def test_acceptance_estimate_and_cost_model_basics():
     assert est.alpha == pytest.approx((5 + 1) / (5 + 1 + 2))
     c = CostModel(weight=0.5)
     assert c.target_s(3) == pytest.approx(1.06)              # prior, relative units
+    c.observe_target(1, 0.09)                                 # a cold first pass: one-off costs
     c.observe_target(1, 0.02)
+    c.observe_target(1, 0.03)
+    assert c.target_s(1) == pytest.approx(0.02)               # the first WARM_OBSERVATIONS keep their minimum
     c.observe_target(1, 0.04)
-    assert c.target_s(1) == pytest.approx(0.03)
+    assert c.target_s(1) == pytest.approx(0.03)               # then the weighted mean
     assert c.target_s(5) == pytest.approx(0.03 * 1.12)        # extrapolated with the prior slope
     assert c.draft_token_s("ngram") == 0.0
     # a controller that always drafts never measures a one-token pass: the line through what it measured
