@@ -334,6 +334,10 @@ def run_distillation(cfg: dict, progress: Callable[[str], None] = print,
         draft = distill.Draft(job.base_draft_path, lora_r=tcfg.lora_r, lora_alpha=tcfg.lora_alpha,
                               lora_targets=tcfg.lora_targets)  # parent's rows
         before = distill.offline_acceptance(draft, eval_units, batch_tokens=tcfg.batch_tokens)
+        if before.acceptance is None:
+            raise NotEnoughRecords(f"the {n_held} held-out steps hold no drafted token to measure offline acceptance "
+                                   "on (serving drafted nothing on them); nothing was trained, the records stay "
+                                   "for a later job")
         progress(f"[distill] held-out: {n_held} steps from {len(held_seqs)} requests; offline acceptance "
                  f"before {before.acceptance:.4f}, E[L] {before.expected_accepted_length:.3f}")
         vocab = choose_job_vocabulary(draft, units, vocab_size=job.vocab_size, prior_weight=job.vocab_prior_weight)

@@ -19,6 +19,7 @@ import torch
 from buffer.redis_store import BufferConfig, ReplayBufferReader, ReplayBufferWriter, connect
 from tests.deploy_helpers import artifact_dir, fresh_store, template_db
 from serving.config import SamplingParams, SpecParams
+from serving.controller import CostModel
 from serving.engine import Engine
 from serving.runner import SequenceRunner
 from tests.tiny_models import save_pair
@@ -555,6 +556,40 @@ def test_too_few_records_is_a_clear_error_and_acks_nothing(served, tmp_path, cap
     client = connect(served.url)
     client.delete(f"{empty['buffer_prefix']}:steps")          # the empty stream the group was created on
     client.close()
+
+
+def test_held_out_steps_without_drafted_tokens_are_a_clear_error(served, tmp_path, redis_url):
+    """Steps on which serving drafted nothing (plain target steps) still carry the target's top-k, but hold no
+    drafted position to measure offline acceptance on: a job whose held-out steps are all such steps stops
+    with NotEnoughRecords (the scheduler keeps the champion), not a crash."""
+    cfg = BufferConfig(prefix=f"test:distill:plain:{uuid.uuid4().hex[:10]}", flush_interval_s=0.002)
+    writer = ReplayBufferWriter(redis_url, cfg)
+    engine = Engine.from_paths(str(served.target), str(served.draft), sink=writer, draft_version="1",
+                               dtype=torch.float32)
+    dear = CostModel(weight=1.0)                  # verifying a second token costs 1.7x a step: drafting never pays
+    for n in range(1, 18):
+        dear.observe_target(n, 0.07 * (1 + 0.7 * (n - 1)))
+    dear.observe_draft("chain", 1, 0.01)
+    dear.observe_target = dear.observe_draft = dear.observe_draft_forward = dear.observe_overhead = lambda *a, **k: None
+    engine.costs = dear
+    for i in range(16):
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": f"plain {i}"}],
+                                                      add_generation_prompt=True, tokenize=True, return_dict=False)
+        engine.generate_all(prompt, SamplingParams(temperature=0.0, max_tokens=6), SpecParams(mode="speculative"),
+                            request_id=pick_id(i, i in HELD), source="a")
+    writer.close()
+    try:
+        reader = ReplayBufferReader(redis_url, cfg)
+        steps = reader.newest(10_000)
+        assert steps and all(len(e.record.draft_tokens) == 0 for e in steps)
+        with pytest.raises(NotEnoughRecords, match="no drafted token"):
+            run_distillation(job_cfg(served, tmp_path, buffer_prefix=cfg.prefix), progress=lambda s: None)
+    finally:
+        client = connect(redis_url)
+        keys = list(client.scan_iter(match=f"{cfg.prefix}:*", count=1000))
+        if keys:
+            client.delete(*keys)
+        client.close()
 
 
 def test_config_is_validated(served):
