@@ -441,6 +441,9 @@ def main(argv=None) -> int:
         args.distill_args += ["--config", str(args.distill_config)]
     procs: list[subprocess.Popen] = []
     serve_log, distill_log = out / "serve.log", out / "distill.log"
+    # SIGTERM (kill, pkill) runs the `finally` below like Ctrl-C does: the service and the scheduler are stopped
+    # with the run instead of being left behind writing into the next run's data dir
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         with open(serve_log, "w") as f:
             procs.append(subprocess.Popen([sys.executable, "-m", "deploy.cli", "serve", "--port", str(args.port),
