@@ -41,8 +41,7 @@ Where the numbers come from:
   draft version left) and counted in plain steps since any request of the replica drafted
   (`CostModel.count_plain`), or the request's own if longer: costs that say drafting does not pay are only refreshed by a probe, and requests
   shorter than the gap would otherwise never probe, so one bad measurement (a cold first pass of a new shape)
-  stopped a replica drafting for good. A cost key's first WARM_OBSERVATIONS keep their minimum for the same
-  reason. (A seeded request, on a frozen cost model, counts its own steps only.)
+  stopped a replica drafting for good. (A seeded request, on a frozen cost model, counts its own steps only.)
 
 Seeded sampled requests: a seed must reproduce the output, and the plan changes the output at T > 0, so such
 a request plans from its own acceptance history (the default prior) and a *frozen* cost model
@@ -86,10 +85,6 @@ CAUTION_Z = 0.5
 # acceptance under the measured costs: a probe there costs most of a step and can only refresh the costs.
 HOPELESS_ALPHA = 0.9
 HOPELESS_PROBE_GAP = 128     # plain steps between such probes (a probe costs about one more step)
-# A cost key's first observations keep their minimum before the weighted mean starts: the first target pass over
-# a new number of tokens (a new batch shape) pays one-off allocations and kernel selection, measured at several
-# times a warm pass on this project's CPU; taken at face value it made a cold replica's drafting look hopeless.
-WARM_OBSERVATIONS = 3
 # Elsewhere probes are spaced so that they take at most this share of a request's time (affordable_gap).
 PROBE_BUDGET = 0.02
 # A draft chain ends after a token whose draft confidence (the largest probability of the draft's raw
@@ -122,24 +117,14 @@ class CostModel:
         self._draft: dict[str, float] = {}           # proposer -> EWMA seconds per drafted token
         self._overhead: dict[tuple, float] = {}      # (batch rows, drafted?) -> EWMA seconds outside the forwards
         self._draft_rows: dict[int, float] = {}      # rows in a batched draft forward -> EWMA seconds per forward
-        self._seen: dict[tuple, int] = {}            # (table, key) -> observations so far (WARM_OBSERVATIONS)
         self._plain_run = 0                          # plain request steps since any request drafted (take)
         self._lock = threading.Lock()
 
     def _ewma(self, table: dict, key, value: float) -> None:
-        """The first WARM_OBSERVATIONS of a key keep their minimum (a shape's first calls carry one-off
-        costs); after them an exponentially weighted mean."""
         if self.frozen_profile is not None:
             return
         old = table.get(key)
-        seen = self._seen.get((id(table), key), 0)
-        self._seen[(id(table), key)] = seen + 1
-        if old is None:
-            table[key] = value
-        elif seen < WARM_OBSERVATIONS:
-            table[key] = min(old, value)
-        else:
-            table[key] = (1 - self.weight) * old + self.weight * value
+        table[key] = value if old is None else (1 - self.weight) * old + self.weight * value
 
     def count_plain(self, drafted: bool) -> int:
         """One request step of this replica (RequestController.take): a plain one adds to the run of plain steps
