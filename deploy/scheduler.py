@@ -89,6 +89,7 @@ import logging
 import math
 import os
 import socket
+import shutil
 import threading
 import time
 import traceback
@@ -397,8 +398,9 @@ class DistillScheduler:
             fate = self._await_canary(canary)
             if fate != "promoted":
                 return JobOutcome("discarded", f"this job trained from canary version {canary}, which was {fate}; "
-                                               f"its candidate {cand_dir} is not registered and its records stay "
-                                               "pending for the next job", parent_version=canary, started=t0, job=job)
+                                               f"its candidate {cand_dir} is {self._discard(cand_dir)} and its "
+                                               "records stay pending for the next job", parent_version=canary,
+                                  started=t0, job=job)
         try:
             version = self.registry.register_candidate(cand_dir, target_sha256=self.target_sha256,
                                                        tags={GATE_PENDING_TAG: "scheduler"})
@@ -420,6 +422,13 @@ class DistillScheduler:
 
     # ------------------------------------------------------------------ pipelining
     def _judge_canary(self) -> None:
+        """The watchdog, then the canary's judge: every tick, and every poll while a pipelined job runs or
+        its candidate awaits its parent's decision (a bad champion is rolled back meanwhile too)."""
+        if self.watchdog is not None:
+            try:
+                self.watchdog.check()
+            except Exception as e:  # noqa: BLE001 - e.g. MLflow down: no action
+                log.warning("[watchdog] %s", e)
         if self.canary is not None:
             try:
                 self.canary.check()
@@ -452,6 +461,19 @@ class DistillScheduler:
         if "error" in box:
             raise box["error"]
         return box["value"]
+
+    def _discard(self, cand_dir: Path) -> str:
+        """Delete a discarded candidate's folder (never registered, so retention would keep it forever);
+        only a folder under the registry's candidates root. Says what became of it."""
+        root = getattr(self.registry, "candidates_root", None)
+        try:
+            inside = root is not None and cand_dir.resolve().is_relative_to(Path(root).resolve())
+        except OSError:
+            inside = False
+        if not inside:
+            return "not registered (left in place: not under the candidates folder)"
+        shutil.rmtree(cand_dir, ignore_errors=True)
+        return "deleted unregistered" if not cand_dir.exists() else "not registered (could not be deleted)"
 
     def _await_canary(self, version: str) -> str:
         """Judge canary `version` every poll_s until it is decided (the judge's own timeout bounds this; a
@@ -644,11 +666,6 @@ class DistillScheduler:
     def tick(self) -> JobOutcome | None:
         """One pass of the schedule: the watchdog, a pending gate, then a job when due; returns the job's
         outcome (None when no job ran). Never raises."""
-        if self.watchdog is not None:
-            try:
-                self.watchdog.check()
-            except Exception as e:  # noqa: BLE001 - e.g. MLflow down: no action
-                log.warning("[watchdog] %s", e)
         self._judge_canary()
         try:
             self.gate_pending()

@@ -326,7 +326,11 @@ def test_a_pipelined_job_trains_from_the_canary_and_waits_for_its_decision(regis
     from tests.deploy_helpers import make_candidate, synthetic_evidence
 
     registry.start_canary("2", 0.3)
-    seen, threads = [], []
+    seen, threads, watched = [], [], []
+
+    class Watchdog:                         # counts the checks; the real one is tested in test_watchdog.py
+        def check(self):
+            watched.append(time.time())
 
     def distill(req):
         seen.append(req.parent_version)
@@ -337,6 +341,7 @@ def test_a_pipelined_job_trains_from_the_canary_and_waits_for_its_decision(regis
             log_live(registry, "2", [0.63, 0.60, 0.64], now + 1)
             time.sleep(0.3)
             assert registry.canary() is None and registry.champion() == "2"
+            assert len([t for t in watched if t >= now]) >= 2    # the watchdog runs while the job does
         else:                               # canary 3 much worse, decided only after the job returned
             def later():
                 time.sleep(0.2)
@@ -344,12 +349,14 @@ def test_a_pipelined_job_trains_from_the_canary_and_waits_for_its_decision(regis
                 log_live(registry, "3", [0.30, 0.31, 0.33], now + 100)
             threads.append(threading.Thread(target=later))
             threads[-1].start()
-        return make_candidate(tmp_path / f"c{k}", req.parent_path, parent_version=req.parent_version, seed=10 + k,
+        return make_candidate(registry.candidates_root / f"c{k}", req.parent_path, parent_version=req.parent_version,
+                              seed=10 + k,
                               last_id=f"1700000000000-{40 + k}", target_sha256=req.target_sha256)
 
     sched = DistillScheduler(registry, distill, smoke_check=lambda p: (True, "fake"), target_sha256=SHA,
                              lock=JobLock(tmp_path / "l.lock"), progress=lambda m: None,
                              evidence=synthetic_evidence(0.1), canary_share=0.3, canary=judge(registry, tmp_path),
+                             watchdog=Watchdog(),
                              schedule=ScheduleConfig(every_s=0.01, poll_s=0.05, pipeline=True))
     time.sleep(0.02)
     ok, why = sched.due()
@@ -365,6 +372,8 @@ def test_a_pipelined_job_trains_from_the_canary_and_waits_for_its_decision(regis
         t.join()
     assert seen == ["2", "3"] and out.status == "discarded", out.message
     assert "canary version 3, which was not promoted (dropped)" in out.message
+    assert "is deleted unregistered" in out.message and not (registry.candidates_root / "c2").exists()
+    assert (registry.candidates_root / "c1").is_dir()             # the registered one is retention's to judge
     assert registry.champion() == "2" and registry.canary() is None and len(registry.versions()) == n_versions
 
     plain = DistillScheduler(registry, distill, smoke_check=lambda p: (True, "fake"), target_sha256=SHA,

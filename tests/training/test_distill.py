@@ -281,7 +281,7 @@ def test_job_candidate_registers_and_materializes_to_a_loadable_draft(served, te
     adapter = out / "adapter" / "adapter_model.safetensors"
     assert (out / "adapter" / "adapter_config.json").is_file() and 0 < adapter.stat().st_size < 5e6
     meta = read_candidate(out)
-    assert meta["loss"] == "jsd" and meta["parent_version"] == "1" and meta["train_config"]["lora_r"] == 16
+    assert meta["loss"] == "jsd" and meta["parent_version"] == "1" and meta["train_config"]["lora_r"] == 64
     m = meta["metrics"]
     assert m["offline_acceptance_after"] > m["offline_acceptance_before"]
     assert m["heldout_records"] == sum(e.record.request_id in served.heldout_ids for e in served.steps)
