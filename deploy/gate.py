@@ -52,6 +52,7 @@ fails closed when MLflow cannot be read.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -250,33 +251,38 @@ class EvidenceSource:
             raise ValueError(f"heldout_fraction must be in (0, 1), got {self.heldout_fraction!r}")
         _int_at_least("records", self.records, 1)
 
+    @contextlib.contextmanager
+    def _reader(self):
+        """A reader of the buffer the sample comes from, closed after the block."""
+        from buffer.redis_store import BufferConfig, ReplayBufferReader, resolve_redis_url
+
+        reader = ReplayBufferReader(resolve_redis_url(self.redis_url), BufferConfig(prefix=self.buffer_prefix))
+        try:
+            yield reader
+        finally:
+            reader.client.close()
+
     def sample_key(self) -> tuple[int, str | None]:
         """A cheap fingerprint of the sample `collect` would draw now (its step count and newest stream id),
         read from Redis without scoring anything: the scheduler gates a candidate that waits for evidence
         again only when this changed (a new held-out request finished)."""
-        from buffer.redis_store import BufferConfig, ReplayBufferReader, resolve_redis_url, stream_id_key
+        from buffer.redis_store import stream_id_key
         from training import data
 
-        reader = ReplayBufferReader(resolve_redis_url(self.redis_url), BufferConfig(prefix=self.buffer_prefix))
-        try:
+        with self._reader() as reader:
             entries, _ = data.heldout_window(reader, self.records, heldout_fraction=self.heldout_fraction,
                                              source=self.source)
-        finally:
-            reader.client.close()
         ids = [e.stream_id for e in entries]
         return len(ids), (max(ids, key=stream_id_key) if ids else None)
 
     def collect(self, champion_path: Path, candidate_path: Path) -> PairedEvidence:
         """Draw the sample and score both drafts on it (module docstring, check 2)."""
-        from buffer.redis_store import BufferConfig, ReplayBufferReader, resolve_redis_url, stream_id_key
+        from buffer.redis_store import stream_id_key
         from training import data
 
-        reader = ReplayBufferReader(resolve_redis_url(self.redis_url), BufferConfig(prefix=self.buffer_prefix))
-        try:
+        with self._reader() as reader:
             units, entries = data.heldout_units(reader, self.records, heldout_fraction=self.heldout_fraction,
                                                 max_len=self.max_len, source=self.source)
-        finally:
-            reader.client.close()
         scores = {name: score_requests(path, units, batch_tokens=self.batch_tokens)
                   for name, path in (("champion", champion_path), ("candidate", candidate_path))}
         ids = sorted(set(scores["champion"]) & set(scores["candidate"]))

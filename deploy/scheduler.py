@@ -1088,7 +1088,7 @@ class CanaryJudge:
             v.action = "dropped" if move.changed else "none"
         if v.action in ("promoted", "dropped"):
             self.progress(f"[canary] version {v.version} {v.action}: {v.message}")
-            log.warning("[canary] version %s %s: %s", v.version, v.action, v.message)
+            log.info("[canary] version %s %s: %s", v.version, v.action, v.message)
         try:
             self.status_path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.status_path.with_suffix(".tmp")

@@ -328,7 +328,7 @@ def test_a_pipelined_job_trains_from_the_canary_and_waits_for_its_decision(regis
     registry.start_canary("2", 0.3)
     seen, threads, watched = [], [], []
 
-    class Watchdog:                         # counts the checks; the real one is tested in test_watchdog.py
+    class Watchdog:                         # counts the checks; the real one: test_scheduler.py
         def check(self):
             watched.append(time.time())
 
@@ -339,9 +339,12 @@ def test_a_pipelined_job_trains_from_the_canary_and_waits_for_its_decision(regis
         if k == 1:                          # canary 2 as good as the champion: promoted while the job runs
             log_live(registry, "1", [0.60, 0.62, 0.61], now + 1)
             log_live(registry, "2", [0.63, 0.60, 0.64], now + 1)
-            time.sleep(0.3)
-            assert registry.canary() is None and registry.champion() == "2"
+            deadline = time.time() + 20
+            while (len([t for t in watched if t >= now]) < 2 or registry.canary() is not None) \
+                    and time.time() < deadline:
+                time.sleep(0.05)
             assert len([t for t in watched if t >= now]) >= 2    # the watchdog runs while the job does
+            assert registry.canary() is None and registry.champion() == "2"
         else:                               # canary 3 much worse, decided only after the job returned
             def later():
                 time.sleep(0.2)
