@@ -465,9 +465,8 @@ class DistillScheduler:
     def _discard(self, cand_dir: Path) -> str:
         """Delete a discarded candidate's folder (never registered, so retention would keep it forever);
         only a folder under the registry's candidates root. Says what became of it."""
-        root = getattr(self.registry, "candidates_root", None)
         try:
-            inside = root is not None and cand_dir.resolve().is_relative_to(Path(root).resolve())
+            inside = cand_dir.resolve().is_relative_to(self.registry.candidates_root.resolve())
         except OSError:
             inside = False
         if not inside:
