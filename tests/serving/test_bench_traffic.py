@@ -25,3 +25,29 @@ def test_summary_has_no_energy_column_on_the_cpu():
     rows, gm = summarise(recs, [0.0], ["code"], ["default", "target"])
     assert all(r["j_per_token"] is None for r in rows)
     assert "J/token" not in to_markdown("setup", rows, gm, [0.0], ["default", "target"])
+
+
+def test_repeats_use_each_prompts_median_time_per_token_and_keep_the_plain_sums():
+    def rep(mode, prompt, repeat, wall):
+        return dict(record(mode, 64, wall, None), prompt_index=prompt, repeat=repeat)
+    # prompt 0: the target's second of three runs was slowed 3x by other load; the median ignores it
+    recs = [rep("target", 0, 0, 2.0), rep("target", 0, 1, 6.0), rep("target", 0, 2, 2.2),
+            rep("default", 0, 0, 2.1), rep("default", 0, 1, 2.1), rep("default", 0, 2, 2.0)]
+    rows, gm = summarise(recs, [0.0], ["code"], ["default", "target"])
+    by = {r["mode"]: r for r in rows}
+    assert by["target"]["prompts"] == 1 and by["target"]["repeats"] == 3
+    assert by["target"]["tokens_per_s"] == round(64 / 2.2, 3)        # the median run, not the 6 s one
+    assert by["default"]["ratio_to_target"] == round(2.2 / 2.1, 3)
+    assert by["default"]["ratio_all_runs"] == round(10.2 / 6.2, 3)   # all runs: the slow one counts
+    assert gm["0.0"]["default"] == round(2.2 / 2.1, 3)
+    md = to_markdown("setup", rows, gm, [0.0], ["default", "target"])
+    assert "vs target (all runs)" in md and "median seconds per token" in md
+
+
+def test_an_even_number_of_repeats_averages_the_two_middle_runs():
+    from scripts.bench_traffic import repeat_medians
+
+    recs = [dict(prompt_index=0, tokens=10, wall_s=1.0), dict(prompt_index=0, tokens=10, wall_s=3.0),
+            dict(prompt_index=1, tokens=20, wall_s=2.0)]
+    tokens, wall = repeat_medians(recs)
+    assert tokens == 30 and abs(wall - (2.0 + 2.0)) < 1e-9
