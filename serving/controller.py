@@ -22,7 +22,9 @@ Transformers via Speculative Decoding", ICML 2023, with measured instead of assu
 Where the numbers come from:
 - `CostModel` (one per replica): exponentially weighted means of measured step times, by number of tokens
   the target verified and by proposer; before the first measurement a prior ratio (draft token = 0.1 of a
-  target step, +3% per extra verified token).
+  target step, +3% per extra verified token). A size not measured is read off its measured neighbours,
+  never below a smaller size's cost (the cost is far from linear on a CPU); the replica's calibration
+  (Engine.calibrate) times every size a default request verifies, so the live model starts from them.
 - `AcceptanceEstimate`: decayed counts of accepted / rejected draft positions (a rejected step is one
   failure; a fully accepted step none), shrunk towards a prior. Each request has one per proposer; its
   prior is the replica's estimate for that (draft version, proposer, greedy or sampled) from recent
@@ -138,6 +140,20 @@ class CostModel:
             with self._lock:
                 self._ewma(self._target, int(tokens), float(seconds))
 
+    def set_target(self, tokens: int, seconds: float) -> None:
+        """A directly timed target pass over `tokens` tokens (Engine.calibrate): replaces the running mean."""
+        if tokens >= 1 and seconds > 0 and self.frozen_profile is None:
+            with self._lock:
+                self._target[int(tokens)] = float(seconds)
+
+    def observe_target_if_unmeasured(self, tokens: int, seconds: float) -> None:
+        """`observe_target` for a size this model has not measured yet (a replica's calibration seeding its
+        live costs: traffic's own measurements, once there are any, stay)."""
+        with self._lock:
+            known = int(tokens) in self._target
+        if not known:
+            self.observe_target(tokens, seconds)
+
     def observe_draft(self, proposer: str, drafted: int, seconds: float) -> None:
         if drafted >= 1 and seconds > 0:
             with self._lock:
@@ -188,21 +204,35 @@ class CostModel:
         return PRIOR_DRAFT_RATIO * self.target_s(1) * (1.0 + 0.05 * (rows - 1))
 
     def target_s(self, tokens: int) -> float:
-        """Seconds for a target pass over `tokens` new tokens: measured; else the least-squares line through
-        the measured sizes (two or more: a controller that always drafts still learns what a plain
-        one-token step would cost); else the one measured size scaled with the prior slope; 1.0 (relative
-        units) when nothing is measured yet."""
+        """Seconds for a target pass over `tokens` new tokens, never below the cost of a smaller measured size:
+        measured; else, between two measured sizes, the straight line from the nearest smaller to the nearest
+        larger one; past the largest (or before the smallest), the least-squares slope through the measured sizes
+        (two or more: a controller that always drafts still learns what a plain one-token step would cost);
+        else the one measured size scaled with the prior slope; 1.0 (relative units) when nothing is
+        measured yet. Not one line through every size: on a CPU the cost is far from linear (fp32 on AVX2:
+        2 tokens 1.65x a one-token pass, 5 tokens 1.7-2x; docs/benchmarks.md), and a line through 1 and 5
+        made a second verified token look nearly free."""
         with self._lock:
-            if tokens in self._target:
-                return self._target[tokens]
             if not self._target:
                 return 1.0 + PRIOR_VERIFY_SLOPE * (tokens - 1)
+            # more tokens never cost less: a size measured below a smaller one's cost (timing noise: on a
+            # shared 2-core VM one calibration put 5 tokens at 1.41x and 3 and 4 at 2x) counts at that cost
+            floor = max((v for n, v in self._target.items() if n < tokens), default=0.0)
+            if tokens in self._target:
+                return max(self._target[tokens], floor)
             if len(self._target) >= 2:
+                lower = [n for n in self._target if n < tokens]
+                upper = [n for n in self._target if n > tokens]
+                if lower and upper:
+                    lo, hi = max(lower), min(upper)
+                    a, b = self._target[lo], self._target[hi]
+                    return max(floor, a + (b - a) * (tokens - lo) / (hi - lo))
                 xs, ys = zip(*self._target.items())
                 mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
                 slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
                 slope = max(0.0, slope)                      # timing noise must not make tokens free
-                return max(my + slope * (tokens - mx), 0.25 * min(ys))
+                edge = max(xs) if lower else min(xs)
+                return max(self._target[edge] + slope * (tokens - edge), 0.25 * min(ys), floor)
             (near, value), = self._target.items()
             base = value / (1.0 + PRIOR_VERIFY_SLOPE * (near - 1))
             return base * (1.0 + PRIOR_VERIFY_SLOPE * (tokens - 1))

@@ -93,6 +93,7 @@ from serving.models import (
     read_output_token_ids,
     resolve_model_path,
 )
+from serving.kvcache import BatchKV
 from serving.runner import SequenceRunner, full_vocab_logits
 from serving.scheduler import BatchScheduler, Request
 
@@ -114,6 +115,10 @@ BROKEN_AFTER = 3   # consecutive failed decoding steps before the engine reports
 CALIBRATION_TEXT = ("A short note on calibration: before a replica takes seeded requests, it times a few plain "
                     "target steps, a draft chain and a beam search on this text, and keeps what each one costs.")
 CALIBRATION_TOKENS = 16
+# ... and the target passes of 1..CALIBRATION_SIZES tokens (a step verifying up to 8 draft tokens), each timed
+# directly: the cost is far from a line through two sizes on a CPU (docs/benchmarks.md, the twelfth session)
+CALIBRATION_SIZES = 9
+CALIBRATION_REPEATS = 3
 CANARY_SALT = "draftsmith-canary:"
 
 
@@ -630,7 +635,8 @@ class Engine:
     def calibrate(self, force: bool = False, cancel: threading.Event | None = None) -> dict | None:
         """The cost profile of seeded sampled requests (controller.cost_profile): this replica's one-request
         step costs, measured once on a fixed prompt (plain target steps, a speculative chain and MJSD's beams
-        at gamma 4, after one warm-up pass), relative to a one-token target step, rounded to a coarse grid.
+        at gamma 4, after one warm-up pass; then target passes of 1..CALIBRATION_SIZES tokens timed directly),
+        relative to a one-token target step, rounded to a coarse grid.
         Measured again only when a draft of another shape is loaded, or with `force`. A seeded request's plan
         then follows this replica's costs (a CPU where verification is dear, a GPU where 8 beams cost more
         than the prior) while its output still does not depend on the timing of its own steps; the
@@ -665,6 +671,12 @@ class Engine:
                                           request_id=f"calibration-{uuid.uuid4().hex[:8]}")
                 if cancel is not None and cancel.is_set():
                     return self.seeded_profile
+                sizes = self._time_target_sizes(prompt, cancel)
+                if cancel is not None and cancel.is_set():
+                    return self.seeded_profile
+                for n, seconds in sizes.items():
+                    measured.set_target(n, seconds)
+                    self.costs.observe_target_if_unmeasured(n, seconds)   # the live model starts from them too
             except Exception as exc:  # noqa: BLE001 - a failed measurement leaves seeded requests on the prior
                 log.warning("cost calibration failed (%s: %s); seeded requests plan from prior costs",
                             type(exc).__name__, exc)
@@ -673,6 +685,33 @@ class Engine:
             log.info("cost profile %s measured in %.1f s: %s", (self.seeded_profile or {}).get("digest"),
                      time.perf_counter() - t0, self.seeded_profile)
             return self.seeded_profile
+
+    def _time_target_sizes(self, prompt: list[int], cancel: threading.Event | None = None) -> dict[int, float]:
+        """Seconds of a lone request's target pass over n = 1..CALIBRATION_SIZES new tokens after `prompt`, as
+        the batch scheduler runs it (a BatchKV row): the median of CALIBRATION_REPEATS rounds over all sizes,
+        after one warm-up round. Each pass holds the engine lock, so no decoding step runs beside it."""
+        room = self.max_context - len(prompt) - 1
+        top = min(CALIBRATION_SIZES, room)
+        if top < 1:
+            return {}
+        kv = BatchKV(self.target.model, self.target_device)
+        kv.add_row(None, 0)
+        with self._lock:
+            kv.feed([prompt], keep=1)
+        tokens = (prompt * (top // len(prompt) + 1))[:top]
+        times: dict[int, list[float]] = {n: [] for n in range(1, top + 1)}
+        for _ in range(CALIBRATION_REPEATS + 1):
+            for n in times:
+                if cancel is not None and cancel.is_set():
+                    return {}
+                with self._lock:
+                    t0 = time.perf_counter()
+                    kv.feed([tokens[:n]], keep=n)
+                    if self.target_device.type == "cuda":
+                        torch.cuda.synchronize(self.target_device)
+                    times[n].append(time.perf_counter() - t0)
+                    kv.drop_last(0, n)
+        return {n: sorted(v[1:])[len(v[1:]) // 2] for n, v in times.items()}
 
     def _profile_path(self, sig: tuple) -> Path | None:
         """The file of the profile for this machine, target, draft shape, device, dtype and thread count."""

@@ -14,7 +14,9 @@ always the block's last positions and `logits_to_keep` works for the whole batch
 
 Holes cost attention width, not correctness: `compact()` squeezes them out (one gather per layer) when
 the slots exceed the longest row by a margin. Rows join (a batch-1 cache prefilled alone, padded on
-the left to the common width) and leave (row selection) between steps.
+the left to the common width) and leave (row selection) between steps. Slots that no row holds at the end
+of the cache (every row rejected its newest tokens; always so for a lone request) are given back at once
+(`drop_last`), so a request stepping alone never has holes.
 """
 from __future__ import annotations
 
@@ -248,6 +250,24 @@ class BatchKV:
             raise ValueError(f"row {row} has {len(idx)} valid slots, cannot drop {count}")
         self.valid[row, idx[len(idx) - count:]] = False
         self.lengths[row] -= count
+        self._trim_tail()
+
+    def _trim_tail(self) -> None:
+        """Give back the trailing slots that no row holds (a lone request's rejected draft tokens are always
+        the newest slots): the next block is written over them, so they never become holes that widen
+        every later attention and force a masked attention over the whole cache."""
+        if self.cache is None or not self.slots:
+            return
+        held = self.valid.any(dim=0).nonzero()
+        keep = int(held[-1]) + 1 if len(held) else 0
+        if keep == self.slots:
+            return
+        for layer in _layers(self.cache):
+            if isinstance(layer, GrowableLayer) and layer._len == self.slots:
+                layer._len = layer._vlen = keep
+            else:
+                layer.keys, layer.values = layer.keys[:, :, :keep], layer.values[:, :, :keep]
+        self.valid = self.valid[:, :keep]
 
     def truncate(self, row: int, length: int) -> None:
         """Keep the row's first `length` tokens."""

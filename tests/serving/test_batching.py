@@ -378,6 +378,41 @@ def test_batch_cache_rows_with_holes_match_fresh_forwards():
     torch.testing.assert_close(lg[1, -1], fresh([7]))
 
 
+def test_rejected_newest_slots_that_no_row_holds_are_given_back_not_left_as_holes():
+    """A lone request's rejected draft tokens are the cache's newest slots: drop_last gives them back (the
+    next block overwrites them), so its cache never has holes; in a batch, only slots no row holds go."""
+    model = tiny_models.make_model(0, layers=2, sharp=8.0)
+    fresh, prefill = _fresh_and_prefill(model)
+    gen = torch.Generator().manual_seed(1)
+    A = torch.randint(0, 256, (9,), generator=gen).tolist()
+    B = torch.randint(0, 256, (6,), generator=gen).tolist()
+    kv = BatchKV(model, torch.device("cpu"))
+    kv.add_row(prefill(A[:-1]), len(A) - 1)
+    for draft, accepted in (([5, 6, 7], 1), ([8, 9], 0), ([3], 1)):
+        lg = kv.feed([[A[-1]] + draft], keep=len(draft) + 1)
+        torch.testing.assert_close(lg[0, -1], fresh(A + draft))
+        kv.drop_last(0, len(draft) - accepted)
+        A = A + draft[:accepted]
+        assert kv.holes() == 0 and kv.slots == len(A) - 1 + 1          # the fed last token is cached too
+        assert all(layer.keys.shape[2] == kv.slots for layer in kv.cache.layers)
+        A.append(int(lg[0, accepted].argmax()))                        # the target's own next token
+    lg = kv.feed([[A[-1]]], keep=1)
+    torch.testing.assert_close(lg[0, -1], fresh(A))
+
+    kv = BatchKV(model, torch.device("cpu"))
+    kv.add_row(prefill(A[:-1]), len(A) - 1)
+    kv.add_row(prefill(B[:-1]), len(B) - 1)
+    kv.feed([[A[-1], 1, 2, 3], [B[-1], 4]], keep=4)
+    before = kv.slots
+    kv.drop_last(0, 3)                                                 # row 1 still holds the newest slot
+    assert kv.slots == before and kv.holes() > 0
+    kv.drop_last(1, 1)                                                 # now no row holds it: given back
+    assert kv.slots == before - 1
+    lg = kv.feed([[7], [8]], keep=1)
+    torch.testing.assert_close(lg[0, -1], fresh(A + [7]))
+    torch.testing.assert_close(lg[1, -1], fresh(B + [8]))
+
+
 def test_rows_leave_and_join_without_moving_the_other_rows():
     """BatchKV.remove moves the last row into the leaving row's place and add_row writes into a spare row:
     every row's logits stay equal to a fresh forward over its tokens, and neither touches the buffers of

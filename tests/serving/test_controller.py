@@ -616,7 +616,7 @@ def test_cost_profile_is_relative_rounded_and_stable_under_timing_noise():
     frozen.observe_target(1, 99.0)
     frozen.observe_draft("beams", 1, 99.0)
     assert frozen.target_s(1) == 1.0 and frozen.draft_token_s("beams") == a["draft"]["beams"]
-    assert frozen.target_s(3) == pytest.approx(1.5, rel=1e-5)   # the line through the measured sizes
+    assert frozen.target_s(3) == pytest.approx(1.5, rel=1e-5)   # between measured sizes: the line from one to the next
     assert frozen.overhead_s(True) == a["overhead"]["draft"]
     assert cost_profile(measured(1.0, 0.3))["digest"] != a["digest"]
 
@@ -651,6 +651,61 @@ def test_a_seeded_sampled_request_follows_the_profile_and_reproduces_its_output(
         eng.costs.observe_target(n, 5.0 * n)
     again = eng.generate_all(prompt, sampling, spec)
     assert again.token_ids == cheap.token_ids and again.stats.cost_profile == cheap.stats.cost_profile
+
+
+def test_costs_between_measured_sizes_follow_their_neighbours_not_one_line():
+    """fp32 on a 2-core AVX2 CPU (docs/benchmarks.md, twelfth session): 2 verified tokens cost 1.65x a
+    one-token pass and 3..5 about 2x. One line through sizes 1 and 5 called 2 tokens 1.17x, so requests
+    drafted single tokens that cost 1.7x and ran 4-10% slower than target-only."""
+    c = CostModel(weight=1.0)
+    c.observe_target(1, 1.0)
+    c.observe_target(5, 1.7)
+    assert c.target_s(2) == pytest.approx(1.175)                   # only the two ends known: their line
+    c.observe_target(2, 1.65)
+    assert c.target_s(3) == pytest.approx(1.65 + 0.05 / 3)        # from 2 to 5, not a line through all three
+    c.observe_target(4, 1.6)                                      # timing noise: 4 looks cheaper than 2
+    assert c.target_s(3) == pytest.approx(1.65)                   # never below a smaller size's cost
+    assert c.target_s(4) == pytest.approx(1.65)                   # measured sizes too
+    xs, ys = (1, 2, 4, 5), (1.0, 1.65, 1.6, 1.7)
+    mx, my = sum(xs) / 4, sum(ys) / 4
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    assert c.target_s(9) == pytest.approx(1.7 + slope * 4)        # past the largest: its cost + the fitted slope
+    # with these costs a chain of one token at acceptance 0.4 does not pay; the line said it did
+    line = CostModel(weight=1.0)
+    for n in (1, 5):
+        line.observe_target(n, c.target_s(n))
+    for m in (c, line):
+        m.observe_draft("chain", 1, 0.1)
+    gain = lambda m: expected_tokens(0.4, 1) / m.step_s("chain", 1) * m.step_s("chain", 0)
+    assert gain(line) > 1.05 and gain(c) < 1.0
+
+
+def test_calibration_times_every_verified_size_and_seeds_the_live_costs(pair, monkeypatch):
+    """Engine.calibrate times target passes of 1..CALIBRATION_SIZES tokens directly (a BatchKV row, the
+    engine lock held): the profile has every size a default request verifies, and the replica's live
+    cost model starts from them where traffic has measured nothing yet."""
+    from serving import engine as engine_mod
+
+    target, draft = pair
+    eng = make_engine(target, draft)
+    eng.costs.observe_target(1, 123.0)                            # traffic measured this size: it stays
+    prof = eng.calibrate()
+    assert prof is not None and set(prof["target"]) == {str(n) for n in range(1, engine_mod.CALIBRATION_SIZES + 1)}
+    assert prof["target"]["1"] == 1.0 and all(v > 0 for v in prof["target"].values())
+    snap = eng.costs.snapshot()["target_s"]
+    assert snap[1] == 123.0 and set(snap) >= set(range(1, engine_mod.CALIBRATION_SIZES + 1))
+    # the timed passes leave nothing behind them: a short prompt's calibration still fits the context
+    seen = []
+    real = engine_mod.BatchKV.feed
+
+    def feed(self, blocks, keep):
+        seen.append(max(len(b) for b in blocks))
+        return real(self, blocks, keep)
+
+    monkeypatch.setattr(engine_mod.BatchKV, "feed", feed)
+    sizes = eng._time_target_sizes([1, 2, 3])
+    assert sorted(sizes) == list(range(1, engine_mod.CALIBRATION_SIZES + 1))
+    assert seen.count(engine_mod.CALIBRATION_SIZES) == engine_mod.CALIBRATION_REPEATS + 1
 
 
 def test_confidence_replay_matches_greedy_speculative_decoding_by_hand():
