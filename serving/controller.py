@@ -43,7 +43,9 @@ Where the numbers come from:
   draft version left) and counted in plain steps since any request of the replica drafted
   (`CostModel.count_plain`), or the request's own if longer: costs that say drafting does not pay are only refreshed by a probe, and requests
   shorter than the gap would otherwise never probe, so one bad measurement (a cold first pass of a new shape)
-  stopped a replica drafting for good. (A seeded request, on a frozen cost model, counts its own steps only.)
+  stopped a replica drafting for good. (A seeded request, on a frozen cost model, counts its own steps only,
+  and probes only where all the probes its remaining tokens leave room for, accepted, would make drafting
+  pay: its evidence serves no other request.)
 
 Seeded sampled requests: a seed must reproduce the output, and the plan changes the output at T > 0, so such
 a request plans from its own acceptance history (the default prior) and a *frozen* cost model
@@ -391,6 +393,7 @@ class RequestController:
     stop_below: float = 0.0           # chains end after a token the draft doubts (STOP_CONFIDENCE; 0: off)
     probe_gap0: int = 4
     max_probe_gap: int = 32
+    max_tokens: int | None = None     # the request's token budget: a seeded request probes only where it can pay
     est: dict = field(default_factory=dict)
     evidence: dict = field(default_factory=dict)   # proposer -> observations behind its prior (CAUTION_Z)
     zero_run: int = 0
@@ -454,10 +457,32 @@ class RequestController:
                 if run < floor:
                     self._set_gap(floor)
                     return plan
+                if not self.shared and not self._probing_could_pay(floor):
+                    self._set_gap(HOPELESS_PROBE_GAP)
+                    return plan
                 plan = Plan("draft", 1, probe=True)
         if plan.k and self.shared:
             self.costs.count_plain(True)
         return plan
+
+    def _probing_could_pay(self, gap: int) -> bool:
+        """A seeded request learns only from its own steps (its output depends on its plan, so no other
+        request's evidence may enter it): probing is worth its cost only if every probe the rest of the request
+        has room for (at most max_tokens - steps tokens remain, one probe per `gap`) being accepted would
+        make drafting pay. On a CPU where one verified draft token costs 1.7x a step, a 64-token request
+        probing after 40 plain steps could never draft after it: each such probe cost about 1.1 steps and
+        bought nothing (docs/benchmarks.md, the twelfth session)."""
+        if self.max_tokens is None:
+            return True
+        probes = (self.max_tokens - self.steps) // max(1, gap)
+        if probes < 1:
+            return False
+        est = AcceptanceEstimate(**{k: getattr(self._estimate("draft"), k) for k in
+                                    ("prior", "strength", "decay", "accepted", "rejected", "observations")})
+        for _ in range(probes):
+            est.update(1, 1)
+        alpha = est.alpha if self.evidence["draft"] else est.lower(CAUTION_Z)
+        return best_k(alpha, self.gamma, lambda k: self.costs.step_s(self.draft_key, k), self.min_gain)[0] > 0
 
     def affordable_gap(self) -> int:
         """The fewest plain steps between probes that keep probing within PROBE_BUDGET of the time: a probe

@@ -607,7 +607,7 @@ class Engine:
                 priors = ReplicaPriors(prior=self.seeded_prior)
             req.controller = RequestController(
                 gamma=spec.gamma, costs=costs, priors=priors, version=version,
-                greedy=sampling.greedy, draft_key="beams" if beams else "chain",
+                greedy=sampling.greedy, draft_key="beams" if beams else "chain", max_tokens=sampling.max_tokens,
                 use_ngram=mode in NGRAM_SWITCH_MODES, stop_below=0.0 if beams else self.stop_confidence)
         self.scheduler.submit(req)
         try:

@@ -131,6 +131,43 @@ def test_hopeless_costs_are_probed_across_short_requests_and_recover():
     assert ctrl.hopeless() and sum(ctrl.plan().k for _ in range(100)) == 0
 
 
+def test_a_seeded_request_probes_only_where_its_remaining_probes_could_make_drafting_pay():
+    """A seeded request (frozen costs) learns from its own steps only. Where one verified draft token costs
+    1.7x a step (fp32 on a 2-core AVX2 CPU), a 64-token request has room for one probe at most, and even an
+    accepted one would not make drafting pay: it does not probe. A long request could collect enough
+    accepted probes, and probes; so does a short one where verification is cheap."""
+    def frozen(verify_2, verify_more):
+        c = CostModel(weight=1.0)
+        c.observe_target(1, 1.0)
+        for n in range(2, 6):
+            c.observe_target(n, verify_2 if n == 2 else verify_more)
+        c.observe_draft("chain", 1, 0.1)
+        from serving.controller import cost_profile
+        return CostModel.frozen(cost_profile(c))
+
+    def probes(costs, max_tokens):
+        ctrl = RequestController(gamma=4, costs=costs, priors=ReplicaPriors(prior=0.2), version="v1",
+                                 greedy=False, max_tokens=max_tokens)      # a prior at which nothing is drafted
+        out = []
+        for _ in range(max_tokens):
+            plan = ctrl.plan()
+            ctrl.observe(plan, plan.k)                      # every proposed token accepted
+            out.append(plan.probe)
+        return sum(out)
+
+    dear, cheap = frozen(1.7, 2.0), frozen(1.05, 1.12)
+    assert probes(dear, 64) == 0
+    assert probes(dear, 2000) >= 1
+    assert probes(cheap, 64) >= 1
+    # the replica's own (unseeded) requests keep probing: their evidence serves the requests after them
+    shared = RequestController(gamma=4, costs=CostModel(), priors=ReplicaPriors(prior=0.5), version="v1",
+                               greedy=False, max_tokens=64)
+    for n in range(1, 6):
+        shared.costs.observe_target(n, 1.0 if n == 1 else 1.7)
+    shared.costs.observe_draft("chain", 1, 0.1)
+    assert any(shared.plan().probe for _ in range(200))
+
+
 def test_probes_stay_within_their_time_budget():
     """A probe costs c + slope more than a plain step: probes are spaced to cost at most PROBE_BUDGET of the
     time (cheap verification: about every 7 steps; a second token at 0.6 of a step: about every 35)."""
