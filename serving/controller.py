@@ -71,7 +71,7 @@ import hashlib
 import json
 import math
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 MAX_GAMMA = 16
 PRIOR_DRAFT_RATIO = 0.1        # draft token / target step, before anything is measured
@@ -477,8 +477,7 @@ class RequestController:
         probes = (self.max_tokens - self.steps) // max(1, gap)
         if probes < 1:
             return False
-        est = AcceptanceEstimate(**{k: getattr(self._estimate("draft"), k) for k in
-                                    ("prior", "strength", "decay", "accepted", "rejected", "observations")})
+        est = replace(self._estimate("draft"))        # a copy: the request's own estimate stays as it is
         for _ in range(probes):
             est.update(1, 1)
         alpha = est.alpha if self.evidence["draft"] else est.lower(CAUTION_Z)
