@@ -38,7 +38,8 @@ Where the numbers come from:
   HOPELESS_ALPHA (verification of a second token costing nearly a whole step, as in fp32 on a CPU without
   fast small-batch matmuls), the gap goes to HOPELESS_PROBE_GAP at once: such probes only refresh the costs.
   And no gap is shorter than what keeps probes within PROBE_BUDGET (2%) of the time at the measured
-  cost of a probe (`affordable_gap`): 10 plain steps where a probe costs 0.2 of a step, 44 where it costs 0.87.
+  cost of a probe (`affordable_gap`): 10 plain steps where a probe costs 0.2 of a step, 44 where it costs 0.87,
+  more where the draft's catch-up over the skipped tokens (`CostModel.catch_up_token_s`) is dear.
   The gap is the replica's (`ReplicaPriors.probe_gap`: a new request starts from the gap the last one of its
   draft version left) and counted in plain steps since any request of the replica drafted
   (`CostModel.count_plain`), or the request's own if longer: costs that say drafting does not pay are only refreshed by a probe, and requests
@@ -121,6 +122,7 @@ class CostModel:
         self._draft: dict[str, float] = {}           # proposer -> EWMA seconds per drafted token
         self._overhead: dict[tuple, float] = {}      # (batch rows, drafted?) -> EWMA seconds outside the forwards
         self._draft_rows: dict[int, float] = {}      # rows in a batched draft forward -> EWMA seconds per forward
+        self._catch_up: float | None = None          # EWMA seconds per token of a draft catch-up beyond one token
         self._plain_run = 0                          # plain request steps since any request drafted (take)
         self._lock = threading.Lock()
 
@@ -183,6 +185,21 @@ class CostModel:
         if rows >= 1 and forwards >= 1 and seconds > 0:
             with self._lock:
                 self._ewma(self._draft_rows, int(rows), float(seconds) / forwards)
+
+    def observe_catch_up(self, tokens: int, seconds: float, rows: int = 1) -> None:
+        """A draft forward that fed `tokens` tokens per row (a catch-up over the tokens the draft skipped during
+        plain steps, or a prompt) took `seconds`: what it cost beyond a one-token forward, per extra token."""
+        if tokens < 2 or seconds <= 0 or self.frozen_profile is not None:
+            return
+        extra = max(0.0, float(seconds) - self.draft_forward_s(rows)) / (tokens - 1)
+        with self._lock:
+            old = self._catch_up
+            self._catch_up = extra if old is None else (1 - self.weight) * old + self.weight * extra
+
+    def catch_up_token_s(self) -> float:
+        """Seconds per token the draft spends catching up on tokens it did not see (0 until measured)."""
+        with self._lock:
+            return self._catch_up or 0.0
 
     def draft_forward_s(self, rows: int) -> float:
         """Seconds of one draft forward over `rows` rows: measured; else the line through measured sizes;
@@ -252,7 +269,7 @@ class CostModel:
     def snapshot(self) -> dict:
         with self._lock:
             return {"target_s": dict(self._target), "draft_token_s": dict(self._draft),
-                    "draft_forward_s": dict(self._draft_rows),
+                    "draft_forward_s": dict(self._draft_rows), "catch_up_token_s": self._catch_up,
                     "overhead_s": {f"{r}/{'draft' if d else 'plain'}": t for (r, d), t in self._overhead.items()}}
 
     @classmethod
@@ -263,6 +280,7 @@ class CostModel:
         m._target = {int(n): float(v) for n, v in profile["target"].items()}
         m._draft = {str(k): float(v) for k, v in profile["draft"].items()}
         m._overhead = {(1, key == "draft"): float(v) for key, v in profile["overhead"].items()}
+        m._catch_up = float(profile["catch_up"]) if profile.get("catch_up") else None   # older profiles lack it
         m.frozen_profile = profile
         return m
 
@@ -277,7 +295,7 @@ def _grid(x: float) -> float:
 def cost_profile(costs: CostModel, max_tokens: int = MAX_GAMMA + 1) -> dict | None:
     """The one-request costs that `costs` has measured, relative to a one-token target step and rounded to
     PROFILE_GRID: {"target": {tokens: ratio}, "draft": {proposer: ratio per token}, "overhead": {"plain" |
-    "draft": ratio}, "digest": 12 hex}. None until a one-token target step has been measured."""
+    "draft": ratio}, "catch_up": ratio per token (once measured), "digest": 12 hex}. None until a one-token target step has been measured."""
     snap = costs.snapshot()
     base = snap["target_s"].get(1)
     if not base:
@@ -286,6 +304,8 @@ def cost_profile(costs: CostModel, max_tokens: int = MAX_GAMMA + 1) -> dict | No
             "draft": {k: _grid(t / base) for k, t in sorted(snap["draft_token_s"].items())},
             "overhead": {key.split("/")[1]: _grid(t / base) for key, t in sorted(snap["overhead_s"].items())
                          if key.startswith("1/")}}
+    if snap["catch_up_token_s"]:
+        prof["catch_up"] = _grid(snap["catch_up_token_s"] / base)
     prof["digest"] = hashlib.sha256(json.dumps(prof, sort_keys=True).encode()).hexdigest()[:12]
     return prof
 
@@ -484,12 +504,17 @@ class RequestController:
         return best_k(alpha, self.gamma, lambda k: self.costs.step_s(self.draft_key, k), self.min_gain)[0] > 0
 
     def affordable_gap(self) -> int:
-        """The fewest plain steps between probes that keep probing within PROBE_BUDGET of the time: a probe
-        costs step_s(1) - step_s(0) more than the plain step it replaces (0.2 of a step where verifying a
-        second token is nearly free, most of a step where it is not)."""
-        plain = self.costs.step_s(self.draft_key, 0)
-        extra = max(0.0, self.costs.step_s(self.draft_key, 1) - plain) / max(plain, 1e-9)
-        return min(HOPELESS_PROBE_GAP, max(self.probe_gap0, math.ceil(extra / PROBE_BUDGET)))
+        """The fewest plain steps between probes that keep probing within PROBE_BUDGET of the time. A probe after
+        g plain steps costs step_s(1) - step_s(0) more than the plain step it replaces (0.2 of a step where
+        verifying a second token is nearly free, most of a step where it is not) plus the draft's catch-up over
+        the g tokens it skipped (`CostModel.catch_up_token_s`; measured ~1 ms a token on an fp32 CPU, as much as
+        the extra verification at the gaps such a CPU needs): (d + c g) / g <= PROBE_BUDGET, in plain steps."""
+        plain = max(self.costs.step_s(self.draft_key, 0), 1e-9)
+        d = max(0.0, self.costs.step_s(self.draft_key, 1) - plain) / plain
+        c = self.costs.catch_up_token_s() / plain
+        if c >= PROBE_BUDGET:
+            return HOPELESS_PROBE_GAP
+        return min(HOPELESS_PROBE_GAP, max(self.probe_gap0, math.ceil(d / (PROBE_BUDGET - c) - 1e-9)))
 
     def hopeless(self) -> bool:
         """Whether, at the measured costs, drafting would not pay even if HOPELESS_ALPHA of the draft's

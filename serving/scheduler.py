@@ -615,8 +615,16 @@ class BatchScheduler:
         catch_up = [r.seq[dkv.lengths[i]:] if r.spec.needs_draft and eng.draft_for(r)[0] is loaded else []
                     for i, r in enumerate(reqs)]
         # draft costs are learnt from ordinary steps only, not from a forward that re-fed a whole sequence
-        self._steady_draft &= max(len(b) for b in catch_up) <= max(r.spec.gamma for r in reqs) + 2
+        longest = max(len(b) for b in catch_up)
+        steady = longest <= max(r.spec.gamma for r in reqs) + 2
+        self._steady_draft &= steady
+        t0 = time.perf_counter()
         first = space(dkv.feed(catch_up, keep=1)[:, -1])
+        if not steady:     # what catching up costs per skipped token prices the controller's probes (affordable_gap)
+            if first.device.type == "cuda":
+                torch.cuda.synchronize(first.device)
+            costs = reqs[0].costs if len(reqs) == 1 and reqs[0].costs is not None else eng.costs
+            costs.observe_catch_up(longest, time.perf_counter() - t0, rows=len(catch_up))
         warps = {i: _warper(reqs[i].sampling) for i in drafting}
         state = {}
         fork_rows: list[int] = []

@@ -625,6 +625,51 @@ def test_a_seeded_greedy_request_uses_the_replicas_costs_a_seeded_sampled_one_th
     assert calib and all(r.controller is None and r.sink is None and r.costs is not eng.costs for r in calib)
 
 
+def test_probes_pay_for_the_drafts_catch_up_too():
+    """A probe after g plain steps also makes the draft catch up on the g tokens it skipped: where that is
+    dear the gap grows until probe + catch-up stay within PROBE_BUDGET, and where catching up alone costs more
+    than the budget per token probes come only every HOPELESS_PROBE_GAP steps."""
+    from serving.controller import HOPELESS_PROBE_GAP, PROBE_BUDGET
+
+    base = controller(prior=0.5, c=costs(target_ms=30.0, draft_ms=3.0, slope=0.6))
+    c = costs(target_ms=30.0, draft_ms=3.0, slope=0.6)
+    c.observe_draft_forward(1, 1, 0.003)
+    c.observe_catch_up(41, 0.003 + 40 * 0.0003)           # 0.3 ms a skipped token beyond a one-token forward
+    assert c.catch_up_token_s() == pytest.approx(0.0003)
+    ctrl = controller(prior=0.5, c=c)
+    gap = ctrl.affordable_gap()
+    assert gap > base.affordable_gap()
+    extra = (3.0 + 30.0 * 0.6) / 30.0                      # the probe's draft token and its verified token
+    assert (extra + gap * 0.3 / 30.0) / gap <= PROBE_BUDGET + 1e-9
+    assert (extra + (gap - 1) * 0.3 / 30.0) / (gap - 1) > PROBE_BUDGET          # the fewest such steps
+    plans = run(ctrl, accept_p=0.0, steps=500, rng=random.Random(5))
+    probes = [i for i, p in enumerate(plans) if p.probe]
+    assert probes and all(b - a >= gap for a, b in zip(probes, probes[1:]))
+    c2 = costs(target_ms=30.0, draft_ms=3.0, slope=0.6)
+    c2.observe_draft_forward(1, 1, 0.003)
+    c2.observe_catch_up(11, 0.003 + 10 * 0.001)            # catching up alone costs more than the budget
+    assert controller(prior=0.5, c=c2).affordable_gap() == HOPELESS_PROBE_GAP
+
+
+def test_catch_up_cost_enters_the_profile_and_is_frozen_with_it():
+    from serving.controller import cost_profile
+
+    c = CostModel(weight=1.0)
+    c.observe_target(1, 0.1)
+    c.observe_draft_forward(1, 1, 0.01)
+    assert cost_profile(c).get("catch_up") is None and c.catch_up_token_s() == 0.0   # nothing measured yet
+    c.observe_catch_up(1, 5.0)                             # one token is no catch-up: ignored
+    assert c.catch_up_token_s() == 0.0
+    c.observe_catch_up(21, 0.01 + 20 * 0.002)
+    prof = cost_profile(c)
+    assert prof["catch_up"] == pytest.approx(0.02, rel=0.1)   # per token, relative to a one-token step
+    frozen = CostModel.frozen(prof)
+    frozen.observe_catch_up(21, 99.0)
+    assert frozen.catch_up_token_s() == prof["catch_up"]
+    older = {k: v for k, v in prof.items() if k != "catch_up"}   # a profile kept before catch-ups were priced
+    assert CostModel.frozen(older).catch_up_token_s() == 0.0
+
+
 def test_cost_profile_is_relative_rounded_and_stable_under_timing_noise():
     from serving.controller import PROFILE_GRID, cost_profile
 
@@ -715,6 +760,32 @@ def test_costs_between_measured_sizes_follow_their_neighbours_not_one_line():
         m.observe_draft("chain", 1, 0.1)
     gain = lambda m: expected_tokens(0.4, 1) / m.step_s("chain", 1) * m.step_s("chain", 0)
     assert gain(line) > 1.05 and gain(c) < 1.0
+
+
+def test_the_served_path_measures_what_a_catch_up_costs(pair, monkeypatch):
+    """The batch scheduler times the draft forward that catches a request up on the tokens it skipped during
+    plain steps and teaches the replica's cost model its per-token price; steady steps teach it nothing."""
+    target, draft = pair
+    eng = make_engine(target, target)
+    prompt = eng.tokenizer(PROMPT)["input_ids"]
+    sampling, spec = SamplingParams(temperature=0.0, max_tokens=24), SpecParams(mode="speculative", gamma=2)
+    seen, real = [], CostModel.observe_catch_up
+
+    def observe(self, tokens, seconds, rows=1):
+        seen.append((self, tokens, seconds))
+        real(self, tokens, seconds, rows)
+
+    monkeypatch.setattr(CostModel, "observe_catch_up", observe)
+    monkeypatch.setattr(engine_module.RequestController, "plan", lambda self, ngram_available=0: Plan("draft", 2))
+    eng.generate_all(prompt, sampling, spec)                   # drafts every step: no catch-up
+    assert seen == []
+    steps = iter(range(10 ** 6))                               # 7 plain steps, then one that drafts, ...
+    monkeypatch.setattr(engine_module.RequestController, "plan",
+                        lambda self, ngram_available=0: Plan("draft", 2) if next(steps) % 8 == 7 else Plan("none", 0))
+    eng.generate_all(prompt, sampling, spec)
+    assert seen and all(m is eng.costs and n >= 7 and t > 0 for m, n, t in seen)
+    # a tiny model's catch-up may cost no more than a one-token forward: the price is >= 0, never negative
+    assert eng.costs.catch_up_token_s() >= 0.0 and eng.costs.snapshot()["catch_up_token_s"] is not None
 
 
 def test_calibration_times_every_verified_size_and_seeds_the_live_costs(pair, monkeypatch):
