@@ -196,6 +196,12 @@ class CostModel:
             old = self._catch_up
             self._catch_up = extra if old is None else (1 - self.weight) * old + self.weight * extra
 
+    def set_catch_up(self, seconds_per_token: float) -> None:
+        """A directly timed catch-up price (Engine.calibrate): replaces the running mean."""
+        if seconds_per_token >= 0 and self.frozen_profile is None:
+            with self._lock:
+                self._catch_up = float(seconds_per_token)
+
     def catch_up_token_s(self) -> float:
         """Seconds per token the draft spends catching up on tokens it did not see (0 until measured)."""
         with self._lock:
@@ -304,7 +310,7 @@ def cost_profile(costs: CostModel, max_tokens: int = MAX_GAMMA + 1) -> dict | No
             "draft": {k: _grid(t / base) for k, t in sorted(snap["draft_token_s"].items())},
             "overhead": {key.split("/")[1]: _grid(t / base) for key, t in sorted(snap["overhead_s"].items())
                          if key.startswith("1/")}}
-    if snap["catch_up_token_s"]:
+    if snap["catch_up_token_s"] is not None:
         prof["catch_up"] = _grid(snap["catch_up_token_s"] / base)
     prof["digest"] = hashlib.sha256(json.dumps(prof, sort_keys=True).encode()).hexdigest()[:12]
     return prof

@@ -119,6 +119,9 @@ CALIBRATION_TOKENS = 16
 # directly: the cost is far from a line through two sizes on a CPU (docs/benchmarks.md, the twelfth session)
 CALIBRATION_SIZES = 9
 CALIBRATION_REPEATS = 3
+# ... and a draft forward over this many tokens against a one-token one: what the draft's catch-up after plain
+# steps costs per skipped token (the controller prices a probe with it)
+CALIBRATION_CATCH_UP = 32
 CANARY_SALT = "draftsmith-canary:"
 
 
@@ -635,7 +638,8 @@ class Engine:
     def calibrate(self, force: bool = False, cancel: threading.Event | None = None) -> dict | None:
         """The cost profile of seeded sampled requests (controller.cost_profile): this replica's one-request
         step costs, measured once on a fixed prompt (plain target steps, a speculative chain and MJSD's beams
-        at gamma 4, after one warm-up pass; then target passes of 1..CALIBRATION_SIZES tokens timed directly),
+        at gamma 4, after one warm-up pass; then target passes of 1..CALIBRATION_SIZES tokens timed directly, and
+        the draft's catch-up over CALIBRATION_CATCH_UP tokens),
         relative to a one-token target step, rounded to a coarse grid.
         Measured again only when a draft of another shape is loaded, or with `force`. A seeded request's plan
         then follows this replica's costs (a CPU where verification is dear, a GPU where 8 beams cost more
@@ -677,6 +681,11 @@ class Engine:
                 for n, seconds in sizes.items():
                     measured.set_target(n, seconds)
                     self.costs.observe_target_if_unmeasured(n, seconds)   # the live model starts from them too
+                catch_up = self._time_draft_catch_up(prompt, cancel)
+                if catch_up is not None:
+                    measured.set_catch_up(catch_up)
+                    if self.costs.snapshot()["catch_up_token_s"] is None:
+                        self.costs.set_catch_up(catch_up)
             except Exception as exc:  # noqa: BLE001 - a failed measurement leaves seeded requests on the prior
                 log.warning("cost calibration failed (%s: %s); seeded requests plan from prior costs",
                             type(exc).__name__, exc)
@@ -712,6 +721,36 @@ class Engine:
                     times[n].append(time.perf_counter() - t0)
                     kv.drop_last(0, n)
         return {n: sorted(v[1:])[len(v[1:]) // 2] for n, v in times.items()}
+
+    def _time_draft_catch_up(self, prompt: list[int], cancel: threading.Event | None = None) -> float | None:
+        """Seconds per token that the champion draft's catch-up over skipped tokens costs beyond a one-token
+        forward, as the batch scheduler runs it (a BatchKV row after `prompt`): medians of CALIBRATION_REPEATS
+        rounds of a 1-token and a CALIBRATION_CATCH_UP-token forward, after a warm-up round. None without a draft
+        or room in the context."""
+        if self.draft is None:
+            return None
+        n = min(CALIBRATION_CATCH_UP, self.max_context - len(prompt) - 1)
+        if n < 2:
+            return None
+        kv = BatchKV(self.draft.model, self.target_device)
+        kv.add_row(None, 0)
+        with self._lock:
+            kv.feed([prompt], keep=1)
+        tokens = (prompt * (n // len(prompt) + 1))[:n]
+        times: dict[int, list[float]] = {1: [], n: []}
+        for _ in range(CALIBRATION_REPEATS + 1):
+            for size in times:
+                if cancel is not None and cancel.is_set():
+                    return None
+                with self._lock:
+                    t0 = time.perf_counter()
+                    kv.feed([tokens[:size]], keep=1)
+                    if self.target_device.type == "cuda":
+                        torch.cuda.synchronize(self.target_device)
+                    times[size].append(time.perf_counter() - t0)
+                    kv.drop_last(0, size)
+        med = {size: sorted(v[1:])[len(v[1:]) // 2] for size, v in times.items()}
+        return max(0.0, med[n] - med[1]) / (n - 1)
 
     def _profile_path(self, sig: tuple) -> Path | None:
         """The file of the profile for this machine, target, draft shape, device, dtype and thread count."""

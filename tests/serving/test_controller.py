@@ -802,6 +802,8 @@ def test_calibration_times_every_verified_size_and_seeds_the_live_costs(pair, mo
     assert prof["target"]["1"] == 1.0 and all(v > 0 for v in prof["target"].values())
     snap = eng.costs.snapshot()["target_s"]
     assert snap[1] == 123.0 and set(snap) >= set(range(1, engine_mod.CALIBRATION_SIZES + 1))
+    # the draft's catch-up over skipped tokens is timed too, for the profile and the live costs
+    assert prof["catch_up"] >= 0.0 and eng.costs.snapshot()["catch_up_token_s"] is not None
     # the timed passes leave nothing behind them: a short prompt's calibration still fits the context
     seen = []
     real = engine_mod.BatchKV.feed
