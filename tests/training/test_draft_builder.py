@@ -107,3 +107,31 @@ def test_bootstrap_writes_a_folder_the_engine_decodes_losslessly(target_dir, tmp
     res = engine.generate_all(prompt, greedy, SpecParams(mode="speculative", gamma=4))
     assert res.token_ids == expected
     assert res.stats.draft_tokens > 0
+
+
+def test_bench_split_trains_one_draft_per_arm_on_the_saved_teacher_cache(target_dir, teacher, tmp_path, capsys):
+    """scripts/bench_split.py: each FRACTION:SECONDS arm trains a fresh draft on that share of the cached
+    examples and reports held-out agreement; a malformed arm or a missing cache is a clear CLI error."""
+    import importlib.util
+    from pathlib import Path
+
+    from training.teacher import save_examples
+
+    spec = importlib.util.spec_from_file_location("bench_split", Path(__file__).resolve().parents[2] / "scripts" / "bench_split.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    _, _, examples = teacher
+    cache = tmp_path / "teacher.safetensors"
+    save_examples(examples[:18], cache)
+    save_examples(examples[18:], cache.with_suffix(".heldout.safetensors"))
+    out = tmp_path / "out"
+    assert bench.main(["--cache", str(cache), "--target", str(target_dir), "--arm", "1.0:1", "--arm", "0.5:1",
+                       "--vocab-size", "200", "--threads", "1", "--out", str(out)]) == 0
+    arms = json.loads((out / "split.json").read_text())["arms"]
+    assert [a["examples"] for a in arms] == [18, 9]
+    assert all(a["steps"] >= 1 and 0.0 <= a["heldout_top1_agreement"] <= 1.0 for a in arms)
+    assert (out / "split.md").exists() and (out / "split.png").exists()
+    for bad in (["--arm", "1.5:10"], ["--arm", "half"], ["--cache", str(tmp_path / "none.safetensors")]):
+        with pytest.raises(SystemExit):
+            bench.main(["--cache", str(cache), "--target", str(target_dir), "--out", str(out), *bad])
+        assert "error" in capsys.readouterr().err
