@@ -397,7 +397,8 @@ def run_engine(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     report = dict(setup=setup, args={k: v for k, v in vars(args).items()}, date=time.strftime("%Y-%m-%d %H:%M"),
                   specs={label: dataclasses.asdict(s) for label, s in specs.items()},
-                  summary=rows, geomean_ratio=gm, records=records, seeded_cost_profile=engine.seeded_profile)
+                  summary=rows, geomean_ratio=gm, records=records, seeded_cost_profile=engine.seeded_profile,
+                  replica_costs=engine.costs.snapshot())       # what the controller measured (seconds)
     (out / "results.json").write_text(json.dumps(report, indent=1))
     md = to_markdown(setup, rows, gm, temps, labels)
     (out / "results.md").write_text(md)
