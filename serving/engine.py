@@ -695,62 +695,50 @@ class Engine:
                      time.perf_counter() - t0, self.seeded_profile)
             return self.seeded_profile
 
-    def _time_target_sizes(self, prompt: list[int], cancel: threading.Event | None = None) -> dict[int, float]:
-        """Seconds of a lone request's target pass over n = 1..CALIBRATION_SIZES new tokens after `prompt`, as
-        the batch scheduler runs it (a BatchKV row): the median of CALIBRATION_REPEATS rounds over all sizes,
-        after one warm-up round. Each pass holds the engine lock, so no decoding step runs beside it."""
-        room = self.max_context - len(prompt) - 1
-        top = min(CALIBRATION_SIZES, room)
-        if top < 1:
-            return {}
-        kv = BatchKV(self.target.model, self.target_device)
+    def _time_feeds(self, model, prompt: list[int], sizes: list[int], keep_all: bool,
+                    cancel: threading.Event | None = None) -> dict[int, float]:
+        """Seconds of a lone request's forward of `model` over n new tokens after `prompt` for each n in `sizes`,
+        as the batch scheduler runs it (a BatchKV row; logits of all n tokens with `keep_all`, as a verification
+        keeps them, else of the last, as a draft's catch-up): the median of CALIBRATION_REPEATS rounds over all
+        sizes, after one warm-up round. Each pass holds the engine lock, so no decoding step runs beside it.
+        Empty when cancelled."""
+        kv = BatchKV(model, self.target_device)
         kv.add_row(None, 0)
         with self._lock:
             kv.feed([prompt], keep=1)
+        top = max(sizes)
         tokens = (prompt * (top // len(prompt) + 1))[:top]
-        times: dict[int, list[float]] = {n: [] for n in range(1, top + 1)}
+        times: dict[int, list[float]] = {n: [] for n in sizes}
         for _ in range(CALIBRATION_REPEATS + 1):
             for n in times:
                 if cancel is not None and cancel.is_set():
                     return {}
                 with self._lock:
                     t0 = time.perf_counter()
-                    kv.feed([tokens[:n]], keep=n)
+                    kv.feed([tokens[:n]], keep=n if keep_all else 1)
                     if self.target_device.type == "cuda":
                         torch.cuda.synchronize(self.target_device)
                     times[n].append(time.perf_counter() - t0)
                     kv.drop_last(0, n)
         return {n: sorted(v[1:])[len(v[1:]) // 2] for n, v in times.items()}
 
+    def _time_target_sizes(self, prompt: list[int], cancel: threading.Event | None = None) -> dict[int, float]:
+        """Seconds of a lone request's target pass over n = 1..CALIBRATION_SIZES new tokens after `prompt`
+        (`_time_feeds`)."""
+        top = min(CALIBRATION_SIZES, self.max_context - len(prompt) - 1)
+        if top < 1:
+            return {}
+        return self._time_feeds(self.target.model, prompt, list(range(1, top + 1)), True, cancel)
+
     def _time_draft_catch_up(self, prompt: list[int], cancel: threading.Event | None = None) -> float | None:
         """Seconds per token that the champion draft's catch-up over skipped tokens costs beyond a one-token
-        forward, as the batch scheduler runs it (a BatchKV row after `prompt`): medians of CALIBRATION_REPEATS
-        rounds of a 1-token and a CALIBRATION_CATCH_UP-token forward, after a warm-up round. None without a draft
-        or room in the context."""
-        if self.draft is None:
-            return None
+        forward: a CALIBRATION_CATCH_UP-token against a one-token draft forward after `prompt` (`_time_feeds`).
+        None without a draft, without room in the context, or when cancelled."""
         n = min(CALIBRATION_CATCH_UP, self.max_context - len(prompt) - 1)
-        if n < 2:
+        if self.draft is None or n < 2:
             return None
-        kv = BatchKV(self.draft.model, self.target_device)
-        kv.add_row(None, 0)
-        with self._lock:
-            kv.feed([prompt], keep=1)
-        tokens = (prompt * (n // len(prompt) + 1))[:n]
-        times: dict[int, list[float]] = {1: [], n: []}
-        for _ in range(CALIBRATION_REPEATS + 1):
-            for size in times:
-                if cancel is not None and cancel.is_set():
-                    return None
-                with self._lock:
-                    t0 = time.perf_counter()
-                    kv.feed([tokens[:size]], keep=1)
-                    if self.target_device.type == "cuda":
-                        torch.cuda.synchronize(self.target_device)
-                    times[size].append(time.perf_counter() - t0)
-                    kv.drop_last(0, size)
-        med = {size: sorted(v[1:])[len(v[1:]) // 2] for size, v in times.items()}
-        return max(0.0, med[n] - med[1]) / (n - 1)
+        med = self._time_feeds(self.draft.model, prompt, [1, n], False, cancel)
+        return max(0.0, med[n] - med[1]) / (n - 1) if med else None
 
     def _profile_path(self, sig: tuple) -> Path | None:
         """The file of the profile for this machine, target, draft shape, device, dtype and thread count."""
