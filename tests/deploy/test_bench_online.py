@@ -57,4 +57,8 @@ def test_bench_online_smoke(tmp_path):
     assert len(summary["versions"]) >= 2 or "job" in distill_log.lower(), distill_log[-2000:]
     md = (out / "summary.md").read_text()
     assert "| draft version | category |" in md and "Targets (issue 15)" in md
+    # the first / last windows say how many requests of the new category they rest on
+    tg, sql = summary["targets"], [r for r in records if r["category"] == "sql"]
+    assert 1 <= tg["early_requests"] <= len(sql) and 0 <= tg["late_requests"] <= len(sql)
+    assert f"({tg['early_requests']} requests)" in md and f"({tg['late_requests']} requests)" in md
     assert (out / "online.png").stat().st_size > 10_000
