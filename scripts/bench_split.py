@@ -62,6 +62,7 @@ def main(argv=None) -> int:
     from training.draft_builder import (choose_output_vocabulary, make_draft_from_target, per_source_agreement,
                                         train_draft)
     from training.teacher import load_examples
+    from training.vocab import DEFAULT_VOCAB_SIZE
 
     torch.set_num_threads(args.threads)
     tpath = resolve_model_path(args.target) if args.target else ensure_default_target()
@@ -79,7 +80,7 @@ def main(argv=None) -> int:
         train = random.sample(train_all, max(1, round(frac * len(train_all)))) if frac < 1 else list(train_all)
         n_tok = sum(len(e["topk_ids"]) for e in train)
         draft = make_draft_from_target(target)
-        subset, _ = choose_output_vocabulary(train, tok, args.vocab_size or _default_vocab())
+        subset, _ = choose_output_vocabulary(train, tok, args.vocab_size or DEFAULT_VOCAB_SIZE)
         t0 = time.time()
         figs = train_draft(draft, train, held, subset, deadline=time.time() + secs, bf16=bf16,
                            progress=lambda m: print(m, flush=True))
@@ -93,11 +94,6 @@ def main(argv=None) -> int:
               f"{row['epochs']} epochs, held-out agreement {row['heldout_top1_agreement']:.3f} {by_src}", flush=True)
     _write(args.out, rows, args, n_all)
     return 0
-
-
-def _default_vocab() -> int:
-    from training.vocab import DEFAULT_VOCAB_SIZE
-    return DEFAULT_VOCAB_SIZE
 
 
 def _write(out: Path, rows: list[dict], args, n_all: int) -> None:

@@ -196,11 +196,13 @@ class CostModel:
             old = self._catch_up
             self._catch_up = extra if old is None else (1 - self.weight) * old + self.weight * extra
 
-    def set_catch_up(self, seconds_per_token: float) -> None:
-        """A directly timed catch-up price (Engine.calibrate): replaces the running mean."""
+    def set_catch_up(self, seconds_per_token: float, if_unmeasured: bool = False) -> None:
+        """A directly timed catch-up price (Engine.calibrate): replaces the running mean, or with
+        `if_unmeasured` only seeds it where traffic has measured none."""
         if seconds_per_token >= 0 and self.frozen_profile is None:
             with self._lock:
-                self._catch_up = float(seconds_per_token)
+                if not (if_unmeasured and self._catch_up is not None):
+                    self._catch_up = float(seconds_per_token)
 
     def catch_up_token_s(self) -> float:
         """Seconds per token the draft spends catching up on tokens it did not see (0 until measured)."""

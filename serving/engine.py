@@ -684,8 +684,7 @@ class Engine:
                 catch_up = self._time_draft_catch_up(prompt, cancel)
                 if catch_up is not None:
                     measured.set_catch_up(catch_up)
-                    if self.costs.snapshot()["catch_up_token_s"] is None:
-                        self.costs.set_catch_up(catch_up)
+                    self.costs.set_catch_up(catch_up, if_unmeasured=True)
             except Exception as exc:  # noqa: BLE001 - a failed measurement leaves seeded requests on the prior
                 log.warning("cost calibration failed (%s: %s); seeded requests plan from prior costs",
                             type(exc).__name__, exc)

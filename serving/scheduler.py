@@ -506,13 +506,18 @@ class BatchScheduler:
                     plans[i] = _RowPlan(proposer(req.spec, req.sampling), plan.k, plan)
         return plans
 
+    def _costs_for(self, reqs: list[Request]):
+        """The cost model a step over `reqs` teaches: a request stepping alone with its own (Engine.calibrate)
+        teaches that one, every other step the replica's."""
+        return reqs[0].costs if len(reqs) == 1 and reqs[0].costs is not None else self.engine.costs
+
     def _observe_batch_costs(self, reqs, blocks, proposals, keep: int, t_draft: float, t_target: float,
                              t_wall: float) -> None:
         """What this step's forwards cost, for the controller: the target pass by the tokens it verified
         (rows x block width), a draft forward by its rows, the rest of the step by batch size. Steps that
         also re-fed context (a prefill remainder, a draft rebuilt after a swap) teach nothing. A request
         stepping alone with its own cost model (Engine.calibrate) teaches that model instead."""
-        costs = reqs[0].costs if len(reqs) == 1 and reqs[0].costs is not None else self.engine.costs
+        costs = self._costs_for(reqs)
         steady_target = all(len(b) == len(p[0]) + 1 for b, p in zip(blocks, proposals))
         if not steady_target:
             return
@@ -623,8 +628,7 @@ class BatchScheduler:
         if not steady:     # what catching up costs per skipped token prices the controller's probes (affordable_gap)
             if first.device.type == "cuda":
                 torch.cuda.synchronize(first.device)
-            costs = reqs[0].costs if len(reqs) == 1 and reqs[0].costs is not None else eng.costs
-            costs.observe_catch_up(longest, time.perf_counter() - t0, rows=len(catch_up))
+            self._costs_for(reqs).observe_catch_up(longest, time.perf_counter() - t0, rows=len(catch_up))
         warps = {i: _warper(reqs[i].sampling) for i in drafting}
         state = {}
         fork_rows: list[int] = []

@@ -668,6 +668,10 @@ def test_catch_up_cost_enters_the_profile_and_is_frozen_with_it():
     assert frozen.catch_up_token_s() == prof["catch_up"]
     older = {k: v for k, v in prof.items() if k != "catch_up"}   # a profile kept before catch-ups were priced
     assert CostModel.frozen(older).catch_up_token_s() == 0.0
+    c.set_catch_up(0.5, if_unmeasured=True)                # traffic measured it: a calibration only seeds
+    assert c.catch_up_token_s() == pytest.approx(0.002)
+    c.set_catch_up(0.5)
+    assert c.catch_up_token_s() == 0.5
 
 
 def test_cost_profile_is_relative_rounded_and_stable_under_timing_noise():
