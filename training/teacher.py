@@ -24,10 +24,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
 GROUPED_ATTENTION = "draftsmith_grouped"
+# From this many query tokens on (a prompt's prefill), `grouped_attention` hands over to PyTorch's fused SDPA
+# kernel: at one query token the two matmuls below are several times faster than it, but over a prompt they were
+# 2.6x slower (prefill of 64 prompts x 400 tokens, bf16, 2 cores: 47 s against 18 s; docs/benchmarks.md,
+# "The fourteenth session"), and long prompts' prefill took most of the bootstrap's teacher time.
+PREFILL_SDPA_MIN_QUERIES = 2
 
 
 def grouped_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -38,7 +44,8 @@ def grouped_attention(module, query, key, value, attention_mask, scaling=None, d
     in fp32. Returns ([B, q, H, D], None) like the other implementations behind transformers'
     `AttentionInterface`. The keys are never repeated r times, and no fused kernel is involved: on a
     CPU at one query token this is several times faster than `scaled_dot_product_attention`
-    (docs/benchmarks.md). Models that need attention features this does not implement (logit
+    (docs/benchmarks.md). Prefill (q >= PREFILL_SDPA_MIN_QUERIES) goes to that fused kernel, with the same
+    additive mask and grouped heads (`enable_gqa`), where it is the faster one. Models that need attention features this does not implement (logit
     soft-capping, attention sinks, dropout in training) go to transformers' SDPA path instead."""
     if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None or (dropout and module.training):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -49,6 +56,10 @@ def grouped_attention(module, query, key, value, attention_mask, scaling=None, d
     G, L = key.shape[1], key.shape[2]
     r = H // G
     scale = scaling if scaling is not None else D ** -0.5
+    if q >= PREFILL_SDPA_MIN_QUERIES:          # a prompt's prefill: PyTorch's fused kernel is the fast one there
+        mask = None if attention_mask is None else attention_mask[:, :, :, -L:].to(query.dtype)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=r > 1)
+        return out.transpose(1, 2).contiguous(), None
     scores = torch.matmul(query.reshape(B, G, r * q, D), key.transpose(2, 3)).float().view(B, G, r, q, L)
     scores = scores * scale
     if attention_mask is not None:

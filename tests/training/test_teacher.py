@@ -36,6 +36,35 @@ def test_grouped_attention_matches_sdpa_with_an_additive_mask(q_len):
     torch.testing.assert_close(grouped_attention(_Module(), q, k2, v, mask, scaling=0.3)[0], got)
 
 
+def test_prefill_goes_to_the_fused_kernel_and_decoding_to_the_matmuls(monkeypatch):
+    """One query token (decoding) runs the two matmuls; a prompt's prefill runs PyTorch's fused SDPA kernel,
+    which is the faster one there (PREFILL_SDPA_MIN_QUERIES). bf16, as the teacher runs: a query row whose keys
+    are all padding (a left-padded prompt's pad positions) gives finite values, not NaN."""
+    import training.teacher as teacher
+
+    calls = []
+    real = F.scaled_dot_product_attention
+    monkeypatch.setattr(teacher.F, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    torch.manual_seed(1)
+    B, H, G, L, D = 2, 6, 2, 9, 8
+    for q_len, fused in [(1, False), (teacher.PREFILL_SDPA_MIN_QUERIES, True), (L, True)]:
+        calls.clear()
+        q = torch.randn(B, H, q_len, D, dtype=torch.bfloat16)
+        k, v = torch.randn(B, G, L, D, dtype=torch.bfloat16), torch.randn(B, G, L, D, dtype=torch.bfloat16)
+        mask = torch.zeros(B, 1, q_len, L, dtype=torch.bfloat16)
+        mask[1, ..., :4] = torch.finfo(torch.bfloat16).min          # row 1 left-padded by 4
+        mask[..., L - q_len:] += torch.triu(torch.full((q_len, q_len), torch.finfo(torch.bfloat16).min), 1)
+        got = grouped_attention(_Module(), q, k, v, mask, scaling=0.3)[0]
+        assert bool(calls) == fused
+        assert torch.isfinite(got.float()).all()
+        ref = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(H // G, 1),
+                                             v.float().repeat_interleave(H // G, 1), attn_mask=mask.float(),
+                                             scale=0.3).transpose(1, 2)
+        live = torch.ones(B, q_len, dtype=torch.bool)
+        live[1, : max(0, 4 - (L - q_len))] = False                    # pad queries: any finite value will do
+        torch.testing.assert_close(got.float()[live], ref[live], rtol=3e-2, atol=3e-2)
+
+
 def _padded_batch(tok, texts):
     prompts = [tok(t)["input_ids"] for t in texts]
     ids, mask = left_pad(prompts, tok.pad_token_id)
