@@ -21,7 +21,8 @@ Transformers via Speculative Decoding", ICML 2023, with measured instead of assu
 
 Where the numbers come from:
 - `CostModel` (one per replica): exponentially weighted means of measured step times, by number of tokens
-  the target verified and by proposer; before the first measurement a prior ratio (draft token = 0.1 of a
+  the target verified and by proposer (a sample clipped to SPIKE_RATIO x the estimate, so one stall does
+  not price a size out of the plans that would measure it again); before the first measurement a prior ratio (draft token = 0.1 of a
   target step, +3% per extra verified token). A size not measured is read off its measured neighbours,
   never below a smaller size's cost (the cost is far from linear on a CPU); the replica's calibration
   (Engine.calibrate) times every size a default request verifies, so the live model starts from them.
@@ -81,6 +82,11 @@ PRIOR_VERIFY_SLOPE = 0.03      # extra target time per extra verified token, rel
 # model leaves out (a draft catch-up after plain steps), so a predicted 1-3% gain measured as a loss on the
 # traffic-mix benchmark's low-acceptance categories (docs/benchmarks.md).
 MIN_GAIN = 0.05
+# A measured step time enters its running mean clipped to this factor of the current estimate (CostModel._ewma):
+# on the Intel AMX host one stall left a 4-token target pass at 1.6x a 5-token one (0.115 s against 0.069 s), and
+# since more tokens never count as cheaper, 4- and 5-token steps then looked 1.6x a plain step and were not chosen,
+# so not measured again (docs/benchmarks.md, "The fourteenth session").
+SPIKE_RATIO = 2.0
 # Without evidence (a request whose prior carries no traffic: a seeded request, a new draft version) the
 # controller drafts only when drafting pays at the pessimistic end of its estimate, alpha - CAUTION_Z standard
 # errors (AcceptanceEstimate.lower); how many tokens it then drafts still follows the point estimate. Where
@@ -127,9 +133,15 @@ class CostModel:
         self._lock = threading.Lock()
 
     def _ewma(self, table: dict, key, value: float) -> None:
+        """Running mean of one cost. A sample enters clipped to [1/SPIKE_RATIO, SPIKE_RATIO] x the current
+        estimate: a lone stall cannot make a size look dear (and a size that looks dear is seldom chosen, so
+        seldom measured again), while a real change still moves the estimate by up to weight x (SPIKE_RATIO - 1)
+        per sample."""
         if self.frozen_profile is not None:
             return
         old = table.get(key)
+        if old is not None:
+            value = min(max(value, old / SPIKE_RATIO), old * SPIKE_RATIO)
         table[key] = value if old is None else (1 - self.weight) * old + self.weight * value
 
     def count_plain(self, drafted: bool) -> int:

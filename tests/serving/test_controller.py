@@ -257,6 +257,37 @@ def test_acceptance_estimate_and_cost_model_basics():
 
 
 # ---------------------------------------------------------------------------- the engine with the controller
+def test_a_lone_stall_cannot_make_a_size_look_dear_but_a_real_change_moves_the_cost(monkeypatch):
+    """A stall (one 4-token pass at 7x its cost) enters clipped to SPIKE_RATIO x the estimate, so 4- and
+    5-token steps stay about as cheap as the measured neighbours say and a good draft still drafts 4 tokens;
+    without the clip the one sample put 4- and 5-token passes at 1.6x a plain step and the plan fell to 2. A
+    lasting change (plain steps 1.5x slower) still reaches the estimate."""
+    import serving.controller as controller_module
+
+    clip = controller_module.SPIKE_RATIO
+
+    def measured(spike_ratio: float) -> CostModel:
+        monkeypatch.setattr(controller_module, "SPIKE_RATIO", spike_ratio)
+        c = CostModel(weight=0.1)
+        for n in range(1, 6):
+            for _ in range(20):
+                c.observe_target(n, 0.070)
+        c.observe_draft("chain", 1, 0.008)
+        c.observe_target(4, 0.500)                             # one stall
+        return c
+
+    plan = lambda c: best_k(0.8, 4, lambda k: c.step_s("chain", k))[0]   # noqa: E731
+    raw = measured(float("inf"))
+    assert raw.target_s(5) / raw.target_s(1) > 1.6 and plan(raw) == 2
+    c = measured(clip)
+    assert c.target_s(4) <= 0.070 * (1 + 0.1 * (clip - 1)) + 1e-9
+    assert c.target_s(5) == pytest.approx(c.target_s(4))       # more tokens never cheaper: the floor follows 4
+    assert plan(c) == 4
+    for _ in range(40):
+        c.observe_target(1, 0.105)                             # a lasting 1.5x slowdown of plain steps
+    assert c.target_s(1) == pytest.approx(0.105, rel=0.02)
+
+
 import numpy as np   # noqa: E402
 import torch   # noqa: E402
 from scipy import stats as scipy_stats   # noqa: E402
