@@ -282,14 +282,29 @@ def _general_teacher_data(target, tok, *, teacher_s: float, t_start: float, max_
             answer = tok.decode(e["tokens"][p:], skip_special_tokens=True).strip()
             if conv and answer:
                 history.append(conv + [{"role": "assistant", "content": answer}])
-    if history and time.time() < t_start + 0.92 * teacher_s:
+    follow_deadline = follow_up_deadline(time.time(), t_start, teacher_s)
+    if history and follow_deadline is not None:
         follow = synthesize_prompts(target, tok, len(history), seeds=FOLLOW_UP_SEEDS, max_new_tokens=32,
-                                    history=history, deadline=t_start + 0.92 * teacher_s, seed=1, progress=progress)
+                                    history=history, deadline=follow_deadline, seed=1, progress=progress)
         multi = [p for p in (ids_of(m) for _, m in follow) if len(p) <= MAX_PROMPT_TOKENS]
         train_ex += generate_teacher_data(target, tok, multi, sources=["multiturn"] * len(multi),
                                           max_new_tokens=max_new_tokens, deadline=t_start + teacher_s,
                                           progress=progress)
     return train_ex, held_ex
+
+
+FOLLOW_UP_MIN_S = 20.0   # one batch of 64 follow-up requests x 32 tokens: ~16 s on 2 cores (fewer close their turn)
+
+
+def follow_up_deadline(now: float, t_start: float, teacher_s: float) -> float | None:
+    """When the multi-turn follow-up requests must be written by: 92% of the teacher's time, but at least
+    FOLLOW_UP_MIN_S from now, as long as that leaves the teacher's time unspent; None when it would not. The
+    answer phase before it overruns its 88% by up to a batch (a batch runs at least MIN_BATCH_S, plus its
+    prefill), and a follow-up batch cut to a few seconds closes no turn: one bootstrap got 0 follow-ups of 64
+    sampled and no multi-turn data at all (docs/benchmarks.md, "The fourteenth session")."""
+    end = t_start + teacher_s
+    deadline = max(t_start + 0.92 * teacher_s, now + FOLLOW_UP_MIN_S)
+    return deadline if deadline < end else None
 
 
 def _user_turns(tok, prompt_ids: list[int]) -> list[dict]:

@@ -135,3 +135,17 @@ def test_bench_split_trains_one_draft_per_arm_on_the_saved_teacher_cache(target_
         with pytest.raises(SystemExit):
             bench.main(["--cache", str(cache), "--target", str(target_dir), "--out", str(out), *bad])
         assert "error" in capsys.readouterr().err
+
+
+def test_the_follow_up_phase_gets_at_least_a_batchs_time_while_the_teacher_has_it():
+    """92% of the teacher's time as planned; at least FOLLOW_UP_MIN_S from now when the answer phase overran its
+    88% (one bootstrap's follow-up batch got a few seconds and wrote none); skipped when the teacher's time is
+    spent or would be."""
+    from training.draft_builder import FOLLOW_UP_MIN_S, follow_up_deadline
+
+    t0, teacher_s = 1000.0, 600.0
+    assert follow_up_deadline(t0 + 0.80 * teacher_s, t0, teacher_s) == pytest.approx(t0 + 0.92 * teacher_s)
+    late = t0 + 0.91 * teacher_s                     # the answer phase ran 18 s past its 88%
+    assert follow_up_deadline(late, t0, teacher_s) == pytest.approx(late + FOLLOW_UP_MIN_S)
+    assert follow_up_deadline(t0 + teacher_s - FOLLOW_UP_MIN_S + 1, t0, teacher_s) is None
+    assert follow_up_deadline(t0 + 1.01 * teacher_s, t0, teacher_s) is None
