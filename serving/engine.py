@@ -92,6 +92,8 @@ from serving.models import (
     load_tokenizer,
     read_output_token_ids,
     resolve_model_path,
+    use_skinny_linears,
+    wants_skinny_linears,
 )
 from serving.kvcache import BatchKV
 from serving.runner import SequenceRunner, full_vocab_logits
@@ -438,6 +440,8 @@ class Engine:
                                     dtype=head.weight.dtype)
             with torch.no_grad():
                 small.weight.copy_(head.weight[ids_t])
+            if wants_skinny_linears(device, small.weight.dtype):
+                use_skinny_linears(small)
             model.set_output_embeddings(small)
         return LoadedModel(model, tok, path, ids_t)
 

@@ -198,6 +198,49 @@ def configure_cuda_attention() -> bool:
     return True
 
 
+# Row counts up to which SkinnyLinear computes W @ x^T (measured to 64 on an AVX2 host, docs/benchmarks.md).
+SKINNY_MAX_ROWS = 64
+
+
+class SkinnyLinear(torch.nn.Linear):
+    """nn.Linear whose product over few rows is computed as W @ x^T, the weight as the left operand.
+
+    On a CPU in fp32, torch hands x @ W^T to MKL's sgemm; with 2-64 rows of x (a verification of a few
+    tokens, a few beams, a small batch) that call streams the weight through memory about twice as often
+    as a one-row call does, so on a memory-bound 2-core host a 2-token target pass cost 1.68x a 1-token one
+    and 5 tokens 1.75x. The same product with the weight on the left reads it once: 2 tokens 1.03x, 4 tokens
+    1.05x, 5 tokens 1.25x (`docs/benchmarks.md`, "The fifteenth session"). The result is the same up to
+    fp32 rounding (max |diff| 5e-5 on the target's logits). More rows, or autocast, use nn.Linear's own path."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if not (0 < rows <= SKINNY_MAX_ROWS) or x.dtype != self.weight.dtype:
+            return super().forward(x)
+        y = torch.mm(self.weight, x.reshape(rows, x.shape[-1]).t()).t().contiguous()
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.weight.shape[0])
+
+
+def use_skinny_linears(model: torch.nn.Module) -> int:
+    """Make every plain nn.Linear of `model` a SkinnyLinear (same parameters, same state dict); returns how
+    many. Meant for fp32 on a CPU, where it was measured (`wants_skinny_linears`)."""
+    n = 0
+    for mod in model.modules():
+        if type(mod) is torch.nn.Linear:
+            mod.__class__ = SkinnyLinear
+            n += 1
+    return n
+
+
+def wants_skinny_linears(device, dtype: torch.dtype) -> bool:
+    """fp32 on a CPU, unless DRAFTSMITH_SKINNY_LINEAR=0 (bf16 goes to oneDNN, where 1-6 token passes already
+    cost within 3% of each other on the AMX host; GPUs have their own kernels)."""
+    if os.environ.get("DRAFTSMITH_SKINNY_LINEAR", "1").strip() == "0":
+        return False
+    return str(device).startswith("cpu") and dtype == torch.float32
+
+
 def load_causal_lm(path: Path, device: str = "cpu", dtype: torch.dtype | None = None):
     from transformers import AutoModelForCausalLM
 
@@ -208,7 +251,10 @@ def load_causal_lm(path: Path, device: str = "cpu", dtype: torch.dtype | None = 
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except Exception as exc:  # corrupt weights, unknown architecture, ...
         raise ModelLoadError(f"could not load the model at {path}: {exc}") from exc
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    if wants_skinny_linears(device, dtype):
+        use_skinny_linears(model)
+    return model
 
 
 def tokenizer_fingerprint(tok) -> tuple:

@@ -295,3 +295,38 @@ def test_cpu_dtype_follows_native_bf16(monkeypatch):
     flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
     native = "avx512_bf16" in flags or "amx_bf16" in flags
     assert default_dtype("cpu") == (torch.bfloat16 if native else torch.float32)
+
+
+def test_skinny_linear_matches_linear(monkeypatch):
+    """SkinnyLinear (W @ x^T for few rows) gives nn.Linear's values and gradients, keeps the state dict, and
+    hands many rows, or another dtype, to nn.Linear's own path."""
+    from serving.models import SKINNY_MAX_ROWS, SkinnyLinear, use_skinny_linears, wants_skinny_linears
+
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.ReLU(), torch.nn.Linear(40, 7, bias=False))
+    fast = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.ReLU(), torch.nn.Linear(40, 7, bias=False))
+    fast.load_state_dict(ref.state_dict())
+    assert use_skinny_linears(fast) == 2 and all(isinstance(m, SkinnyLinear) for m in (fast[0], fast[2]))
+    assert list(fast.state_dict()) == list(ref.state_dict())
+    calls = []
+    monkeypatch.setattr(torch, "mm", lambda a, b, _mm=torch.mm: calls.append(a.shape) or _mm(a, b))
+    for shape in [(1, 24), (3, 24), (2, 5, 24), (1, SKINNY_MAX_ROWS, 24), (SKINNY_MAX_ROWS + 1, 24)]:
+        x = torch.randn(*shape, requires_grad=True)
+        x2 = x.detach().clone().requires_grad_(True)
+        calls.clear()
+        y, y_ref = fast(x), ref(x2)
+        assert y.shape == y_ref.shape and torch.allclose(y, y_ref, atol=1e-5)
+        assert len(calls) == (2 if x.numel() // 24 <= SKINNY_MAX_ROWS else 0)   # the weight is mm's left operand
+        assert all(c[0] in (40, 7) for c in calls)
+        y.square().sum().backward()
+        y_ref.square().sum().backward()
+        assert torch.allclose(x.grad, x2.grad, atol=1e-5)
+        assert torch.allclose(fast[0].weight.grad, ref[0].weight.grad, atol=1e-4)
+        fast.zero_grad(), ref.zero_grad()
+    calls.clear()
+    assert fast.to(torch.float64)(torch.randn(2, 24, dtype=torch.float64)).dtype == torch.float64
+    monkeypatch.setenv("DRAFTSMITH_SKINNY_LINEAR", "1")
+    assert wants_skinny_linears("cpu", torch.float32) and not wants_skinny_linears("cpu", torch.bfloat16)
+    assert not wants_skinny_linears("cuda:0", torch.float32)
+    monkeypatch.setenv("DRAFTSMITH_SKINNY_LINEAR", "0")
+    assert not wants_skinny_linears("cpu", torch.float32)
