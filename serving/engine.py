@@ -91,13 +91,14 @@ from serving.models import (
     load_causal_lm,
     load_tokenizer,
     read_output_token_ids,
+    release_openmp_threads,
     resolve_model_path,
     use_skinny_linears,
     wants_skinny_linears,
 )
 from serving.kvcache import BatchKV
 from serving.runner import SequenceRunner, full_vocab_logits
-from serving.scheduler import BatchScheduler, Request
+from serving.scheduler import SCHEDULER_THREAD, BatchScheduler, Request
 
 log = logging.getLogger(__name__)
 
@@ -240,6 +241,23 @@ def _top_k_record(logits: torch.Tensor, k: int) -> tuple:
     return ids.to(torch.int32).cpu().numpy(), vals.to(torch.float16).cpu().numpy()
 
 
+def _gives_back_openmp_threads(fn):
+    """Run `fn`, then release the OpenMP workers its forwards created in the calling thread
+    (serving/models.py `release_openmp_threads`), unless that thread is the batch scheduler's, which computes
+    on. Model loading, swaps and calibration run outside the scheduler; left alive, their pools push libgomp
+    into waking a sleeping worker for every parallel region of every decoding step."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if threading.current_thread().name != SCHEDULER_THREAD:
+                release_openmp_threads()
+    return wrapper
+
+
 class Engine:
     def __init__(
         self,
@@ -317,6 +335,7 @@ class Engine:
 
     # ------------------------------------------------------------------ construction
     @classmethod
+    @_gives_back_openmp_threads
     def from_paths(
         cls,
         target: str | None = None,
@@ -341,6 +360,7 @@ class Engine:
             engine.load_eagle(eagle)
         return engine
 
+    @_gives_back_openmp_threads
     def load_eagle(self, path: str | Path, version: str | None = None) -> str:
         """Load (or hot-swap) an EAGLE-style head for mode "eagle", bound to this target's rows; returns its
         version name (`version`, or "eagle:<folder>"). A request whose head changes between steps rebuilds the
@@ -385,6 +405,7 @@ class Engine:
             self.heads_canary[kind] = (module, str(version), float(share), path)
         log.info("canary %s version %s (%s) takes %.0f%% of new %s requests", kind, version, path, 100 * share, kind)
 
+    @_gives_back_openmp_threads
     def load_heads(self, path: str | Path, version: str | None = None) -> str:
         """Load (or hot-swap) Medusa heads for mode "medusa", bound to this target's rows; returns their
         version name: `version` (a registry version, "medusa-v<N>", serving/service.py's heads watcher) or
@@ -445,6 +466,7 @@ class Engine:
             model.set_output_embeddings(small)
         return LoadedModel(model, tok, path, ids_t)
 
+    @_gives_back_openmp_threads
     def swap_draft(self, draft_path: str | Path, version: str) -> None:
         """Load a new draft and make it live between steps. On failure the old draft stays. The canary's
         version becoming champion takes the loaded canary model over (no second load; its draft cache
@@ -458,6 +480,7 @@ class Engine:
             self.draft, self.draft_version = reuse, version
         log.info("draft swapped to version %s (%s)", version, draft_path)
 
+    @_gives_back_openmp_threads
     def set_canary(self, draft_path: str | Path | None, version: str = "none", share: float = 0.0) -> None:
         """Serve draft `draft_path` (registry version `version`) to `share` of new requests, chosen by
         `routes_to_canary(request id)`; `draft_path=None` ends the canary. Requests on the canary whose
@@ -639,6 +662,7 @@ class Engine:
         return (type(self.draft.model).__name__, getattr(cfg, "num_hidden_layers", None),
                 getattr(cfg, "hidden_size", None), self.vocab_size if rows is None else len(rows))
 
+    @_gives_back_openmp_threads
     def calibrate(self, force: bool = False, cancel: threading.Event | None = None) -> dict | None:
         """The cost profile of seeded sampled requests (controller.cost_profile): this replica's one-request
         step costs, measured once on a fixed prompt (plain target steps, a speculative chain and MJSD's beams

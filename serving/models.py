@@ -198,6 +198,47 @@ def configure_cuda_attention() -> bool:
     return True
 
 
+def _openmp_runtime():
+    """The OpenMP runtime torch runs on (libgomp, or Intel's libiomp5), as a ctypes library; None when this
+    process has none loaded."""
+    import ctypes
+
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return None
+    for line in maps:
+        path = line.split()[-1] if line.split() else ""
+        name = os.path.basename(path)
+        if name.startswith(("libgomp", "libiomp5")) and os.path.exists(path):
+            try:
+                return ctypes.CDLL(path)
+            except OSError:
+                return None
+    return None
+
+
+def release_openmp_threads() -> bool:
+    """Give back the OpenMP worker threads that the CALLING thread's parallel regions created
+    (`omp_pause_resource_all(omp_pause_hard)`); True when done. Call it from a thread that loaded or measured
+    models and will not compute again soon (model loading, a draft swap, calibration).
+
+    Why: libgomp keeps each thread's worker pool alive, and once the process holds more OpenMP threads than
+    it has CPUs it stops letting idle workers spin and puts them to sleep at once, so every later parallel
+    region pays a futex wake-up. On 2 cores that happens as soon as a second thread (the engine's scheduler)
+    runs torch with 2 threads after the thread that loaded the models did: a 5-token target pass then cost
+    2x a 1-token pass in the scheduler thread against 1.1x in the loading thread, the same code
+    (docs/benchmarks.md, "The fifteenth session"). The pool comes back by itself if this thread computes
+    again."""
+    lib = _openmp_runtime()
+    if lib is None or not hasattr(lib, "omp_pause_resource_all"):
+        return False
+    try:
+        return lib.omp_pause_resource_all(2) == 0           # 2 = omp_pause_hard
+    except Exception:  # noqa: BLE001 - an optimisation only
+        return False
+
+
 # Row counts up to which SkinnyLinear computes W @ x^T (measured to 64 on an AVX2 host, docs/benchmarks.md).
 SKINNY_MAX_ROWS = 64
 

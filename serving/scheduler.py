@@ -63,6 +63,7 @@ if TYPE_CHECKING:
     from serving.engine import Engine, GenerationStats
 
 log = logging.getLogger(__name__)
+SCHEDULER_THREAD = "batch-scheduler"   # the one thread that runs the models' decoding steps
 
 IDLE_EXIT_S = 30.0   # the scheduler thread exits after this long with nothing to do (restarted on submit)
 _EXIT = object()     # put in a scheduler's inbox at interpreter exit: its thread ends there (_stop_all)
@@ -165,7 +166,7 @@ class BatchScheduler:
         _LIVE.add(self)
         with self._start_lock:
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="batch-scheduler", daemon=True)
+                self._thread = threading.Thread(target=self._run, name=SCHEDULER_THREAD, daemon=True)
                 self._thread.start()
 
     @property

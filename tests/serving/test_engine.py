@@ -15,7 +15,7 @@ from serving.config import SamplingParams, SpecParams
 from serving.decoding.speculative import speculative_verify
 from serving.decoding.warp import sample, warp_logprobs
 from serving.engine import Engine
-from serving.models import TokenizerMismatch
+from serving.models import ModelLoadError, TokenizerMismatch
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=48)
 DEVICE = os.environ.get("DRAFTSMITH_TEST_DEVICE", "cpu")
@@ -330,3 +330,58 @@ def test_skinny_linear_matches_linear(monkeypatch):
     assert not wants_skinny_linears("cuda:0", torch.float32)
     monkeypatch.setenv("DRAFTSMITH_SKINNY_LINEAR", "0")
     assert not wants_skinny_linears("cpu", torch.float32)
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
+def test_release_openmp_threads_gives_back_a_threads_workers():
+    """A thread that ran a 2-thread parallel region keeps an OpenMP worker; release_openmp_threads ends it."""
+    from serving.models import _openmp_runtime, release_openmp_threads
+
+    if _openmp_runtime() is None:
+        pytest.skip("torch runs without an OpenMP runtime here")
+    seen = {}
+
+    def work():
+        before = _os_threads()
+        torch.set_num_threads(2)
+        try:
+            a = torch.randn(512, 512)
+            for _ in range(3):
+                a = torch.tanh(a @ a)                  # parallel regions on 2 threads
+            seen["with_pool"] = _os_threads() - before
+            seen["released"] = release_openmp_threads()
+            seen["after"] = _os_threads() - before
+        finally:
+            torch.set_num_threads(1)
+
+    th = threading.Thread(target=work)
+    th.start()
+    th.join()
+    assert seen["with_pool"] >= 1 and seen["released"] is True
+    assert seen["after"] < seen["with_pool"]
+
+
+def test_engine_loads_and_swaps_give_back_openmp_threads(pair, monkeypatch):
+    """Model loading and swaps (outside the scheduler thread) release their OpenMP workers; the scheduler's
+    own thread keeps its pool."""
+    import serving.engine as engine_mod
+    from serving.scheduler import SCHEDULER_THREAD
+
+    calls = []
+    monkeypatch.setattr(engine_mod, "release_openmp_threads", lambda: calls.append(threading.current_thread().name))
+    target, draft = pair
+    eng = Engine.from_paths(str(target), str(draft), dtype=torch.float32, device=DEVICE)
+    assert calls == [threading.current_thread().name]
+    eng.swap_draft(str(draft), "again")
+    assert len(calls) == 2
+    th = threading.Thread(target=eng.swap_draft, args=(str(draft), "in-scheduler"), name=SCHEDULER_THREAD)
+    th.start()
+    th.join()
+    assert len(calls) == 2 and eng.draft_version == "in-scheduler"
+    with pytest.raises(ModelLoadError):
+        eng.swap_draft(str(target / "missing"), "broken")
+    assert len(calls) == 3                              # released on failure too
