@@ -56,6 +56,7 @@ from serving.decoding.mjsd import beam_sample_finalize, beam_sample_step
 from serving.decoding.types import VerifyResult
 from serving.decoding.warp import sample, warp_logprobs
 from serving.kvcache import BatchKV, PrefixCache
+from serving.models import release_openmp_threads
 from serving.modes import MODE_TABLE, VERIFY_RULES, proposer
 from serving.runner import SequenceRunner, full_vocab_logits
 
@@ -184,8 +185,15 @@ class BatchScheduler:
     # ------------------------------------------------------------------ the loop
     def _run(self) -> None:
         idle_since = time.monotonic()
+        pooled = False                  # a round ran since this thread last gave back its OpenMP workers
         while True:
             active = self.waiting or self.prefilling or self.batch or self.solo
+            if pooled and not active:
+                # about to wait idle: give back this thread's OpenMP workers (serving/models.py
+                # release_openmp_threads), so a calibration or a load in another thread meanwhile is not slowed
+                # by them; the next round makes them again
+                release_openmp_threads()
+                pooled = False
             try:
                 timeout = 0.0 if active else max(0.0, IDLE_EXIT_S - (time.monotonic() - idle_since))
                 req = self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait()
@@ -206,6 +214,7 @@ class BatchScheduler:
                             self.tkv, self.dkvs = None, []
                             return
                 continue
+            pooled = True
             try:
                 self._round()
             except Exception as exc:   # noqa: BLE001 - the loop must survive anything a round throws
