@@ -385,3 +385,24 @@ def test_engine_loads_and_swaps_give_back_openmp_threads(pair, monkeypatch):
     with pytest.raises(ModelLoadError):
         eng.swap_draft(str(target / "missing"), "broken")
     assert len(calls) == 3                              # released on failure too
+
+
+def test_scheduler_gives_back_openmp_threads_when_idle(engine, monkeypatch):
+    """After its last round the scheduler thread releases its OpenMP workers before it waits for work."""
+    import time
+
+    import serving.scheduler as sched_mod
+    from serving.scheduler import SCHEDULER_THREAD
+
+    calls = []
+    monkeypatch.setattr(sched_mod, "release_openmp_threads", lambda: calls.append(threading.current_thread().name))
+    res = engine.generate_all([1, 2, 3, 4], SamplingParams(temperature=0.0, max_tokens=6), SpecParams(mode="mjsd"),
+                              log_mode="none")
+    assert len(res.token_ids) == 6
+    deadline = time.monotonic() + 10
+    while not calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert calls and set(calls) == {SCHEDULER_THREAD}
+    n = len(calls)
+    time.sleep(0.2)
+    assert len(calls) == n                      # once per idle period, not on every wait
