@@ -54,6 +54,7 @@ The engine lock is held for one *step* at a time, so concurrent requests interle
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -246,8 +247,6 @@ def _gives_back_openmp_threads(fn):
     (serving/models.py `release_openmp_threads`), unless that thread is the batch scheduler's, which computes
     on. Model loading, swaps and calibration run outside the scheduler; left alive, their pools push libgomp
     into waking a sleeping worker for every parallel region of every decoding step."""
-    import functools
-
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:

@@ -16,6 +16,7 @@ sampling handles exactly (such tokens are simply never proposed).
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -198,9 +199,11 @@ def configure_cuda_attention() -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=1)
 def _openmp_runtime():
     """The OpenMP runtime torch runs on (libgomp, or Intel's libiomp5), as a ctypes library; None when this
-    process has none loaded."""
+    process has none loaded. Looked up once (torch, imported above, has loaded it): the scheduler releases its
+    workers every time it goes idle."""
     import ctypes
 
     try:
