@@ -8,7 +8,10 @@ Prompts: scripts/traffic_prompts.py (written for evaluation only, never trained 
 everyday, writing and multi-turn chat, `--n` per category (default all 12), chat template applied.
 
 Modes (`--modes`, default `default,target,speculative,ngram`):
-    default      what the API serves with no `speculative` field: MJSD (gamma 4, 8 beams, tau 0.1), adaptive on
+    default      what the API serves with no `speculative` field (serving/config.py served_mode): with
+                 --medusa-heads the heads' tree, its depth adaptive (mode medusa); else MJSD (gamma 4, 8 beams,
+                 tau 0.1), adaptive on
+    mjsd         MJSD with the draft model, adaptive on (the default without heads)
     target       target-only decoding: the baseline every ratio is taken against (always run)
     speculative  lossless speculative sampling, adaptive on
     ngram        prompt-lookup drafting, no draft model
@@ -82,16 +85,21 @@ def make_spec(label: str, args):
     `default+nostop` / `speculative+nostop`: adaptive chains without the draft-confidence stop;
     `medusa+fp32heads` / `eagle+fp32heads`: that mode with its heads in fp32 (the engine runs them in the
     target's dtype; the row measures what that buys on a bf16 machine)."""
-    from serving.config import DEFAULT_MODE, DRAFT_FREE_MODES, SpecParams
+    from serving.config import (ADAPTIVE_TREE_MODES, AUTO_MODE, DRAFT_FREE_MODES, SpecParams, served_knobs,
+                                served_mode)
 
     label, _, variant = label.partition("+")
     fixed = label.endswith("-fixed")
     base = label[: -len("-fixed")] if fixed else label
-    mode = DEFAULT_MODE if base == "default" else base
+    # "default": what the service serves a request that names no mode, with this run's draft and heads
+    mode = served_mode(AUTO_MODE, has_draft=True, has_heads=bool(args.medusa_heads),
+                       has_eagle=bool(args.eagle_head)) if base == "default" else base
     kw = dict(mode=mode, gamma=args.gamma, beams=args.beams, tau=args.tau)
+    if base == "default":
+        kw["extra"] = served_knobs(mode)
     if variant and variant not in ("nostop", "fp32heads"):     # knobs of the engine, not of the request
         kw["extra"] = {"rule": variant}
-    if mode not in DRAFT_FREE_MODES:
+    if mode not in DRAFT_FREE_MODES or mode in ADAPTIVE_TREE_MODES:
         kw["adaptive"] = not fixed
     return SpecParams(**kw)
 
@@ -409,14 +417,18 @@ def run_engine(args) -> int:
 
 
 # ----------------------------------------------------------------------------- HTTP run
-def start_server(port: int, draft: str | None, target: str | None, log: Path) -> subprocess.Popen:
-    """`draftsmith serve` on `port` with an explicit draft folder (scripts/bench_load.py's start_server serves the
-    registry's champion and takes no draft, so this is its minimal copy with --draft); waits for /health."""
+def start_server(port: int, draft: str | None, target: str | None, log: Path,
+                 medusa_heads: str | None = None) -> subprocess.Popen:
+    """`draftsmith serve` on `port` with an explicit draft folder (and Medusa heads folder, which the served
+    default then drafts with) (scripts/bench_load.py's start_server serves the registry's champions and takes no
+    folders, so this is its minimal copy with --draft); waits for /health."""
     import httpx
 
     cmd = [str(ROOT / ".venv" / "bin" / "draftsmith"), "serve", "--port", str(port), "--no-bootstrap"]
     if draft:
         cmd += ["--draft", str(draft)]
+    if medusa_heads:
+        cmd += ["--medusa-heads", str(medusa_heads)]
     if target:
         cmd += ["--target", str(target)]
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
@@ -459,7 +471,7 @@ def run_http(args) -> int:
             port = s.getsockname()[1]
         log = Path("/tmp/bench_traffic_serve.log")
         progress(f"[traffic-http] starting draftsmith serve --draft {args.draft} on port {port} (log {log})")
-        proc = start_server(port, args.draft, args.target, log)
+        proc = start_server(port, args.draft, args.target, log, args.medusa_heads)
         url = f"http://127.0.0.1:{port}"
     records: list[dict] = []
     try:

@@ -19,9 +19,43 @@ DRAFT_FREE_MODES = ("target", "ngram", "medusa", "eagle")
 # Modes whose draft length the adaptive controller chooses per step (the others keep gamma fixed: bild
 # has its own confidence stop, spectr / staged / ngram their own proposal structure).
 ADAPTIVE_MODES = ("mjsd", "speculative", "typical", "mentored")
+# Tree modes whose depth the controller chooses per step (0..min(gamma, heads): the heads' tree, or a plain step).
+ADAPTIVE_TREE_MODES = ("medusa",)
 # Modes where the controller may switch a step to n-gram proposals, verified by the mode's own rule.
 NGRAM_SWITCH_MODES = ("mjsd", "speculative")
 DEFAULT_MODE = "mjsd"
+
+# The deployment's default for requests that name no mode (ServiceSettings.default_mode, `draftsmith serve
+# --default-mode`, `served_mode`): "auto" drafts with the replica's Medusa heads where it has them (adaptive: the
+# controller picks the tree's depth, 0 included, per step from measured costs), else MJSD with the draft model,
+# else the target alone. A deployment may name any mode instead.
+AUTO_MODE = "auto"
+DEPLOYMENT_MODES = MODES + (AUTO_MODE,)
+
+
+def served_mode(configured: str, *, has_draft: bool, has_heads: bool, has_eagle: bool) -> str:
+    """The mode a request that names none decodes with: the deployment's `configured` mode ("auto": medusa with
+    heads, else mjsd) while what it needs is loaded (the draft model, the Medusa heads, the EAGLE head), else
+    mjsd with a draft, else the target alone."""
+    if configured == AUTO_MODE:
+        configured = "medusa" if has_heads else DEFAULT_MODE
+    if configured == "medusa":
+        ready = has_heads
+    elif configured == "eagle":
+        ready = has_eagle
+    else:
+        ready = configured in DRAFT_FREE_MODES or has_draft
+    if ready:
+        return configured
+    return DEFAULT_MODE if has_draft else "target"
+
+
+def served_knobs(mode: str) -> dict:
+    """The knobs a request that names no mode gets with `mode` (its `served_mode`): on a tree (medusa, eagle,
+    tree) the product's default rule, MJSD's joint test at T > 0 (greedy at T = 0), where the mode itself
+    defaults to the lossless rule for requests that name it."""
+    return {"rule": "mjsd"} if mode in ("tree", "medusa", "eagle") else {}
+
 
 # Per-mode knobs, carried in SpecParams.extra, with their defaults (sources in serving/decoding/*):
 #   typical   posterior_threshold eps = 0.09, posterior_alpha delta = 0.3 (Medusa's defaults);
@@ -130,7 +164,7 @@ class SpecParams:
     draft tokens before the target must verify); with `adaptive` (the default) and a mode in
     ADAPTIVE_MODES it is an upper bound: the controller (serving/controller.py) drafts 0..gamma tokens per
     step from the acceptance and costs it measures, and may propose from the n-gram lookup instead
-    (speculative, mjsd). `adaptive=False` keeps a fixed gamma (experiments, the paper's tables);
+    (speculative, mjsd); in ADAPTIVE_TREE_MODES (medusa) it chooses the heads' tree depth, 0..min(gamma, heads). `adaptive=False` keeps a fixed gamma (experiments, the paper's tables);
     beams: MJSD beam-sampling width; tau: MJSD joint-ratio
     threshold (accept the longest prefix with min(1, p/q) > tau; tau <= 0 accepts every draft token).
     extra: the mode's knobs (MODE_KNOBS); missing ones get their defaults, so after construction

@@ -34,7 +34,8 @@ Where the numbers come from:
   not depend on other requests; a new draft version) drafts only if drafting pays at its estimate minus
   CAUTION_Z standard errors; the number of tokens still follows the point estimate.
 - Probing: once a request stops drafting (k = 0) no new evidence arrives, so every `probe_gap` plain steps
-  it drafts one token; a probe that is rejected doubles the gap (up to `max_probe_gap`), one that is
+  it drafts one token; a probe that is rejected doubles the gap (up to `max_probe_gap`, or where probes would
+  cost 0.5% of the time if that comes first: `_cheap_probe_gap`), one that is
   accepted resets it. Where the measured costs say drafting would not pay even at an acceptance of
   HOPELESS_ALPHA (verification of a second token costing nearly a whole step, as in fp32 on a CPU without
   fast small-batch matmuls), the gap goes to HOPELESS_PROBE_GAP at once: such probes only refresh the costs.
@@ -62,6 +63,11 @@ a token the draft doubts is often rejected, and every token drafted after a reje
 (BiLD's fallback test, Kim et al., "Speculative Decoding with Big Little Decoder", NeurIPS 2023, used here
 to end a proposal rather than to hand over). The estimate learns from the tokens actually proposed.
 
+Trees of Medusa heads (mode medusa, `verify_tokens`): the same choice picks the tree's depth k, priced by the
+nodes its shape puts in the verification pass (a (2,1,1) tree: 3, 5, 7 tokens for k = 1, 2, 3) and the heads'
+measured time per depth; there is no draft model to catch up (`catches_up=False`), so a probe costs only its
+one-token tree, often 2-4% of a step where verification is nearly free.
+
 What the controller never touches: the acceptance rule. It only chooses, from the history of earlier
 steps, how many tokens to propose and which proposer makes them; every rule verifies whatever is
 proposed as it always does, so lossless modes stay exactly lossless (the choice never depends on the
@@ -74,6 +80,7 @@ import json
 import math
 import threading
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 MAX_GAMMA = 16
 PRIOR_DRAFT_RATIO = 0.1        # draft token / target step, before anything is measured
@@ -435,6 +442,10 @@ class RequestController:
     probe_gap0: int = 4
     max_probe_gap: int = 32
     max_tokens: int | None = None     # the request's token budget: a seeded request probes only where it can pay
+    # tokens the target verifies for a proposal of depth k (default k + 1, a chain): a Medusa tree of depth k
+    # (mode medusa) verifies every node of its shape, e.g. 7 for (2,1,1) with its root
+    verify_tokens: Callable[[int], int] | None = None
+    catches_up: bool = True           # a probe first feeds the draft model the tokens it skipped (not heads)
     est: dict = field(default_factory=dict)
     evidence: dict = field(default_factory=dict)   # proposer -> observations behind its prior (CAUTION_Z)
     zero_run: int = 0
@@ -448,6 +459,13 @@ class RequestController:
         self.shared = self.costs.frozen_profile is None
         self.probe_gap = (self.priors.probe_gap(self.version, self.draft_key, self.greedy, self.probe_gap0)
                           if self.shared else self.probe_gap0)
+
+    def step_s(self, k: int) -> float:
+        """Seconds of a step that proposes k tokens deep with the mode's own proposer (k = 0: a plain step)."""
+        if self.verify_tokens is None or k == 0:
+            return self.costs.step_s(self.draft_key, k)
+        return (k * self.costs.draft_token_s(self.draft_key) + self.costs.target_s(self.verify_tokens(k))
+                + self.costs.overhead_s(True))
 
     def _set_gap(self, gap: int) -> None:
         self.probe_gap = gap
@@ -467,7 +485,7 @@ class RequestController:
     def plan(self, ngram_available: int = 0) -> Plan:
         """The next step's proposer and draft length. `ngram_available`: how many tokens the n-gram lookup
         proposes now (0: no match)."""
-        step_s = lambda k: self.costs.step_s(self.draft_key, k)   # noqa: E731
+        step_s = self.step_s
         k, rate = best_k(self.alpha("draft"), self.gamma, step_s, self.min_gain)
         est = self._estimate("draft")
         if k and not self.evidence["draft"] and best_k(est.lower(CAUTION_Z), self.gamma, step_s, self.min_gain)[0] == 0:
@@ -522,7 +540,7 @@ class RequestController:
         for _ in range(probes):
             est.update(1, 1)
         alpha = est.alpha if self.evidence["draft"] else est.lower(CAUTION_Z)
-        return best_k(alpha, self.gamma, lambda k: self.costs.step_s(self.draft_key, k), self.min_gain)[0] > 0
+        return best_k(alpha, self.gamma, self.step_s, self.min_gain)[0] > 0
 
     def affordable_gap(self) -> int:
         """The fewest plain steps between probes that keep probing within PROBE_BUDGET of the time. A probe after
@@ -530,17 +548,26 @@ class RequestController:
         verifying a second token is nearly free, most of a step where it is not) plus the draft's catch-up over
         the g tokens it skipped (`CostModel.catch_up_token_s`; measured ~1 ms a token on an fp32 CPU, as much as
         the extra verification at the gaps such a CPU needs): (d + c g) / g <= PROBE_BUDGET, in plain steps."""
-        plain = max(self.costs.step_s(self.draft_key, 0), 1e-9)
-        d = max(0.0, self.costs.step_s(self.draft_key, 1) - plain) / plain
-        c = self.costs.catch_up_token_s() / plain
+        plain = max(self.step_s(0), 1e-9)
+        d = max(0.0, self.step_s(1) - plain) / plain
+        c = self.costs.catch_up_token_s() / plain if self.catches_up else 0.0
         if c >= PROBE_BUDGET:
             return HOPELESS_PROBE_GAP
         return min(HOPELESS_PROBE_GAP, max(self.probe_gap0, math.ceil(d / (PROBE_BUDGET - c) - 1e-9)))
 
+    def _cheap_probe_gap(self) -> int:
+        """The longest gap that rejected probes double to: where probes would cost a quarter of PROBE_BUDGET
+        (0.5% of the time), or `max_probe_gap`. A probe costing most of a step (a chain's on a CPU) still backs
+        off to `max_probe_gap`; one costing 2-4% of a step (a one-token Medusa tree where verification is
+        nearly free) keeps probing every few steps, so a request that a bad stretch stopped, or one whose
+        replica prior an earlier request dragged down, finds out within its own tokens when drafting pays
+        again."""
+        return max(self.probe_gap0, min(self.max_probe_gap, 4 * self.affordable_gap()))
+
     def hopeless(self) -> bool:
         """Whether, at the measured costs, drafting would not pay even if HOPELESS_ALPHA of the draft's
         tokens were accepted (e.g. a CPU where verifying two tokens costs 1.7x one-token step)."""
-        return best_k(HOPELESS_ALPHA, self.gamma, lambda k: self.costs.step_s(self.draft_key, k),
+        return best_k(HOPELESS_ALPHA, self.gamma, self.step_s,
                       self.min_gain)[0] == 0
 
     def observe(self, plan: Plan, accepted: int, proposed: int | None = None) -> None:
@@ -555,7 +582,8 @@ class RequestController:
         self.priors.update(self.version, key, self.greedy, proposed, accepted)
         if plan.proposer == "draft":
             if plan.probe:
-                self._set_gap(self.probe_gap0 if accepted else min(self.max_probe_gap, 2 * self.probe_gap))
+                self._set_gap(self.probe_gap0 if accepted else min(self.max_probe_gap, 2 * self.probe_gap,
+                                                                    self._cheap_probe_gap()))
             self.zero_run = 0
 
 

@@ -35,7 +35,9 @@ Modes (SpecParams.mode; rules in serving/decoding/, knobs in SpecParams.extra, s
   `rule` "typical" / "mjsd" picks a lossy rule at T > 0 instead (mjsd reads the proposer's warped log q).
 - medusa: the same tree verification, the tree read off the replica's Medusa heads
   (serving/decoding/medusa.py) from the target's hidden state that the previous verification pass left: no
-  draft model and no draft forward. Needs heads (`Engine(heads=...)`, `--medusa-heads`).
+  draft model and no draft forward. Needs heads (`Engine(heads=...)`, `--medusa-heads`). Adaptive (the
+  default): before each step the controller picks the tree's depth 0..min(gamma, heads) from the heads'
+  acceptance and the measured cost of verifying that tree's nodes (0: a plain target step, recorded as one).
 - eagle: the same tree verification, the tree grown by the replica's EAGLE-style head
   (serving/decoding/eagle.py): one decoder layer at the target's feature level, fed the target's true features
   from the verification pass it already runs (no extra target forward) and its own predicted features
@@ -69,8 +71,8 @@ from typing import Iterator
 import torch
 
 from buffer.records import RecordSink, StepRecord
-from serving.config import (ADAPTIVE_MODES, HEADS_MODES, NGRAM_SWITCH_MODES, TREE_MODES, SamplingParams,
-                            SpecParams)
+from serving.config import (ADAPTIVE_MODES, ADAPTIVE_TREE_MODES, HEADS_MODES, NGRAM_SWITCH_MODES, TREE_MODES,
+                            SamplingParams, SpecParams)
 from serving.controller import STOP_CONFIDENCE, CostModel, ReplicaPriors, RequestController, cost_profile
 from serving.decoding.bild import bild_should_fallback
 from serving.decoding.eagle import EagleDrafter, EagleHead
@@ -603,7 +605,7 @@ class Engine:
         gen = torch.Generator(device=self._rng_device)   # on the model's device: rules sample where the rows are
         gen.manual_seed(sampling.seed if sampling.seed is not None else int.from_bytes(uuid.uuid4().bytes[:6], "little"))
         gamma = spec.gamma if mode != "target" else 0
-        adaptive = spec.adaptive and mode in ADAPTIVE_MODES
+        adaptive = spec.adaptive and (mode in ADAPTIVE_MODES or mode in ADAPTIVE_TREE_MODES)
         # canary routing: only batched draft modes (the modes that run alone keep the champion draft)
         arm = "canary" if (self.canary is not None and spec.needs_draft and MODE_TABLE[mode].batched
                            and routes_to_canary(request_id, self.canary_share)) else "champion"
@@ -634,10 +636,13 @@ class Engine:
                 stats.cost_profile = profile["digest"] if profile is not None else "prior"
                 costs = CostModel.frozen(profile) if profile is not None else CostModel()
                 priors = ReplicaPriors(prior=self.seeded_prior)
-            req.controller = RequestController(
-                gamma=spec.gamma, costs=costs, priors=priors, version=version,
-                greedy=sampling.greedy, draft_key="beams" if beams else "chain", max_tokens=sampling.max_tokens,
-                use_ngram=mode in NGRAM_SWITCH_MODES, stop_below=0.0 if beams else self.stop_confidence)
+            if mode in ADAPTIVE_TREE_MODES:
+                req.controller = self._tree_controller(spec, sampling, costs, priors, version)
+            else:
+                req.controller = RequestController(
+                    gamma=spec.gamma, costs=costs, priors=priors, version=version,
+                    greedy=sampling.greedy, draft_key="beams" if beams else "chain", max_tokens=sampling.max_tokens,
+                    use_ngram=mode in NGRAM_SWITCH_MODES, stop_below=0.0 if beams else self.stop_confidence)
         self.scheduler.submit(req)
         try:
             while True:
@@ -650,16 +655,31 @@ class Engine:
         finally:
             req.closed.set()      # a consumer that stops reading leaves the batch at the next round
 
+    def _tree_controller(self, spec: SpecParams, sampling: SamplingParams, costs: CostModel, priors: ReplicaPriors,
+                         version: str) -> RequestController:
+        """The controller of an adaptive medusa request: before each step it picks the tree's depth k in
+        0..min(gamma, heads) (0: a plain target step, which still leaves the hidden state the heads read next)
+        from the heads' acceptance per depth and the measured cost of verifying that tree (its shape's nodes
+        plus the root, `verify_tokens`), as it picks a chain's length; the width and branch knobs keep the
+        tree's shape at every depth."""
+        width, branch = spec.extra["width"], spec.extra["branch"]
+        depth = max(1, min(spec.gamma, self.heads.config.num_heads))
+        return RequestController(
+            gamma=depth, costs=costs, priors=priors, version=version, greedy=sampling.greedy,
+            draft_key=spec.mode, max_tokens=sampling.max_tokens, catches_up=False,
+            verify_tokens=lambda k: 1 + tree_size(tree_branching(k, width, branch)))
+
     # ------------------------------------------------------------------ the seeded requests' cost profile
     def _draft_signature(self) -> tuple:
         """What the draft's cost depends on: its architecture and its output rows (not its weights), so that a
         hot-swapped draft of the same shape keeps the profile."""
+        heads = () if self.heads is None else ("medusa", self.heads.config.num_heads, self.heads.config.num_layers)
         if self.draft is None:
-            return ("none",)
+            return ("none",) + heads
         cfg = self.draft.model.config
         rows = self.draft.output_token_ids
         return (type(self.draft.model).__name__, getattr(cfg, "num_hidden_layers", None),
-                getattr(cfg, "hidden_size", None), self.vocab_size if rows is None else len(rows))
+                getattr(cfg, "hidden_size", None), self.vocab_size if rows is None else len(rows)) + heads
 
     @_gives_back_openmp_threads
     def calibrate(self, force: bool = False, cancel: threading.Event | None = None) -> dict | None:
@@ -690,6 +710,8 @@ class Engine:
             specs = [SpecParams(mode="target")]
             if self.draft is not None:
                 specs += [SpecParams(mode="speculative", adaptive=False), SpecParams(mode="mjsd", adaptive=False)]
+            if self.heads is not None:          # the heads' tree at full depth: what a depth costs to draft
+                specs += [SpecParams(mode="medusa", adaptive=False)]
             measured = CostModel(weight=0.3)
             try:
                 for costs in (CostModel(), measured):        # a warm-up pass, then the measured one
@@ -852,6 +874,9 @@ class _RequestState:
         self.hidden: torch.Tensor | None = None    # medusa: the target's hidden state at seq[-2]
         self.hidden_for = -1                       # ... valid while len(seq) equals this
         self.eagle_drafter: EagleDrafter | None = None   # eagle: the head's cache, in step with seq[:-1]
+        self.depth: int | None = None              # medusa, adaptive: the controller's depth for the next step
+        self.verified = 0                          # tokens the last tree pass verified (its root included)
+        self.refed = False                         # ... and whether that step also re-fed context first
 
     # -- helpers -----------------------------------------------------------------
     def _sync_draft(self) -> None:
@@ -886,8 +911,11 @@ class _RequestState:
 
     # -- one step of staged / bild / spectr ------------------------------------------------
     def spec_step(self, sampling: SamplingParams, spec: SpecParams, gen: torch.Generator,
-                  stats: GenerationStats, request_id: str, sink: RecordSink | None) -> list[int]:
-        """One propose -> verify -> accept step; returns the emitted tokens (accepted + 1)."""
+                  stats: GenerationStats, request_id: str, sink: RecordSink | None,
+                  record_plain: bool = False) -> list[int]:
+        """One propose -> verify -> accept step; returns the emitted tokens (accepted + 1). `record_plain`: a
+        step that proposed nothing (an adaptive medusa step at depth 0) still records the target's top-k, so
+        distillation learns the traffic on which the proposer is weak (as the batched steps do)."""
         mode = spec.mode
         self._sync_draft()
         warp = lambda lg: warp_logprobs(lg, sampling.temperature, sampling.top_k, sampling.top_p)
@@ -924,15 +952,18 @@ class _RequestState:
         stats.accepted_tokens += n
         for i in range(n):
             stats.accepted_per_position[i] += 1
+        plain = not draft_tokens
+        if plain:                  # an adaptive step that drafted nothing: a target step, credited to no draft
+            version = "none"
         stats.count_version(version, len(draft_tokens), n)
-        if sink is not None and draft_tokens:
+        if sink is not None and (draft_tokens or record_plain):
             try:
                 ids, lps = _top_k_record(target_logits, self.engine.record_top_k)
                 sink.push_step(StepRecord(
                     request_id=request_id, position=start, draft_tokens=draft_tokens, num_accepted=n,
-                    target_topk_ids=ids, target_topk_logprobs=lps, algorithm=mode, draft_version=version,
-                    temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                    timestamp=time.time(), next_token=int(res.next_token)))
+                    target_topk_ids=ids, target_topk_logprobs=lps, algorithm="target" if plain else mode,
+                    draft_version=version, temperature=sampling.temperature, top_k=sampling.top_k,
+                    top_p=sampling.top_p, timestamp=time.time(), next_token=int(res.next_token)))
                 self.recorded_steps += 1
             except Exception as exc:
                 log.warning("replay buffer push failed: %s", exc)
@@ -1075,7 +1106,8 @@ class _RequestState:
         heads = eng.heads_for("medusa", self.arm)[0]
         prefix = len(self.seq) - 1
         t0 = time.perf_counter()
-        if self.hidden_for != len(self.seq) and prefix >= 1:
+        self.refed = self.hidden_for != len(self.seq) and prefix >= 1
+        if self.refed:
             keep = min(self.target.length, prefix - 1)               # re-feed at least seq[prefix - 1]
             self.target.truncate(keep)
             feed = self.seq[keep:prefix]
@@ -1086,16 +1118,19 @@ class _RequestState:
             self.hidden, self.hidden_for = hid[-1], len(self.seq)
         t1 = time.perf_counter()
         node_logq = None
-        if self.hidden_for == len(self.seq):
-            depth = min(spec.gamma, heads.config.num_heads)
+        depth = min(spec.gamma, heads.config.num_heads)
+        if self.depth is not None:                                    # the adaptive controller's choice
+            depth = min(depth, self.depth)
+        if self.hidden_for == len(self.seq) and depth > 0:
             branching = tree_branching(depth, spec.extra["width"], spec.extra["branch"])
             if self._tree_mjsd(spec, sampling):                       # the heads' warped log q of every node
                 tree, node_logq = heads.propose_with_logq(self.hidden, self.seq[-1], branching, warp)
             else:
                 tree = heads.propose(self.hidden, self.seq[-1], branching)
         else:
-            tree = DraftTree((), ())                                  # a one-token prompt: nothing to read yet
+            tree = DraftTree((), ())           # depth 0 (a plain step), or a one-token prompt: nothing to read yet
             node_logq = torch.zeros(0)
+        self.verified = 1 + len(tree.tokens)
         stats.draft_time_s += time.perf_counter() - t1
         logits, hid, res = self._verify_tree_hidden(tree, prefix, sampling, spec, warp, gen, node_logq, stats,
                                                     extra_s=t1 - t0)

@@ -28,7 +28,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
 
-from serving.config import DEFAULT_MODE, MODES, SamplingParams, SpecParams
+from serving.config import DEFAULT_MODE, MODES, SamplingParams, SpecParams, served_knobs
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 128
@@ -211,8 +211,10 @@ def spec_params(req: _Common, draft_loaded: bool, default_mode: str | None = Non
     default_mode = default_mode or (DEFAULT_MODE if draft_loaded else "target")
     opts = req.speculative
     if opts is None:
-        return SpecParams(mode=default_mode)
+        return SpecParams(mode=default_mode, extra=served_knobs(default_mode))
     kw: dict[str, Any] = {"mode": opts.mode or default_mode, "extra": dict(opts.params)}
+    if opts.mode is None:                  # the default mode with its served knobs, the request's own on top
+        kw["extra"] = {**served_knobs(default_mode), **kw["extra"]}
     for name in ("gamma", "beams", "tau", "adaptive"):   # only what was given: SpecParams keeps its defaults
         if getattr(opts, name) is not None:
             kw[name] = getattr(opts, name)

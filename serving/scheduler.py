@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from buffer.records import RecordSink, SequenceRecord, StepRecord
-from serving.config import SamplingParams, SpecParams
+from serving.config import ADAPTIVE_TREE_MODES, SamplingParams, SpecParams
 from serving.controller import CostModel, Plan, RequestController, RowOption, plan_batch
 from serving.decoding.bild import bild_should_fallback
 from serving.decoding.mjsd import beam_sample_finalize, beam_sample_step
@@ -440,10 +440,13 @@ class BatchScheduler:
         eng, st, spec = self.engine, req.solo, req.spec
         gamma = spec.gamma if spec.mode != "target" else 0
         room = eng.max_context - len(st.seq)
+        ctrl = req.controller
         with eng._lock:
             try:
                 if spec.mode == "target" or room <= gamma + 1:
                     new = st.target_step(req.sampling, req.gen, req.stats)
+                elif ctrl is not None or spec.mode in ADAPTIVE_TREE_MODES:
+                    new = self._solo_tree_step(req)
                 else:
                     new = st.spec_step(req.sampling, spec, req.gen, req.stats, req.id, req.sink)
                     req.stats.count_version(eng.draft_version if spec.needs_draft else "none")
@@ -453,6 +456,34 @@ class BatchScheduler:
                 self._fail(req, exc)
                 return
         self._emit(req, new)
+
+    def _solo_tree_step(self, req: Request) -> list[int]:
+        """One step of a tree mode the controller can steer (medusa): with a controller (adaptive), it picks the
+        tree's depth (0: a plain step) and learns what was accepted. Either way a step that re-fed no context
+        teaches the cost model what verifying its tree and drafting its depth cost (a one-token verification
+        is the plain step's own cost, so plain and drafting steps price each other as in the batched path;
+        the calibration's fixed-depth medusa request measures the heads for the seeded requests' profile)."""
+        eng, st, stats, ctrl, spec = self.engine, req.solo, req.stats, req.controller, req.spec
+        plan = None
+        if ctrl is not None:
+            ctrl.version = eng.version_of(spec.mode, req.arm)
+            plan = ctrl.plan(0)
+            st.depth = plan.k
+        draft_s, target_s, drafted = stats.draft_time_s, stats.target_time_s, stats.draft_tokens
+        new = st.spec_step(req.sampling, spec, req.gen, stats, req.id, req.sink, record_plain=ctrl is not None)
+        proposed = stats.draft_tokens - drafted
+        if plan is not None:
+            if plan.k == 0:
+                stats.zero_draft_steps += 1
+            elif plan.probe:
+                stats.probe_steps += 1
+            ctrl.observe(plan, len(new) - 1, proposed)
+        if not st.refed:
+            costs = self._costs_for([req])
+            costs.observe_target(st.verified, stats.target_time_s - target_s)
+            if proposed:
+                costs.observe_draft(spec.mode, proposed, stats.draft_time_s - draft_s)
+        return new
 
     # ------------------------------------------------------------------ the batched step
     def _plan(self, req: Request) -> _RowPlan:

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator
 
-from serving.config import DEFAULT_MODE, DRAFT_FREE_MODES, MODES
+from serving.config import AUTO_MODE, DEPLOYMENT_MODES, served_mode
 from serving.metrics import MetricsHub, Telemetry
 
 log = logging.getLogger(__name__)
@@ -131,10 +131,10 @@ class ServiceSettings:
     # <cache dir>/cost-profiles); None: each replica measures its own
     profile_dir: str | None = None
     live_interval_s: float = 15.0
-    # the mode of a request that names none (`Service.default_mode`): mjsd, the product's default; a
-    # deployment may pick another, e.g. medusa on a GPU, where the heads pay and the standalone draft does
-    # not (docs/benchmarks.md, "On an H100")
-    default_mode: str = DEFAULT_MODE
+    # the mode of a request that names none (`Service.default_mode`, config.served_mode): "auto", the product's
+    # default, drafts with the Medusa heads where the replica has them, else MJSD with the draft; a deployment
+    # may pin a mode instead
+    default_mode: str = AUTO_MODE
     replica_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
 
     def __post_init__(self) -> None:
@@ -145,8 +145,8 @@ class ServiceSettings:
         for name in ("request_timeout_s", "watch_interval_s", "live_interval_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        if self.default_mode not in MODES:
-            raise ValueError(f"default_mode must be one of {', '.join(MODES)}; got {self.default_mode!r}")
+        if self.default_mode not in DEPLOYMENT_MODES:
+            raise ValueError(f"default_mode must be one of {', '.join(DEPLOYMENT_MODES)}; got {self.default_mode!r}")
 
 
 class _LocalHub:
@@ -642,16 +642,9 @@ class Service:
         loaded (the draft model, the Medusa heads, the EAGLE head), else mjsd with a draft, else the target
         alone. A request is never refused for what the deployment chose; it decodes the next best way, and
         its response's metrics name the mode that ran."""
-        mode = self.s.default_mode
-        if mode == "medusa":
-            ready = getattr(self.engine, "heads", None) is not None
-        elif mode == "eagle":
-            ready = getattr(self.engine, "eagle", None) is not None
-        else:
-            ready = mode in DRAFT_FREE_MODES or self.has_draft
-        if ready:
-            return mode
-        return DEFAULT_MODE if self.has_draft else "target"
+        return served_mode(self.s.default_mode, has_draft=self.has_draft,
+                           has_heads=getattr(self.engine, "heads", None) is not None,
+                           has_eagle=getattr(self.engine, "eagle", None) is not None)
 
     @property
     def tokenizer(self):

@@ -184,6 +184,29 @@ def test_probes_stay_within_their_time_budget():
         assert all(b - a >= gap for a, b in zip(probes, probes[1:])), (slope, probes)   # a probe per gap steps
 
 
+def test_rejected_probes_back_off_only_as_far_as_their_cost_warrants():
+    """A rejected probe doubles the gap; where a probe costs most of a step it backs off to max_probe_gap (32),
+    where it costs a few percent of a step (a one-token Medusa tree when verification is nearly free, with no
+    draft to catch up) only to where probes cost 0.5% of the time, so a request stopped by a bad stretch
+    finds out within its own tokens when drafting pays again."""
+    from serving.controller import PROBE_BUDGET
+
+    def gaps(c, catches_up=True):
+        ctrl = RequestController(gamma=3, costs=c, priors=ReplicaPriors(prior=0.05), version="v1", greedy=True,
+                                 catches_up=catches_up)
+        run(ctrl, accept_p=0.0, steps=600, rng=random.Random(3))
+        return ctrl.probe_gap, ctrl
+
+    dear, ctrl = gaps(costs(target_ms=30.0, draft_ms=3.0, slope=0.2))
+    assert dear == ctrl.max_probe_gap == 32
+    cheap = costs(target_ms=30.0, draft_ms=0.3, slope=0.01)
+    cheap._catch_up = 0.003                        # a draft model's catch-up: 10% of a step per skipped token
+    gap, ctrl = gaps(cheap, catches_up=False)      # ... which heads never pay
+    d = (ctrl.step_s(1) - ctrl.step_s(0)) / ctrl.step_s(0)
+    assert gap == ctrl._cheap_probe_gap() < 32 and d / gap <= PROBE_BUDGET / 4 + 1e-9
+    assert gaps(cheap, catches_up=True)[0] >= 32   # with the catch-up priced in, probes are dear again
+
+
 def test_recovers_when_the_draft_starts_to_pay():
     rng = random.Random(1)
     ctrl = controller(prior=0.5)

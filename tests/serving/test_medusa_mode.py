@@ -46,7 +46,8 @@ def medusa_engine(pair, heads_dir):
 def test_temperature_zero_equals_target_greedy(medusa_engine, gamma, extra):
     prompt = ids(medusa_engine)
     expected = reference_greedy(medusa_engine.target.model, prompt, GREEDY.max_tokens)
-    res = medusa_engine.generate_all(prompt, GREEDY, SpecParams(mode="medusa", gamma=gamma, extra=extra))
+    res = medusa_engine.generate_all(prompt, GREEDY, SpecParams(mode="medusa", gamma=gamma, extra=extra,
+                                                                adaptive=False))
     assert res.token_ids == expected
     assert res.stats.mode == "medusa" and res.stats.draft_version == "medusa:tiny-heads"
     assert res.stats.steps < len(expected) or res.stats.accepted_tokens == 0
@@ -70,20 +71,25 @@ def test_records_rebuild_the_sequence_under_the_heads_version(pair, heads_dir):
     eng = make_engine(pair[0], pair[1], draft_version="v7", sink=sink, record_top_k=5, heads=heads_dir)
     prompt = ids(eng)
     res = eng.generate_all(prompt, SamplingParams(temperature=1.0, max_tokens=30, seed=2),
-                           SpecParams(mode="medusa", gamma=3), request_id="r1", source="unit")
+                           SpecParams(mode="medusa", gamma=3, adaptive=False), request_id="r1", source="unit")
     assert_records_rebuild_the_sequence(sink, prompt, res, "medusa", "medusa:tiny-heads", gamma=3, top_k=5)
 
 
 def assert_records_rebuild_the_sequence(sink, prompt, res, mode, version, gamma, top_k):
     """One sequence record holding prompt + output, and step records (at most one per step) whose accepted
-    draft tokens and next token are the sequence's tokens at their position, under the mode and version."""
+    draft tokens and next token are the sequence's tokens at their position, under the mode and version; a
+    step that drafted nothing (the adaptive controller's plain step) is a target step under no draft version."""
     assert len(sink.seqs) == 1 and 0 < len(sink.steps) <= res.stats.steps
     seq = sink.seqs[0]
     assert list(seq.token_ids) == prompt + res.token_ids
+    assert any(len(rec.draft_tokens) for rec in sink.steps)
     for rec in sink.steps:
         g, n = len(rec.draft_tokens), rec.num_accepted
-        assert rec.algorithm == mode and rec.draft_version == version
-        assert 1 <= g <= gamma and rec.target_topk_ids.shape == (g + 1, top_k)
+        if g == 0:
+            assert rec.algorithm == "target" and rec.draft_version == "none" and n == 0
+        else:
+            assert rec.algorithm == mode and rec.draft_version == version
+        assert g <= gamma and rec.target_topk_ids.shape == (g + 1, top_k)
         got = list(seq.token_ids[rec.position: rec.position + n + 1])
         want = list(rec.draft_tokens[:n]) + [rec.next_token]
         assert got[: len(want)] == want[: len(got)]
@@ -177,8 +183,10 @@ def test_a_deployment_default_mode_serves_requests_that_name_none(pair, heads_di
         assert r.status_code == 200, r.text
         return r.json()["metrics"]["speculative_decoding"]["mode"]
 
-    for heads, served in ((str(heads_dir), "medusa"), (None, "mjsd")):
-        srv = LiveServer(_service(pair[0], draft=str(pair[1]), medusa_heads=heads, default_mode="medusa")).start()
+    for heads, served, default in ((str(heads_dir), "medusa", "medusa"), (None, "mjsd", "medusa"),
+                                   (str(heads_dir), "medusa", None), (None, "mjsd", None)):
+        kw = {"default_mode": default} if default else {}               # None: the product's default, auto
+        srv = LiveServer(_service(pair[0], draft=str(pair[1]), medusa_heads=heads, **kw)).start()
         try:
             with httpx.Client(base_url=srv.url, timeout=60) as c:
                 assert c.get("/health").json()["default_mode"] == served
@@ -189,6 +197,28 @@ def test_a_deployment_default_mode_serves_requests_that_name_none(pair, heads_di
             srv.stop()
     with pytest.raises(ValueError, match="default_mode must be one of mjsd"):
         ServiceSettings(default_mode="fastest")
+
+
+def test_a_request_naming_no_mode_gets_mjsds_joint_test_on_the_heads_tree():
+    """The served default on a tree verifies with rule mjsd (the product's rule) unless the request sets a rule;
+    a request that names the mode gets the mode's own default rule (lossless)."""
+    from serving.config import AUTO_MODE, served_mode
+    from serving.protocol import CompletionRequest, spec_params
+
+    def spec(**speculative):
+        body = {"prompt": "x", **({"speculative": speculative} if speculative else {})}
+        return spec_params(CompletionRequest(**body), True, "medusa")
+
+    assert spec().mode == "medusa" and spec().extra["rule"] == "mjsd"
+    assert spec(gamma=2).extra["rule"] == "mjsd" and spec(gamma=2).gamma == 2
+    assert spec(params={"rule": "typical"}).extra["rule"] == "typical"
+    assert spec(mode="medusa").extra["rule"] == "exact"
+    assert spec(mode="mjsd").extra == {}
+    assert spec_params(CompletionRequest(prompt="x"), True, "mjsd").extra == {}
+    assert served_mode(AUTO_MODE, has_draft=True, has_heads=True, has_eagle=False) == "medusa"
+    assert served_mode(AUTO_MODE, has_draft=True, has_heads=False, has_eagle=True) == "mjsd"
+    assert served_mode(AUTO_MODE, has_draft=False, has_heads=False, has_eagle=False) == "target"
+    assert served_mode("eagle", has_draft=False, has_heads=True, has_eagle=False) == "target"
 
 
 def test_a_bf16_target_runs_its_heads_in_bf16_and_they_propose_what_the_fp32_heads_propose(pair, heads_dir):
@@ -205,3 +235,96 @@ def test_a_bf16_target_runs_its_heads_in_bf16_and_they_propose_what_the_fp32_hea
     h = torch.randn(fp32.target.model.config.hidden_size)
     trees = [heads.propose(h, prompt[-1], [2, 1]).tokens for heads in (fp32.heads, eng.heads)]
     assert trees[0][:2] == trees[1][:2]                   # the first head's top two agree across precisions
+
+
+# ---------------------------------------------------------------------------- the adaptive controller on the heads
+def test_the_controller_prices_a_heads_tree_by_its_nodes():
+    """An adaptive medusa request plans its tree's depth with the cost of verifying every node of the tree's
+    shape, not a chain of that depth: where verification gets dear past a few tokens, the (2,1,1) tree stops
+    at a shallower depth than a chain (4 tokens for depth 3) at the same acceptance, and where verification is flat it goes deep."""
+    from serving.controller import CostModel, Plan, ReplicaPriors, RequestController
+    from serving.decoding.tree import tree_branching, tree_size
+
+    def model(per_token: float, free: int = 4) -> CostModel:
+        """A target pass costs 50 ms up to `free` tokens, then `per_token` of that per extra token."""
+        c = CostModel(weight=1.0)
+        for n in range(1, 10):
+            c.observe_target(n, 0.05 * (1 + per_token * max(0, n - free)))
+        c.observe_draft("medusa", 1, 0.001)
+        return c
+
+    nodes = lambda k: 1 + tree_size(tree_branching(k, 2, 1))      # noqa: E731
+    assert [nodes(k) for k in (1, 2, 3)] == [3, 5, 7]
+
+    def ctrl(c, verify):
+        r = RequestController(gamma=3, costs=c, priors=ReplicaPriors(prior=0.6), version="h", greedy=True,
+                              draft_key="medusa", verify_tokens=verify)
+        r._estimate("draft")
+        r.evidence["draft"] = 100          # as if the replica's traffic stood behind the prior: no caution
+        return r
+
+    steep = model(0.5)
+    tree, chain = ctrl(steep, nodes), ctrl(steep, None)
+    assert tree.step_s(3) == pytest.approx(3 * 0.001 + steep.target_s(7) + steep.overhead_s(True))
+    assert tree.step_s(0) == chain.step_s(0)
+    assert 0 < tree.plan().k < chain.plan().k == 3
+    assert ctrl(model(0.0), nodes).plan().k == 3
+    hopeless = ctrl(model(0.3, free=1), nodes)     # a one-token tree (3 tokens) costs 1.6 steps
+    for _ in range(20):                    # twenty rejected one-token trees
+        hopeless.observe(Plan("draft", 1), 0, 1)
+    assert hopeless.plan().k == 0
+
+
+def random_depths(monkeypatch, seed: int):
+    """Replace the controller's choice by a random depth (0..gamma) every step."""
+    import random
+
+    from serving import engine as engine_module
+    from serving.controller import Plan
+
+    rng = random.Random(seed)
+    monkeypatch.setattr(engine_module.RequestController, "plan",
+                        lambda self, ngram_available=0: Plan("draft", k) if (k := rng.randint(0, self.gamma))
+                        else Plan("none", 0))
+
+
+@pytest.mark.parametrize("plans", ["controller", "random"])
+def test_adaptive_medusa_is_target_greedy_at_t0_under_any_depths(pair, heads_dir, monkeypatch, plans):
+    if plans == "random":
+        random_depths(monkeypatch, seed=4)
+    sink = tiny_models.ListSink()
+    eng = make_engine(pair[0], pair[1], draft_version="v1", heads=heads_dir, sink=sink, record_top_k=5)
+    prompt = ids(eng)
+    res = eng.generate_all(prompt, GREEDY, SpecParams(mode="medusa", gamma=3), request_id="r1")
+    assert res.token_ids == reference_greedy(eng.target.model, prompt, GREEDY.max_tokens)
+    st = res.stats
+    assert st.adaptive and st.draft_tokens <= 3 * st.steps
+    assert len(sink.steps) == st.steps                       # every step recorded, plain ones too
+    if plans == "random":
+        assert 0 < st.zero_draft_steps < st.steps and st.draft_tokens > 0
+        plain = [r for r in sink.steps if len(r.draft_tokens) == 0]
+        assert plain and all(r.algorithm == "target" and r.draft_version == "none" for r in plain)
+        assert st.draft_versions["none"]["steps"] >= st.zero_draft_steps
+
+
+def test_hopeless_heads_stop_drafting_and_a_seed_reproduces_the_output(pair, heads_dir, monkeypatch):
+    """Random heads are almost never right: on a real pair's costs the controller soon takes plain steps
+    (probing now and then), and a seeded sampled request under the controller repeats its output."""
+    from serving.controller import CostModel, ReplicaPriors
+
+    eng = make_engine(pair[0], pair[1], draft_version="v1", heads=heads_dir)
+    fixed = CostModel(weight=1.0)
+    for n in range(1, 10):
+        fixed.observe_target(n, 0.03 * (1 + 0.03 * (n - 1)))
+    fixed.observe_target = fixed.observe_draft = lambda *a: None
+    monkeypatch.setattr(eng, "costs", fixed)
+    monkeypatch.setattr(eng, "priors", ReplicaPriors())
+    prompt = ids(eng)
+    sampling = SamplingParams(temperature=0.0, max_tokens=60)
+    eng.generate_all(prompt, sampling, SpecParams(mode="medusa", gamma=3))
+    st = eng.generate_all(prompt, sampling, SpecParams(mode="medusa", gamma=3)).stats
+    assert st.zero_draft_steps >= 0.6 * st.steps, st
+    warm = SamplingParams(temperature=0.8, max_tokens=30, seed=9)
+    a = eng.generate_all(prompt, warm, SpecParams(mode="medusa", gamma=3, extra={"rule": "mjsd"}))
+    b = eng.generate_all(prompt, warm, SpecParams(mode="medusa", gamma=3, extra={"rule": "mjsd"}))
+    assert a.token_ids == b.token_ids and a.stats.adaptive

@@ -253,7 +253,8 @@ def medusa_engine(pair, tmp_path_factory):
 
 
 def mjsd(mode, tau=0.3, gamma=3, **extra):
-    return SpecParams(mode=mode, gamma=gamma, extra={"rule": "mjsd", "tau": tau, **extra})
+    """The rule at a fixed depth (adaptive medusa would choose the depth per step)."""
+    return SpecParams(mode=mode, gamma=gamma, extra={"rule": "mjsd", "tau": tau, **extra}, adaptive=False)
 
 
 @pytest.mark.parametrize("mode", ["tree", "medusa"])
