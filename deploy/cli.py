@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from buffer.paths import DEFAULT_TARGET
-from serving.config import DEFAULT_MODE, HEADS_MODES, MODES
+from serving.config import AUTO_MODE, DEFAULT_MODE, DEPLOYMENT_MODES, HEADS_MODES
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 HEADS = HEADS_MODES                          # the kinds served from the target's hidden states
@@ -57,6 +57,13 @@ def _duration(text: str) -> float:
         return parse_duration(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _duration_or_off(text: str) -> float:
+    """A duration, or 0 (also "0s", "0m", "off"): the step is skipped."""
+    if text.strip().lower() in ("0", "0s", "0m", "off", "none"):
+        return 0.0
+    return _duration(text)
 
 
 def _positive_int(text: str) -> int:
@@ -162,11 +169,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="EAGLE-style head folder (built by `python -m training.heads --kind eagle`) for requests "
                         "with speculative.mode 'eagle' (default $DRAFTSMITH_EAGLE_HEAD; none: the eagle registry's "
                         "champion, hot-swapped as it changes; none there either: that mode answers 400)")
-    s.add_argument("--default-mode", default=os.environ.get("DRAFTSMITH_DEFAULT_MODE", DEFAULT_MODE),
-                   choices=MODES, metavar="MODE",
+    s.add_argument("--default-mode", default=os.environ.get("DRAFTSMITH_DEFAULT_MODE", AUTO_MODE),
+                   choices=DEPLOYMENT_MODES, metavar="MODE",
                    help="the decoding mode of requests that name none (default $DRAFTSMITH_DEFAULT_MODE or "
-                        f"{DEFAULT_MODE}); e.g. 'medusa' with --medusa-heads on a GPU. While what it needs is not "
-                        "loaded, such requests decode with mjsd (or the target alone)")
+                        f"'{AUTO_MODE}': the Medusa heads' tree, its depth chosen per step, where the replica has "
+                        f"heads, else {DEFAULT_MODE} with the draft). While what a named mode needs is not loaded, "
+                        "such requests decode with mjsd (or the target alone)")
     s.add_argument("--replicas", type=_positive_int, default=1)
     s.add_argument("--api-key", default=os.environ.get("DRAFTSMITH_API_KEY"),
                    help="require this bearer token on the inference routes (default $DRAFTSMITH_API_KEY; "
@@ -183,6 +191,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--budget", type=_duration, default=840.0,
                    help="time budget, e.g. 14m (default 14m: 13.5 min wall on 2 cores, registration included)")
     b.add_argument("--force", action="store_true", help="register a new base draft even if versions exist")
+    b.add_argument("--heads-budget", type=_duration_or_off, default=180.0,
+                   help="then train Medusa heads on the same teacher data (its hidden states, kept while the "
+                        "teacher generated; an older cache without them pays a target pass inside this budget) "
+                        "and make them the heads' champion, which the default mode drafts with where they pay "
+                        "(default 3m; 0: no heads)")
 
     d = sub.add_parser("distill", parents=[common], help="run one distillation job now, or on a schedule")
     d.add_argument("--every", type=_duration, default=None, help="run a job every DURATION (e.g. 10m)")
@@ -363,8 +376,8 @@ def cmd_serve(args) -> int:
     if admin and args.api_key and admin == args.api_key:
         raise BadInput("the admin key (--admin-key / $DRAFTSMITH_ADMIN_KEY) must differ from the API key "
                        "(--api-key / $DRAFTSMITH_API_KEY): every inference client would hold the admin key")
-    if args.default_mode not in MODES:     # argparse checks --default-mode, not a default from the environment
-        raise BadInput(f"$DRAFTSMITH_DEFAULT_MODE is {args.default_mode!r}; use one of {', '.join(MODES)}")
+    if args.default_mode not in DEPLOYMENT_MODES:   # argparse checks --default-mode, not a default from the env
+        raise BadInput(f"$DRAFTSMITH_DEFAULT_MODE is {args.default_mode!r}; use one of {', '.join(DEPLOYMENT_MODES)}")
     if args.draft is None and not args.no_bootstrap:
         _bootstrap_in_background(args)
     keys = {"admin_api_key": args.admin_key} if args.admin_key else {}   # else serve_forever reads the env
@@ -379,9 +392,9 @@ def cmd_serve(args) -> int:
 
 def _bootstrap_in_background(args) -> None:
     """First start on a fresh machine: no draft is registered yet. Serving starts at once (target-only)
-    while `draftsmith bootstrap` builds the default draft in a child process (about 14 minutes on 2
-    cores); it registers and promotes it, and the replicas, which watch the champion alias, hot-swap
-    it in. The service gets faster without a restart, which is the product's point."""
+    while `draftsmith bootstrap` builds the default draft, then the Medusa heads, in a child process (about
+    14 + 3 minutes on 2 cores); it registers and promotes each, and the replicas, which watch the champion
+    aliases, hot-swap them in (the default mode drafts with the heads from then on). The service gets faster without a restart, which is the product's point."""
     import subprocess
 
     from buffer.paths import data_dir
@@ -444,7 +457,43 @@ def cmd_bootstrap(args) -> int:
     version = reg.register_base(folder, description="bootstrap base draft", target_sha256=_target_sha(args))
     move = reg.promote(version, reason="bootstrap")
     print(f"registered {folder} as {reg.name} version {version}; {move.message}")
+    if args.heads_budget > 0:
+        _bootstrap_heads(args, data_dir() / "bootstrap" / "teacher.safetensors", data_dir() / "medusa-heads")
     return EXIT_OK
+
+
+def _heads_builder():
+    """The bootstrap's heads recipe: (target path, teacher cache, out dir, budget_s, progress) -> heads folder."""
+    def build(target_path, teacher: Path, out: Path, budget_s: float, progress) -> Path:
+        from serving.models import (default_dtype, ensure_default_target, load_causal_lm, load_tokenizer,
+                                    resolve_model_path)
+        from training.heads import build_heads
+        from training.teacher import load_examples
+
+        held = teacher.with_suffix(".heldout.safetensors")
+        if not teacher.is_file() or not held.is_file():
+            raise FileNotFoundError(f"no teacher data at {teacher} (and {held.name})")
+        tpath = resolve_model_path(target_path) if target_path else ensure_default_target()
+        target = load_causal_lm(tpath, "cpu", default_dtype("cpu"))      # the hidden states serving will see
+        build_heads(target, load_tokenizer(tpath), load_examples(teacher), load_examples(held), out,
+                    budget_s=budget_s, progress=progress)
+        return out
+    return build
+
+
+def _bootstrap_heads(args, teacher: Path, out: Path) -> None:
+    """After the draft: Medusa heads from the same teacher data, registered in the heads' own model and made
+    its champion (replicas load it; the default mode drafts with them where their tree pays). A failure here
+    leaves the registered draft as it is: the service then serves mjsd with the draft alone."""
+    try:
+        folder = _heads_builder()(args.target, teacher, out, args.heads_budget, lambda m: print(m, flush=True))
+        reg = _registry(args, "medusa")
+        version = reg.register_heads(folder)
+        move = reg.promote(version, reason="bootstrap")
+        print(f"registered {folder} as {reg.name} version {version}; {move.message}")
+    except Exception as e:  # noqa: BLE001 - the draft is registered; heads are an addition
+        print(f"[bootstrap] Medusa heads not built ({type(e).__name__}: {e}); the draft alone serves. Build them "
+              "later with `python -m training.heads` and `draftsmith register PATH`", flush=True)
 
 
 def _real_distill(args):

@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from training.teacher import generate_teacher_data, load_examples, save_examples
+from training.teacher import generate_teacher_data, load_examples, records_final_states, save_examples
 
 log = logging.getLogger(__name__)
 
@@ -268,11 +268,12 @@ def _general_teacher_data(target, tok, *, teacher_s: float, t_start: float, max_
     random.shuffle(train)
     progress(f"[bootstrap] prompts: {len(train)} train, {len(held)} held-out "
              f"({', '.join(f'{s} {sum(1 for _, x in train if x == s)}' for s in ['chat', *GENERAL_MIX])})")
+    hidden = records_final_states(target)     # the Medusa heads' rows, kept from the generation itself
     held_ex = generate_teacher_data(target, tok, [p for p, _ in held], sources=[s for _, s in held],
-                                    max_new_tokens=max_new_tokens, batch_size=16, progress=progress)
+                                    max_new_tokens=max_new_tokens, batch_size=16, hidden=hidden, progress=progress)
     train_ex = generate_teacher_data(target, tok, [p for p, _ in train], sources=[s for _, s in train],
                                      max_new_tokens=max_new_tokens, deadline=t_start + 0.88 * teacher_s,
-                                     sort_window=128, progress=progress)
+                                     sort_window=128, hidden=hidden, progress=progress)
     # multi-turn: conversations from finished chat examples, a follow-up request, its answer
     history = []
     for e in train_ex:
@@ -289,7 +290,7 @@ def _general_teacher_data(target, tok, *, teacher_s: float, t_start: float, max_
         multi = [p for p in (ids_of(m) for _, m in follow) if len(p) <= MAX_PROMPT_TOKENS]
         train_ex += generate_teacher_data(target, tok, multi, sources=["multiturn"] * len(multi),
                                           max_new_tokens=max_new_tokens, deadline=t_start + teacher_s,
-                                          progress=progress)
+                                          hidden=hidden, progress=progress)
     return train_ex, held_ex
 
 

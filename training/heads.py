@@ -268,6 +268,11 @@ def build_heads(target, tok, train_ex: list[dict], held_ex: list[dict], out_dir:
     t_start = time.time()
     random.seed(seed)
     torch.manual_seed(seed)
+    if hidden is None and all("medusa_rows" in e for e in train_ex + held_ex):
+        # the teacher kept them while it generated (training/teacher.py FinalStates): no second target pass
+        hidden = ([torch.from_numpy(e["medusa_rows"]).float() for e in train_ex],
+                  [torch.from_numpy(e["medusa_rows"]).float() for e in held_ex])
+        progress(f"[heads] hidden states from the teacher data ({sum(len(h) for h in hidden[0])} rows)")
     if hidden is None:
         hidden = (target_hidden_rows(target, train_ex, progress=progress),
                   target_hidden_rows(target, held_ex, progress=progress))

@@ -138,13 +138,57 @@ def _time_left(deadline: float | None) -> dict:
     return {"max_time": max(MIN_BATCH_S, deadline - time.time())}
 
 
+def records_final_states(target) -> bool:
+    """Whether `FinalStates` can hook this target (a decoder with a final `norm`, as Llama-style models have)."""
+    try:
+        return isinstance(getattr(target.get_decoder(), "norm", None), torch.nn.Module)
+    except Exception:  # noqa: BLE001 - a model without get_decoder
+        return False
+
+
+class FinalStates:
+    """Records the target's last hidden states (the final norm's output, what `decoder(...).last_hidden_state`
+    and the serving tree passes give the Medusa heads) while `generate` runs: of the prefill the last two
+    positions, of each decode step its one position; fp16 on the CPU. A forward hook, so that generation itself
+    is untouched; `rows(r, A)` then gives example r's Medusa rows (training/heads.py `_medusa_rows`: positions
+    P - 2 .. P + A - 2, the first zeros when the prompt has one token) without a second target pass."""
+
+    def __init__(self, target) -> None:
+        self.norm = target.get_decoder().norm
+        self.calls: list[torch.Tensor] = []
+        self.handle = None
+
+    def __enter__(self) -> "FinalStates":
+        def hook(_module, _inputs, output):
+            h = output[0] if isinstance(output, tuple) else output
+            self.calls.append(h[:, -2:].detach().to("cpu", torch.float16) if not self.calls
+                              else h[:, -1:].detach().to("cpu", torch.float16))
+        self.handle = self.norm.register_forward_hook(hook)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.remove()
+
+    def rows(self, r: int, prompt_len: int, answer_len: int) -> np.ndarray:
+        """[answer_len + 1, d] fp16: positions P - 2, P - 1 from the prefill, then P .. P + A - 2 from decode
+        steps 1 .. A - 1 (step j fed answer token j - 1)."""
+        pre = self.calls[0][r]                                   # [2, d]: positions P - 2, P - 1
+        steps = [c[r, 0] for c in self.calls[1: answer_len]]
+        out = torch.stack([pre[0], pre[1], *steps]) if steps else pre.clone()
+        if prompt_len < 2:
+            out[0] = 0
+        return out[: answer_len + 1].numpy()
+
+
 def generate_teacher_data(target, tokenizer, prompts: list[list[int]], *, max_new_tokens: int = 128,
                           batch_size: int = 64, top_k: int = 20, deadline: float | None = None,
                           sources: list[str] | None = None, sort_window: int | None = None,
-                          progress=print) -> list[dict]:
+                          hidden: bool = False, progress=print) -> list[dict]:
     """Greedy target answers + top-k raw log-probs. Stops early (keeping what is done) at `deadline`
     (a time.time() value), within a decode step of it: the batch running then keeps its answers so far (cut
-    short), and a slow or loaded machine gets less data, never none. `sources` (one label per prompt) is carried into each example's "source"."""
+    short), and a slow or loaded machine gets less data, never none. `sources` (one label per prompt) is carried into each example's "source".
+    `hidden`: each example also keeps "medusa_rows", the target's last hidden states the Medusa heads train on
+    (`FinalStates`), taken from the generation itself instead of a second teacher-forced pass."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = tokenizer.eos_token_id
     examples: list[dict] = []
@@ -159,7 +203,8 @@ def generate_teacher_data(target, tokenizer, prompts: list[list[int]], *, max_ne
         batch = [prompts[i] for i in rows]
         ids, mask = left_pad(batch, pad)
         width = ids.shape[1]
-        with torch.no_grad(), attention_implementation(target):
+        states = FinalStates(target) if hidden else contextlib.nullcontext()
+        with torch.no_grad(), attention_implementation(target), states:
             out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                                   do_sample=False, output_scores=True, return_dict_in_generate=True,
                                   pad_token_id=pad, eos_token_id=eos, **_time_left(deadline))
@@ -178,6 +223,8 @@ def generate_teacher_data(target, tokenizer, prompts: list[list[int]], *, max_ne
                 "topk_logprobs": top_lp[r, :n].to(torch.float16).numpy(),
                 "source": sources[rows[r]] if sources else "",
             })
+            if hidden:
+                examples[-1]["medusa_rows"] = states.rows(r, len(p), n)
             n_tokens += n
         rate = n_tokens / (time.time() - t0)
         progress(f"[teacher] {min(b + batch_size, len(order))}/{len(order)} prompts, {n_tokens} tokens, "
@@ -251,6 +298,9 @@ def save_examples(examples: list[dict], path: Path) -> None:
         "topk_ids": np.concatenate([e["topk_ids"] for e in examples]),
         "topk_logprobs": np.concatenate([e["topk_logprobs"] for e in examples]),
         "source_index": np.array([names.index(e.get("source", "")) for e in examples], dtype=np.int64),
+        # the Medusa heads' hidden rows (A + 1 per example), when every example has them
+        **({"medusa_rows": np.concatenate([e["medusa_rows"] for e in examples])}
+           if examples and all("medusa_rows" in e for e in examples) else {}),
     }, str(path), metadata={"sources": json.dumps(names)})
 
 
@@ -262,11 +312,15 @@ def load_examples(path: Path) -> list[dict]:
     with safe_open(str(path), framework="np") as f:
         names = json.loads((f.metadata() or {}).get("sources", '[""]'))
     src = d.get("source_index", np.zeros(len(d["seq_lens"]), dtype=np.int64))
-    out, s, a = [], 0, 0
+    rows = d.get("medusa_rows")
+    out, s, a, h = [], 0, 0, 0
     for L, P, A, S in zip(d["seq_lens"], d["prompt_lens"], d["answer_lens"], src):
         out.append({"tokens": d["tokens"][s: s + L].tolist(), "prompt_len": int(P),
                     "topk_ids": d["topk_ids"][a: a + A], "topk_logprobs": d["topk_logprobs"][a: a + A],
                     "source": names[int(S)]})
+        if rows is not None:
+            out[-1]["medusa_rows"] = rows[h: h + A + 1]
+            h += int(A) + 1
         s += int(L)
         a += int(A)
     return out

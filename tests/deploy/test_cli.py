@@ -200,6 +200,41 @@ def test_register_and_bootstrap_errors(env, capsys, tmp_path, monkeypatch):
     assert code == 2 and "pass --force" in err and len(built) == 1
 
 
+def test_bootstrap_makes_medusa_heads_their_champion_and_a_heads_failure_keeps_the_draft(env, capsys, tmp_path,
+                                                                                         monkeypatch):
+    import torch
+
+    from deploy.registry import heads_registry
+    from serving.engine import Engine
+    from tests.deploy.test_heads_registry import make_heads
+
+    target, _ = env
+    monkeypatch.setattr(cli, "_bootstrap_builder",
+                        lambda: lambda out_dir, target, budget_s, **kw: make_base_draft(Path(out_dir)))
+    budgets = []
+
+    def heads_builder(target_path, teacher, out, budget_s, progress):
+        budgets.append(budget_s)
+        assert teacher == tmp_path / "data" / "bootstrap" / "teacher.safetensors"
+        return make_heads(Engine.from_paths(str(target), None, dtype=torch.float32).target.model, out, seed=1)
+
+    monkeypatch.setattr(cli, "_heads_builder", lambda: heads_builder)
+    code, out, _ = run(capsys, "bootstrap", "--heads-budget", "90s")
+    assert code == 0 and budgets == [90.0]
+    assert Registry(str(target)).champion() == "1" and heads_registry(str(target)).champion() == "1"
+
+    def broken(*args):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(cli, "_heads_builder", lambda: broken)
+    code, out, _ = run(capsys, "bootstrap", "--force")
+    assert code == 0 and "Medusa heads not built (RuntimeError: out of memory)" in out
+    assert Registry(str(target)).champion() == "2" and heads_registry(str(target)).champion() == "1"
+    monkeypatch.setattr(cli, "_heads_builder", lambda: heads_builder)
+    code, out, _ = run(capsys, "bootstrap", "--force", "--heads-budget", "0")
+    assert code == 0 and budgets == [90.0] and Registry(str(target)).champion() == "3"
+
+
 def test_distill_runs_one_job_through_the_gate(env, capsys, tmp_path, monkeypatch, gate_config):
     target, _ = env
     reg = Registry(str(target))
@@ -245,7 +280,7 @@ def test_serve_delegates(env, capsys, monkeypatch):
     code, out, _ = run(capsys, "serve", "--host", "0.0.0.0", "--port", "8123", "--replicas", "2", "--api-key", "k")
     assert code == 0
     assert seen == {"host": "0.0.0.0", "port": 8123, "target": str(env[0]), "draft": None, "replicas": 2,
-                    "api_key": "k", "default_mode": "mjsd"}
+                    "api_key": "k", "default_mode": "auto"}
     (cmd, kw), = spawned
     assert cmd[1:4] == ["-m", "deploy.cli", "bootstrap"] and str(env[0]) in cmd
     assert kw["start_new_session"] is True and kw["env"]["PYTHONUNBUFFERED"] == "1"

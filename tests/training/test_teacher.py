@@ -118,6 +118,35 @@ def test_teacher_data_is_the_targets_greedy_answer_with_its_top_k():
         torch.testing.assert_close(torch.as_tensor(e["topk_logprobs"]).float(), top_lp, atol=1e-3, rtol=2e-3)
 
 
+def test_the_teachers_final_states_are_the_medusa_rows_of_a_teacher_forced_pass(tmp_path):
+    """Hidden states kept while generating (FinalStates: left-padded batches, KV-cached decoding) equal the
+    Medusa heads' rows of one teacher-forced pass per sequence (training/heads.py), including a one-token
+    prompt's missing first row; they survive the cache file, and build_heads then needs no target pass."""
+    from training.heads import target_hidden_rows
+    from training.teacher import load_examples, records_final_states, save_examples
+
+    tok = tiny_models.make_tokenizer()
+    model = tiny_models.make_model(0, layers=2, sharp=8.0)
+    assert records_final_states(model)
+    texts = ["add two and three", "hi", "multiply seven by a number", "ok"]
+    prompts, _, _ = _padded_batch(tok, texts)
+    prompts.append(prompts[1][:1])                                       # a one-token prompt
+    examples = generate_teacher_data(model, tok, prompts, max_new_tokens=6, batch_size=3, top_k=5, hidden=True,
+                                     progress=lambda m: None)
+    forced = target_hidden_rows(model, examples, progress=lambda m: None)
+    for e, want in zip(examples, forced):
+        got = torch.from_numpy(e["medusa_rows"]).float()
+        assert got.shape == (len(e["topk_ids"]) + 1, model.config.hidden_size)
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=1e-2)        # stored in fp16
+        if e["prompt_len"] < 2:
+            assert not got[0].any()
+    save_examples(examples, tmp_path / "t.safetensors")
+    back = load_examples(tmp_path / "t.safetensors")
+    assert all((a["medusa_rows"] == b["medusa_rows"]).all() for a, b in zip(examples, back))
+    plain = generate_teacher_data(model, tok, prompts[:2], max_new_tokens=4, progress=lambda m: None)
+    assert "medusa_rows" not in plain[0]
+
+
 def test_a_passed_deadline_still_gives_one_batch_of_teacher_data_and_one_training_step():
     """A loaded machine (CI's parallel workers) can reach a phase's deadline before it starts: the phase
     then does one batch / one step instead of handing the bootstrap nothing to train on."""
