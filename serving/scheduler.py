@@ -447,9 +447,8 @@ class BatchScheduler:
                     new = st.target_step(req.sampling, req.gen, req.stats)
                 elif ctrl is not None or spec.mode in ADAPTIVE_TREE_MODES:
                     new = self._solo_tree_step(req)
-                else:
+                else:    # spec_step counts the step under the version that proposed it
                     new = st.spec_step(req.sampling, spec, req.gen, req.stats, req.id, req.sink)
-                    req.stats.count_version(eng.draft_version if spec.needs_draft else "none")
                 eng._failures = 0
             except Exception as exc:  # noqa: BLE001
                 eng._step_failed(exc)

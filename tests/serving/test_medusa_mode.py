@@ -328,3 +328,15 @@ def test_hopeless_heads_stop_drafting_and_a_seed_reproduces_the_output(pair, hea
     a = eng.generate_all(prompt, warm, SpecParams(mode="medusa", gamma=3, extra={"rule": "mjsd"}))
     b = eng.generate_all(prompt, warm, SpecParams(mode="medusa", gamma=3, extra={"rule": "mjsd"}))
     assert a.token_ids == b.token_ids and a.stats.adaptive
+
+
+@pytest.mark.parametrize("mode", ["tree", "bild", "staged", "medusa"])
+def test_a_step_of_a_mode_that_runs_alone_is_counted_once_under_its_version(medusa_engine, mode):
+    """Per-version statistics (responses, MLflow's live figures) count every step once, under the version that
+    proposed it: the steps of the modes that run alone add up to the request's steps."""
+    spec = SpecParams(mode=mode, gamma=3, adaptive=False)
+    st = medusa_engine.generate_all(ids(medusa_engine), GREEDY, spec).stats
+    assert sum(v["steps"] for v in st.draft_versions.values()) == st.steps > 0
+    assert sum(v["draft_tokens"] for v in st.draft_versions.values()) == st.draft_tokens
+    want = "medusa:tiny-heads" if mode == "medusa" else "v1"
+    assert st.draft_versions[want]["draft_tokens"] == st.draft_tokens
