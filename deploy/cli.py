@@ -394,7 +394,8 @@ def _bootstrap_in_background(args) -> None:
     """First start on a fresh machine: no draft is registered yet. Serving starts at once (target-only)
     while `draftsmith bootstrap` builds the default draft, then the Medusa heads, in a child process (about
     14 + 3 minutes on 2 cores); it registers and promotes each, and the replicas, which watch the champion
-    aliases, hot-swap them in (the default mode drafts with the heads from then on). The service gets faster without a restart, which is the product's point."""
+    aliases, hot-swap them in (the default mode drafts with the heads from then on). The service gets
+    faster without a restart, which is the product's point."""
     import subprocess
 
     from buffer.paths import data_dir

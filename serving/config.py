@@ -54,7 +54,7 @@ def served_knobs(mode: str) -> dict:
     """The knobs a request that names no mode gets with `mode` (its `served_mode`): on a tree (medusa, eagle,
     tree) the product's default rule, MJSD's joint test at T > 0 (greedy at T = 0), where the mode itself
     defaults to the lossless rule for requests that name it."""
-    return {"rule": "mjsd"} if mode in ("tree", "medusa", "eagle") else {}
+    return {"rule": "mjsd"} if mode in TREE_MODES else {}
 
 
 # Per-mode knobs, carried in SpecParams.extra, with their defaults (sources in serving/decoding/*):

@@ -440,12 +440,11 @@ class BatchScheduler:
         eng, st, spec = self.engine, req.solo, req.spec
         gamma = spec.gamma if spec.mode != "target" else 0
         room = eng.max_context - len(st.seq)
-        ctrl = req.controller
         with eng._lock:
             try:
                 if spec.mode == "target" or room <= gamma + 1:
                     new = st.target_step(req.sampling, req.gen, req.stats)
-                elif ctrl is not None or spec.mode in ADAPTIVE_TREE_MODES:
+                elif spec.mode in ADAPTIVE_TREE_MODES:
                     new = self._solo_tree_step(req)
                 else:    # spec_step counts the step under the version that proposed it
                     new = st.spec_step(req.sampling, spec, req.gen, req.stats, req.id, req.sink)
