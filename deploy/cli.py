@@ -199,10 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("distill", parents=[common], help="run one distillation job now, or on a schedule")
     d.add_argument("--every", type=_duration, default=None, help="run a job every DURATION (e.g. 10m)")
-    d.add_argument("--kind", choices=KINDS, default="draft",
-                   help="'draft' (default): distill the draft model; 'medusa' / 'eagle': an online job for the "
-                        "Medusa heads / the EAGLE head (training/heads_job.py) from the champion, registered and "
-                        "gated (deploy/heads.py); now, or with --every on a schedule")
+    d.add_argument("--kind", choices=("auto", *KINDS), default="auto",
+                   help="'auto' (default): the kind the served default drafts with: the Medusa heads when their "
+                        "registry has a champion (what `draftsmith bootstrap` leaves), else the draft; 'draft': "
+                        "distill the draft model; 'medusa' / 'eagle': an online job for the Medusa heads / the "
+                        "EAGLE head (training/heads_job.py) from the champion, registered and gated "
+                        "(deploy/heads.py); now, or with --every on a schedule")
     d.add_argument("--heads-budget", type=_duration, default=120.0,
                    help="training time of a --kind medusa|eagle job (default 2m; the hidden-state pass comes on "
                         "top)")
@@ -510,16 +512,33 @@ def _real_distill(args):
         from deploy.distill_job import run_job
     except ImportError as e:
         raise CommandFailed(f"the distillation job (training.job.run_distillation) is not available: {e}") from None
-    from deploy.ray_jobs import DistillRunner, RaySettings
+    from deploy.ray_jobs import DistillRunner
 
     overrides = _read_config(args.config)
+    return DistillRunner(lambda request: job_config(request, args.target, overrides),
+                         getattr(args, "runner", "auto"), _ray_settings(args), in_process=run_job)
+
+
+def _ray_settings(args):
+    from deploy.ray_jobs import RaySettings
+
     try:
-        settings = RaySettings(submit=getattr(args, "ray_submit", "auto"), num_cpus=getattr(args, "ray_cpus", 1.0),
-                               num_gpus=getattr(args, "ray_gpus", "auto"), nice=getattr(args, "job_nice", 0))
+        return RaySettings(submit=getattr(args, "ray_submit", "auto"), num_cpus=getattr(args, "ray_cpus", 1.0),
+                           num_gpus=getattr(args, "ray_gpus", "auto"), nice=getattr(args, "job_nice", 0))
     except ValueError as e:
         raise BadInput(str(e)) from None
-    return DistillRunner(lambda request: job_config(request, args.target, overrides),
-                         getattr(args, "runner", "auto"), settings, in_process=run_job)
+
+
+def _heads_runner(args):
+    """The heads jobs' runner: a DistillRunner (deploy/ray_jobs.py) handed each job's whole config, so a heads
+    job goes to Ray, or runs here, exactly as --runner says for the draft's jobs (deploy/distill_job.py
+    `run_job` runs either kind); its state goes to `distill-job.json` for `draftsmith status`."""
+    from deploy.distill_job import run_job
+    from deploy.ray_jobs import DistillRunner
+    from deploy.scheduler import write_job_status
+
+    return DistillRunner(lambda cfg: cfg, getattr(args, "runner", "auto"), _ray_settings(args), in_process=run_job,
+                         on_state=lambda info: write_job_status({**info, "kind": args.kind}))
 
 
 def job_config(request, target: str | None, overrides: dict | None = None) -> dict:
@@ -570,17 +589,28 @@ def cmd_distill(args) -> int:
     from deploy.scheduler import DistillScheduler, DriftPolicy, LiveWatchdog, ScheduleConfig, WatchdogPolicy
 
     policy = _gate_policy(args)
+    if args.kind not in HEADS:                   # the draft's flags first: no registry read for a bad command line
+        if args.drift and args.every is None:
+            raise BadInput("--drift brings a scheduled job forward: pass --every DURATION too (e.g. --every 10m "
+                           "--drift)")
+        if args.pipeline and (not args.canary_share or (args.every is None and args.min_records is None)):
+            raise BadInput("--pipeline overlaps a scheduled job with a canary: it needs --every or --min-records and "
+                           "--canary-share above 0")
+    chosen = args.kind == "auto"
+    if chosen:
+        args.kind = _served_kind(args)
     if args.kind in HEADS:
         if args.drift or args.pipeline:
-            raise BadInput(f"--{'drift' if args.drift else 'pipeline'} schedules draft jobs; a --kind {args.kind} "
-                           "schedule runs by --every only")
+            why = (f"the served default drafts with the Medusa heads ({_registry(args, 'medusa').name} has a "
+                   "champion), so `distill` distills them, and " if chosen else "")
+            raise BadInput(f"{why}--{'drift' if args.drift else 'pipeline'} schedules draft jobs; a --kind "
+                           f"{args.kind} schedule runs by --every (and --min-records) only: drop the flag"
+                           + (", or pass --kind draft to distill the draft" if chosen else ""))
+        if chosen:
+            print(f"[distill] the served default drafts with the Medusa heads: distilling them (--kind {args.kind}; "
+                  "--kind draft distills the draft)", flush=True)
         return _distill_heads(args, policy)
     schedule = None
-    if args.drift and args.every is None:
-        raise BadInput("--drift brings a scheduled job forward: pass --every DURATION too (e.g. --every 10m --drift)")
-    if args.pipeline and (not args.canary_share or (args.every is None and args.min_records is None)):
-        raise BadInput("--pipeline overlaps a scheduled job with a canary: it needs --every or --min-records and "
-                       "--canary-share above 0")
     if args.every is not None or args.min_records is not None:
         try:
             drift = DriftPolicy(window_s=args.drift_window, tolerance=args.drift_tolerance) if args.drift else None
@@ -615,10 +645,17 @@ def cmd_distill(args) -> int:
     return EXIT_OK
 
 
+def _served_kind(args) -> str:
+    """The kind a request that names no mode drafts with (serving/config.py `served_mode`, mode `auto`): the
+    Medusa heads where replicas load them, i.e. when the heads registry has a champion; else the draft."""
+    return "medusa" if _registry(args, "medusa").champion() is not None else "draft"
+
+
 def _distill_heads(args, policy) -> int:
     """`draftsmith distill --kind medusa|eagle`: one heads cycle now (deploy/heads.py `run_heads_cycle`), or with
     --every a heads job every DURATION when the buffer has new records (`run_heads_schedule`)."""
     from deploy.heads import HeadsEvidence, run_heads_cycle
+    from deploy.ray_jobs import RayJobError, RayUnavailable
     from training.heads_job import NotEnoughRows
 
     if args.min_records is not None and args.every is None:
@@ -630,6 +667,7 @@ def _distill_heads(args, policy) -> int:
     job["budget_s"] = args.heads_budget
     if args.heads_replay is not None:
         job["replay_ratio"] = args.heads_replay
+    runner = _heads_runner(args)
     try:
         evidence = HeadsEvidence(args.target or reg.target, redis_url=job.get("redis_url"),
                                  buffer_prefix=job.get("buffer_prefix", "draftsmith:buf"),
@@ -644,20 +682,25 @@ def _distill_heads(args, policy) -> int:
                   + (f"a candidate that passes the gate serves {args.canary_share:.0%} of {args.kind} requests as the "
                      "canary until the live judge promotes or drops it; " if args.canary_share else
                      "a candidate that passes the gate becomes champion; ") + "Ctrl-C stops it")
+            runner.announce()                                 # where jobs run (deploy/ray_jobs.py)
             stop = threading.Event()
             try:
                 ticks = run_heads_schedule(reg, args.target, job, every_s=args.every, stop=stop,
                                            max_jobs=args.max_jobs, min_new_steps=args.min_records or 1,
                                            policy=policy, evidence=evidence, canary_share=args.canary_share,
-                                           canary=_canary_judge(args, reg) if args.canary_share else None)
+                                           canary=_canary_judge(args, reg) if args.canary_share else None,
+                                           run_job=runner)
             except KeyboardInterrupt:
                 stop.set()
                 return EXIT_OK
             return EXIT_OK if all(t.status != "failed" for t in ticks) else EXIT_FAILED
         version, verdict = run_heads_cycle(reg, args.target, job, policy=policy, evidence=evidence,
-                                           canary_share=args.canary_share)
+                                           canary_share=args.canary_share, run_job=runner)
     except NotEnoughRows as e:
         raise CommandFailed(f"no heads job: {e}") from None
+    except (RayJobError, RayUnavailable) as e:
+        tail = "\n".join(e.log_tail[-5:]) if isinstance(e, RayJobError) else ""
+        raise CommandFailed(f"the heads job failed on Ray: {e}" + (f"\n{tail}" if tail else "")) from None
     except ValueError as e:
         raise BadInput(str(e)) from None
     outcome = ("promoted" if verdict.promoted else
@@ -831,7 +874,8 @@ def _print_job(job: dict, tail_lines: int = 10) -> None:
     where = f" on {job['cluster']} ({job.get('source')})" if job.get("cluster") else ""
     res = job.get("resources") or {}
     ask = f"; asks {res.get('CPU', 0):g} CPU, {res.get('GPU', 0):g} GPU" if res else ""
-    print(f"job:       {job.get('runner')} {job.get('id')} {state} {took}{where}{ask}"
+    kind = f"{job['kind']} " if job.get("kind") else ""                     # a heads job says which heads
+    print(f"job:       {kind}{job.get('runner')} {job.get('id')} {state} {took}{where}{ask}"
           + (f": {job['message']}" if job.get("message") and state != "running" else ""))
     tail = [ln for ln in job.get("log_tail") or [] if ln.strip()]
     if state in ("failed", "lost", "stopped") and tail:

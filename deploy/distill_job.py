@@ -1,7 +1,7 @@
 """A distillation job as deploy runs it: training/job.py's `run_distillation`, with its MLflow run logged
 through the registry's MLflow door (deploy/registry.py) and, on request, as a Ray task.
 
-    run_job(cfg) -> Path                       # what `draftsmith distill --runner process` calls
+    run_job(cfg) -> Path                       # what `draftsmith distill --runner process` calls (draft or heads)
     run_in_ray(cfg, num_cpus, num_gpus) -> Path
     python -m deploy.distill_job [the flags of `python -m training.job`] [--ray [--num-cpus 2] [--num-gpus 1]]
     (scheduled jobs on Ray: deploy/ray_jobs.py submits `python -m deploy.distill_job --config-json ...`)
@@ -12,6 +12,10 @@ training/job.py, and `MlflowJobRun` below implements it: one MLflow run in exper
 through `Registry.experiment_id`, the one place experiments are created. A job with `mlflow: false` logs
 no run. Creating the run fails the job (MLflow unreachable: nothing trained, nothing acked); progress
 logging never does (a warning instead).
+
+A heads job (`draftsmith distill --kind medusa|eagle`: a config whose "kind" is medusa or eagle) runs
+`training.heads_job.run_heads_distillation` the same ways, on Ray or here; its figures go onto the version the
+scheduler registers (deploy/heads.py), so it logs no MLflow run of its own.
 
 Ray: `--ray` runs the job as a Ray task with `num_cpus` CPUs, on the cluster of RAY_ADDRESS (set by `ray job
 submit`) or on a local Ray started for it. Redis URL, tracking URI and output folder are resolved in the
@@ -38,6 +42,7 @@ from training.job import (
 
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parent.parent
+HEADS_JOB_KINDS = ("medusa", "eagle")          # training/heads_job.py KINDS (imported lazily: it needs numpy)
 
 
 class MlflowJobRun:
@@ -83,8 +88,29 @@ def tracker_for(cfg: dict) -> Callable[[str, dict, dict], MlflowJobRun] | None:
     return lambda run_name, params, tags: MlflowJobRun(uri, run_name, params, tags)
 
 
+def is_heads_job(cfg: dict) -> bool:
+    """A job config for Medusa heads or an EAGLE head (training/heads_job.py: its "kind"), not the draft."""
+    return cfg.get("kind") in HEADS_JOB_KINDS
+
+
+def resolve_job(cfg: dict) -> dict:
+    """The job's config resolved for running elsewhere (training.job / training.heads_job `resolve_for_remote`,
+    by its kind); ValueError for a bad one."""
+    if is_heads_job(cfg):
+        from training.heads_job import resolve_for_remote as resolve_heads
+
+        return resolve_heads(cfg)
+    return resolve_for_remote(cfg)
+
+
 def run_job(cfg: dict, progress: Callable[[str], None] = print) -> Path:
-    """`training.job.run_distillation(cfg)` with its MLflow run (module docstring); the candidate folder."""
+    """One job; the candidate folder. A draft job: `training.job.run_distillation(cfg)` with its MLflow run
+    (module docstring); a heads job (cfg "kind" medusa / eagle): `training.heads_job.run_heads_distillation`,
+    whose figures the registry records on the version it registers (no run of its own)."""
+    if is_heads_job(cfg):
+        from training.heads_job import run_heads_distillation
+
+        return run_heads_distillation(cfg, progress=progress)
     return run_distillation(cfg, progress=progress, tracker=tracker_for(cfg))
 
 
@@ -116,7 +142,7 @@ def run_in_ray(cfg: dict, num_cpus: float = 2, num_gpus: float = 0) -> Path:
 
     from buffer.paths import data_dir
 
-    cfg = resolve_for_remote(cfg)                    # fail fast, in the driver
+    cfg = resolve_job(cfg)                           # fail fast, in the driver
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
            "DRAFTSMITH_DATA": str(data_dir())}
     if not ray.is_initialized():
@@ -137,8 +163,42 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-cpus", type=float, default=2, help="CPUs of the Ray task (default 2)")
     p.add_argument("--num-gpus", type=float, default=0, help="GPUs of the Ray task (default 0)")
     args = p.parse_args(argv)
+    heads = _heads_config(p, args)
+    if heads is not None:
+        return _run_heads_cli(lambda: run_in_ray(heads, args.num_cpus, args.num_gpus) if args.ray else run_job(heads))
     cfg = config_from_args(p, args)
     return run_cli(lambda: run_in_ray(cfg, args.num_cpus, args.num_gpus) if args.ray else run_job(cfg))
+
+
+def _heads_config(p, args) -> dict | None:
+    """The heads job's config when --config-json holds one (what deploy/ray_jobs.py submits for `draftsmith
+    distill --kind medusa|eagle`); None for a draft job. The draft job's flags do not apply to it."""
+    import json
+
+    try:
+        cfg = json.loads(args.config_json) if args.config_json else None
+    except json.JSONDecodeError:
+        return None                                   # config_from_args says what is wrong
+    if not isinstance(cfg, dict) or not is_heads_job(cfg):
+        return None
+    if args.config or args.set or args.base_draft_path or args.since_id:
+        p.error("a heads job (--config-json with kind medusa|eagle) takes its whole config from --config-json")
+    return cfg
+
+
+def _run_heads_cli(run: Callable[[], Path]) -> int:
+    """As training.job.run_cli for a heads job: the candidate folder (exit 0), or what is wrong (exit 2)."""
+    from serving.models import ModelLoadError
+    from training.heads_job import NotEnoughRows
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        out = run()
+    except (ValueError, NotEnoughRows, ModelLoadError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"candidate written to {out}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -153,14 +153,16 @@ def heads_smoke_check(target: str | None, *, prompts: tuple[str, ...] = DEFAULT_
 def run_heads_cycle(registry: Registry, target: str | None, job_cfg: dict | None = None, *,
                     policy: GatePolicy | None = None, evidence: HeadsEvidence | None = None,
                     smoke_check: SmokeCheck | None = None, promote: bool = True, canary_share: float = 0.0,
-                    progress=print) -> tuple[str, GateVerdict]:
+                    run_job=None, progress=print) -> tuple[str, GateVerdict]:
     """One heads job from the champion heads on the buffer, registered as the heads' candidate, then gated
     (and promoted when it passes and `promote`). UsageError when the heads registry has no champion yet
     (`draftsmith register <heads folder>` then `draftsmith promote --kind medusa 1 --force`);
     training.heads_job.NotEnoughRows when the buffer is too thin. The registry's kind (medusa, eagle) picks
     the job, the evidence and the smoke check. With `canary_share` > 0 a passing candidate becomes the
     canary on that share of its mode's requests instead of the champion (`draftsmith watch --kind K` then
-    promotes or drops it on live acceptance)."""
+    promotes or drops it on live acceptance). `run_job(cfg) -> candidate folder` runs the job: by default
+    in this process (training/heads_job.py `run_heads_distillation`); `draftsmith distill` hands a
+    deploy/ray_jobs.py `DistillRunner`, which submits it to Ray as it does the draft's jobs."""
     from deploy.gate import start_canary_after_gate
     from training.heads_job import run_heads_distillation
 
@@ -180,10 +182,9 @@ def run_heads_cycle(registry: Registry, target: str | None, job_cfg: dict | None
     if ev.kind != kind:
         raise ValueError(f"the evidence scores {ev.kind} heads, the registry holds {kind}")
     t0 = time.time()
-    out = run_heads_distillation({**cfg, "kind": kind, "parent_heads": str(registry.materialize(champion, verify=True)),
-                                  "parent_version": champion, "target": target,
-                                  "target_sha256": target_fingerprint(target)},
-                                 progress=progress)
+    job = {**cfg, "kind": kind, "parent_heads": str(registry.materialize(champion, verify=True)),
+           "parent_version": champion, "target": target, "target_sha256": target_fingerprint(target)}
+    out = Path(run_job(job)) if run_job is not None else run_heads_distillation(job, progress=progress)
     version = registry.register_heads(out, candidate=True)
     verdict = run_gate(registry, version, smoke_check or heads_smoke_check(target, kind=kind), policy=policy,
                        promote=promote and not canary_share, evidence=ev)
@@ -211,7 +212,7 @@ def run_heads_schedule(registry: Registry, target: str | None, job_cfg: dict | N
                        stop=None, max_jobs: int | None = None, min_new_steps: int = 1,
                        policy: GatePolicy | None = None, evidence: HeadsEvidence | None = None,
                        smoke_check: SmokeCheck | None = None, lock=None, canary_share: float = 0.0,
-                       canary=None, progress=print) -> list[HeadsTick]:
+                       canary=None, run_job=None, progress=print) -> list[HeadsTick]:
     """Every `every_s` seconds, one heads cycle (`run_heads_cycle`) when the buffer holds at least
     `min_new_steps` step records newer than the last job's window (`data_window.last_id` of the newest
     heads version; all of them before the first job), under the machine's distillation job lock
@@ -221,7 +222,8 @@ def run_heads_schedule(registry: Registry, target: str | None, job_cfg: dict | N
     `canary_share` > 0 a candidate that passes the gate becomes the canary on that share of its mode's
     requests instead of the champion, as the draft's scheduler does; `canary` (deploy/scheduler.py
     `CanaryJudge` on this registry) then judges it at every tick, promoting or dropping it on live evidence,
-    and no new job starts while a canary is being judged. Stops when `stop` (a threading.Event) is set or
+    and no new job starts while a canary is being judged. `run_job` runs each job (as `run_heads_cycle`: on
+    Ray when `draftsmith distill` hands its DistillRunner). Stops when `stop` (a threading.Event) is set or
     after `max_jobs` cycles that ran a job; returns every tick."""
     import json
     import threading
@@ -265,7 +267,7 @@ def run_heads_schedule(registry: Registry, target: str | None, job_cfg: dict | N
                 try:
                     version, verdict = run_heads_cycle(registry, target, cfg, policy=policy, evidence=evidence,
                                                        smoke_check=smoke_check, canary_share=canary_share,
-                                                       progress=progress)
+                                                       run_job=run_job, progress=progress)
                 finally:
                     lock.release()
                 jobs += 1

@@ -45,7 +45,8 @@ they have been idle `claim_idle_ms`. A scheduler stopped while a job runs stops 
 the driver child; a killed scheduler's driver child gets SIGTERM from the kernel), except a job-API job
 whose scheduler was killed outright: that one finishes on the cluster, unregistered, its records pending.
 
-**Data.** The job's config is resolved here (training.job.resolve_for_remote): Redis URL, MLflow tracking
+**Data.** The job's config is resolved here (deploy/distill_job.py `resolve_job`: training.job's or, for a heads
+job, training.heads_job's `resolve_for_remote`): Redis URL, MLflow tracking
 URI, the materialised parent folder and the output folder. On one machine they are shared with the job.
 A cluster of several machines needs the data dir ($DRAFTSMITH_DATA) and draft cache ($DRAFTSMITH_CACHE)
 on a shared file system mounted at the same path, Redis and MLflow at addresses every node reaches
@@ -433,10 +434,10 @@ def run_on_ray(cfg: dict, cluster: RayCluster, settings: RaySettings | None = No
                on_state: Callable[[dict], None] | None = None, progress: Callable[[str], None] = print) -> Path:
     """Run one distillation job (`training.job` cfg) on `cluster`; return its candidate folder (module
     docstring). RayJobError / RayJobLost when it produced none."""
-    from training.job import resolve_for_remote
+    from deploy.distill_job import resolve_job
 
     st = settings or RaySettings()
-    cfg = resolve_for_remote(cfg)                 # ValueError here, before anything is submitted
+    cfg = resolve_job(cfg)                        # ValueError here, before anything is submitted
     mode = st.submit
     if mode == "auto":
         mode = "job" if cluster.dashboard_url else "task"
@@ -446,7 +447,8 @@ def run_on_ray(cfg: dict, cluster: RayCluster, settings: RaySettings | None = No
     if mode == "task" and not cluster.address:
         raise RayUnavailable(f"{cluster.describe()}: Ray-task submission needs a GCS or ray:// address")
     gpus = st.gpus_for(cluster)
-    sid = f"draftsmith-distill-v{cfg.get('parent_version') or 'none'}-{time.strftime('%Y%m%d-%H%M%S')}-" \
+    what = cfg["kind"] if cfg.get("kind") in ("medusa", "eagle") else "distill"      # a heads job, or the draft's
+    sid = f"draftsmith-{what}-v{cfg.get('parent_version') or 'none'}-{time.strftime('%Y%m%d-%H%M%S')}-" \
           f"{uuid.uuid4().hex[:6]}"
     job = _Job({"runner": f"ray-{mode}", "id": sid, "cluster": cluster.address or cluster.dashboard_url,
                 "dashboard": cluster.dashboard_url, "source": cluster.source, "state": "submitted",
@@ -492,7 +494,8 @@ def _submit_job(cfg: dict, cluster: RayCluster, st: RaySettings, job: _Job, pyth
     try:
         client.submit_job(entrypoint=entrypoint, submission_id=sid, runtime_env=runtime_env,
                           entrypoint_num_cpus=st.num_cpus, entrypoint_num_gpus=gpus or None,
-                          metadata={"draftsmith": "distill", "parent_version": str(cfg.get("parent_version"))})
+                          metadata={"draftsmith": "distill", "kind": str(cfg.get("kind", "draft")),
+                                    "parent_version": str(cfg.get("parent_version"))})
     except Exception as e:  # noqa: BLE001
         raise job.fail("failed", f"the job API refused the job ({e})") from e
     states = {JobStatus.PENDING: "pending", JobStatus.RUNNING: "running", JobStatus.SUCCEEDED: "succeeded",

@@ -497,13 +497,7 @@ class DistillScheduler:
 
     def record_job(self, info: dict) -> None:
         """Write a running job's state (deploy/ray_jobs.py `job_info`) to `distill-job.json`."""
-        try:
-            self.job_status_path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.job_status_path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"time": time.time(), **info}, default=str, indent=1))
-            os.replace(tmp, self.job_status_path)
-        except OSError as e:
-            log.warning("could not write %s: %s", self.job_status_path, e)
+        write_job_status(info, self.job_status_path)
 
     def _job_state(self) -> dict | None:
         """The distill callable's final job state (None for a callable that keeps none)."""
@@ -1127,6 +1121,19 @@ def read_status(path: str | os.PathLike | None = None) -> dict | None:
         return json.loads(p.read_text())
     except (OSError, json.JSONDecodeError):
         return None
+
+
+def write_job_status(info: dict, path: str | os.PathLike | None = None) -> None:
+    """Write a job's state (deploy/ray_jobs.py `job_info`; a heads job's carries its "kind") to
+    `distill-job.json`, atomically; a failed write is a warning (the job goes on)."""
+    p = Path(path) if path else data_dir() / "distill-job.json"
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"time": time.time(), **info}, default=str, indent=1))
+        os.replace(tmp, p)
+    except OSError as e:
+        log.warning("could not write %s: %s", p, e)
 
 
 def read_job_status(path: str | os.PathLike | None = None) -> dict | None:

@@ -3,11 +3,15 @@
     .venv/bin/python scripts/bench_online.py --draft data/bootstrap-draft --duration 1800 --out docs/results/online
 
 Everything real, started as an operator would, in a data directory of its own (--data, wiped first):
-1. registers --draft (default: $DRAFTSMITH_DATA/bootstrap-draft) as version 1 and makes it champion;
+1. registers --draft (default: $DRAFTSMITH_DATA/bootstrap-draft) as version 1 and makes it champion, and
+   the Medusa heads --medusa-heads (default: the folder `medusa-heads` beside the draft's, where `draftsmith
+   bootstrap` leaves them, when it is there; --no-heads: none) as version 1 of the heads registry, as the bootstrap does;
 2. starts `draftsmith serve` on the README's defaults (embedded Redis, MLflow on SQLite, the default
-   target unless --target) and waits for /health;
+   target unless --target) and waits for /health; the served default then drafts with the heads (mode
+   `auto`), or with the draft where there are none;
 3. starts the scheduler as an operator would, `draftsmith distill --every E --min-records N`, which
-   distills, gates and promotes by itself (and its watchdog may roll back);
+   distills the kind the served default drafts with (`--kind auto`: the heads' job when they are
+   registered, else the draft's), gates and promotes by itself (and its watchdog may roll back);
 4. drives --clients concurrent clients for --duration seconds with traffic the bootstrap never saw
    (scripts/online_traffic.py): phase 1 is mostly SQL requests plus a share of the earlier, known
    traffic (GSM8K / HumanEval), and at --shift-at the traffic shifts again, mostly to JSON extraction,
@@ -19,9 +23,11 @@ Everything real, started as an operator would, in a data directory of its own (-
    promotions and rollbacks marked), serve.log and distill.log.
 
 Acceptance is accepted / proposed draft tokens (n-gram proposals of the adaptive controller included,
-as the response reports it), rolling over the last --window requests of a category. tokens/s is a
-request's completion tokens over its latency as the client saw it (queueing included). The default
-request is the served default: mode mjsd, adaptive; temperature --temperature (0 unless given).
+as the response reports it; for the heads, tree depth proposed per step), rolling over the last --window
+requests of a category. tokens/s is a request's completion tokens over its latency as the client saw it
+(queueing included). The default request is the served default (mode `auto`: the heads' adaptive tree at
+T = 0, or mjsd where there are no heads); temperature --temperature (0 unless given). "draft version" in
+the output is the version of the kind that drafted (heads or draft).
 
 CI runs a one-minute smoke of this script on tiny models (tests/deploy/test_bench_online.py). The real run
 takes --duration plus about 2 minutes of start-up on a 2-core CPU.
@@ -130,7 +136,7 @@ class Traffic:
                 versions = sd.get("draft_versions") or {}
                 self.records.append({
                     "t": round(done - self.t0, 2), "t_start": round(t - self.t0, 2), "phase": phase,
-                    "category": category, "draft_version": str(sd.get("draft_version")),
+                    "category": category, "mode": sd.get("mode"), "draft_version": str(sd.get("draft_version")),
                     "draft_versions": sorted(str(v) for v in versions) if isinstance(versions, dict) else versions,
                     "draft_tokens": sd.get("draft_tokens") or 0, "accepted_tokens": sd.get("accepted_tokens") or 0,
                     "steps": sd.get("steps"), "zero_draft_steps": sd.get("zero_draft_steps"),
@@ -236,10 +242,11 @@ def targets(records: list[dict], args) -> dict:
 
 
 def registry_state(env: dict, args) -> tuple[list[dict], list[dict]]:
-    """(every version with its kind, parent, adapter chain depth and gate figures; the registry's history),
+    """(every version with its kind, parent, adapter chain depth and gate figures; the registry's history)
+    of the registry the served default drafts from (the heads' with --medusa-heads, else the draft's),
     read through the project's Registry in a subprocess (the run's data dir and store)."""
-    code = ("import json,sys; from deploy.registry import Registry\n"
-            "r = Registry(sys.argv[1] or None)\n"
+    code = ("import json,sys; from deploy.registry import Registry, heads_registry\n"
+            "r = heads_registry(sys.argv[1] or None, 'medusa') if sys.argv[2] else Registry(sys.argv[1] or None)\n"
             "vs = {v.version: v for v in r.versions()}\n"
             "def depth(v):\n"
             "    d, seen = 0, set()\n"
@@ -251,8 +258,8 @@ def registry_state(env: dict, args) -> tuple[list[dict], list[dict]]:
             " 'gate_acceptance': v.metrics.get('gate_candidate_acceptance'), 'gate_delta': v.metrics.get('gate_delta')}"
             " for v in vs.values()]))\n"
             "print(json.dumps(r.history()))\n")
-    res = subprocess.run([sys.executable, "-c", code, args.target or ""], env=env, cwd=ROOT, capture_output=True,
-                         text=True)
+    res = subprocess.run([sys.executable, "-c", code, args.target or "", "1" if args.heads else ""], env=env, cwd=ROOT,
+                         capture_output=True, text=True)
     if res.returncode != 0:
         log(f"could not read the registry: {res.stderr.strip()[-300:]}")
         return [], []
@@ -321,7 +328,9 @@ def write_summary(out: Path, records: list[dict], errors: list[dict], events, ve
              f"Setting: {args.clients} clients, mode {args.mode}, temperature {args.temperature}, "
              f"max_tokens {args.max_tokens}, {args.duration:.0f} s of traffic, shift at {args.shift_at:.0f} s; "
              f"phase 1 mix {args.phase1}, phase 2 mix {args.phase2}; scheduler: "
-             f"`draftsmith distill {' '.join(args.distill_args)}`. Acceptance = accepted / proposed draft tokens.",
+             f"`draftsmith distill {' '.join(args.distill_args)}`; drafting with "
+             + (f"the Medusa heads ({args.heads})" if args.heads else f"the draft ({args.draft})")
+             + ". Acceptance = accepted / proposed draft tokens.",
              "", f"requests: {len(records)}, failed: {len(errors)}, max adapter chain depth: {max_depth}", "",
              "| draft version | category | requests | acceptance | tokens/s per request | drafted per request "
              "| first seen (s) | last seen (s) |", "|---|---|---:|---:|---:|---:|---:|---:|"]
@@ -389,6 +398,11 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--draft", type=Path, default=None,
                     help="base draft folder (default $DRAFTSMITH_DATA/bootstrap-draft, i.e. data/bootstrap-draft)")
+    ap.add_argument("--medusa-heads", type=Path, default=None,
+                    help="Medusa heads folder registered as the heads' version 1 (default: medusa-heads beside the "
+                         "draft folder when it exists, as `draftsmith bootstrap` leaves them)")
+    ap.add_argument("--no-heads", action="store_true",
+                    help="register no heads: the served default drafts with the draft, and the draft is distilled")
     ap.add_argument("--target", default=None, help="target model folder (default: the served default)")
     ap.add_argument("--data", type=Path, default=ROOT / "data" / "bench-online", help="data dir (wiped first)")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "online")
@@ -423,9 +437,16 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     data = args.data.resolve()
-    draft = args.draft or Path(os.environ.get("DRAFTSMITH_DATA", ROOT / "data")) / "bootstrap-draft"
+    home = Path(os.environ.get("DRAFTSMITH_DATA", ROOT / "data"))
+    draft = args.draft = args.draft or home / "bootstrap-draft"
     if not (draft / "config.json").is_file():
         raise SystemExit(f"no draft model folder at {draft}: build one with `draftsmith bootstrap` or pass --draft")
+    beside = draft.parent / "medusa-heads"           # where `draftsmith bootstrap` leaves them, beside the draft
+    args.heads = None if args.no_heads else args.medusa_heads or (
+        beside if (beside / "medusa_heads.json").is_file() else None)
+    if args.heads is not None and not (args.heads / "medusa_heads.json").is_file():
+        raise SystemExit(f"no Medusa heads folder at {args.heads}: build one with `python -m training.heads` "
+                         "(or `draftsmith bootstrap`), or pass --no-heads")
     shutil.rmtree(data, ignore_errors=True)
     data.mkdir(parents=True)
     out = args.out
@@ -437,6 +458,9 @@ def main(argv=None) -> int:
     t_setup = time.time()
     cli(env, "register", str(draft), *common)
     cli(env, "promote", "1", "--force", *common)
+    if args.heads is not None:
+        cli(env, "register", str(args.heads), *common)
+        cli(env, "promote", "1", "--kind", "medusa", "--force", *common)
     args.distill_args = ["--every", args.every, "--min-records", str(args.min_records), "--poll", args.poll,
                          "--margin", str(args.margin), *common, *args.distill_arg]
     if args.distill_config:

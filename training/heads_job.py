@@ -3,6 +3,7 @@ buffer -> heads candidate.
 
     examples_from_buffer(entries, sequences) -> list[dict]      # training/heads.py's example format
     run_heads_distillation(cfg, progress) -> Path               # a candidate heads folder (cfg "kind")
+    resolve_for_remote(cfg) -> cfg                              # before it runs elsewhere (a Ray job)
     python -m training.heads_job --parent-heads DIR [--kind eagle] [--parent-version 3] [--budget 120] [--out DIR]
 
 **Where the target's opinion comes from.** Every verification step in the buffer stores the target's top-k
@@ -149,6 +150,19 @@ def _config(cfg: dict) -> dict:
     if isinstance(r, bool) or not isinstance(r, (int, float)) or not (0.0 <= r <= 10.0):
         raise ValueError(f"replay_ratio must be a number in [0, 10], got {r!r}")
     return out
+
+
+def resolve_for_remote(cfg: dict) -> dict:
+    """`cfg` validated (ValueError here, in the driver) with what a job running elsewhere (a Ray task, a Ray
+    job's entrypoint: deploy/ray_jobs.py) must not resolve on its own: the Redis URL and absolute parent and
+    output folders (the output fixed now, so the driver knows where the candidate will be)."""
+    from buffer.redis_store import resolve_redis_url
+
+    c = _config(cfg)
+    return {**cfg, "kind": c["kind"], "redis_url": resolve_redis_url(c["redis_url"]),
+            "parent_heads": str(Path(c["parent_heads"]).resolve()),
+            "out_dir": str(Path(c["out_dir"]).resolve() if c["out_dir"] else
+                           _default_out_dir(c["parent_version"], c["kind"]).resolve())}
 
 
 def run_heads_distillation(cfg: dict, progress: Callable[[str], None] = print) -> Path:

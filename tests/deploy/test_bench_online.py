@@ -62,3 +62,37 @@ def test_bench_online_smoke(tmp_path):
     assert 1 <= tg["early_requests"] <= len(sql) and 0 <= tg["late_requests"] <= len(sql)
     assert f"({tg['early_requests']} requests)" in md and f"({tg['late_requests']} requests)" in md
     assert (out / "online.png").stat().st_size > 10_000
+
+
+def test_bench_online_smoke_with_heads(tmp_path):
+    """As a bootstrapped deployment runs: Medusa heads beside the draft (where `draftsmith bootstrap` leaves
+    them) are registered as the heads' version 1, the served default drafts with them, and `draftsmith distill`
+    with no --kind distills them: heads jobs on the Ray of `draftsmith serve`, registered in the heads registry."""
+    import torch
+
+    from serving.engine import Engine
+    from tests.deploy.test_heads_registry import make_heads
+
+    target, draft = tiny_models.save_pair(tmp_path / "models", draft_layers=1)
+    model = Engine.from_paths(str(target), None, dtype=torch.float32).target.model
+    make_heads(model, draft.parent / "medusa-heads", seed=1, scale=0.05)
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_online.py"), "--target", str(target), "--draft", str(draft),
+           "--data", str(tmp_path / "data"), "--out", str(out), "--port", str(free_port()),
+           "--duration", "60", "--shift-at", "30", "--phase1", "sql=1", "--phase2", "json=0.7,sql=0.3", "--clients", "2",
+           "--max-tokens", "12", "--every", "10s", "--min-records", "20", "--poll", "2s",
+           "--distill-arg=--heads-budget=3s", "--distill-arg=--canary-share=0", "--distill-arg=--min-requests=2",
+           "--window", "5", "--early-s", "20", "--start-timeout", "300"]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["requests"] >= 10 and summary["failed_requests"] == 0, summary["errors"]
+    records = [json.loads(line) for line in (out / "responses.jsonl").read_text().splitlines()]
+    assert {r["mode"] for r in records} == {"medusa"}, "the served default drafts with the heads"
+    assert records[0]["draft_version"] == "medusa-v1" and sum(r["draft_tokens"] for r in records) > 0
+    assert summary["versions"][0]["version"] == "1" and summary["max_chain_depth"] == 0     # full-weight heads
+    distill_log = (out / "distill.log").read_text()
+    assert "the served default drafts with the Medusa heads" in distill_log, distill_log[-2000:]
+    assert "[heads-schedule]" in distill_log and "submitting job draftsmith-medusa-v1-" in distill_log, \
+        distill_log[-3000:]
+    assert "drafting with the Medusa heads" in (out / "summary.md").read_text()

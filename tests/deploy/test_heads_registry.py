@@ -281,6 +281,28 @@ def test_cli_registers_promotes_and_rolls_back_heads(regs, pair, target_model, t
     assert "schedules by time" in capsys.readouterr().err
 
 
+def test_distill_by_default_distills_the_kind_the_served_default_drafts_with(regs, pair, target_model, tmp_path,
+                                                                             capsys):
+    """`draftsmith distill` with no --kind: the draft's job while no heads are champion (the served default then
+    drafts with the draft), the heads' job once they are (mode `auto` then drafts with them); the draft-only
+    schedule flags say so and how to distill the draft instead; --kind draft still names the draft."""
+    from deploy.cli import main
+
+    drafts, heads = regs
+    base = ["--target", str(pair[0]), "--tracking-uri", heads.tracking_uri]
+    capsys.readouterr()
+    assert main(["distill", *base]) == 2
+    assert "no champion draft" in capsys.readouterr().err            # the draft's job: nothing to start from
+    heads.promote(heads.register(make_heads(target_model, tmp_path / "h1", seed=1)))
+    assert main(["distill", "--every", "1m", "--drift", *base]) == 2
+    err = capsys.readouterr().err
+    assert "drafts with the Medusa heads" in err and "--drift schedules draft jobs" in err and "--kind draft" in err
+    assert main(["distill", "--min-records", "5", *base]) == 2       # the heads' schedule runs by --every
+    assert "schedules by time" in capsys.readouterr().err
+    assert main(["distill", "--kind", "draft", "--every", "1m", "--drift", *base]) == 2
+    assert "no champion draft" in capsys.readouterr().err
+
+
 def test_heads_schedule_runs_a_job_then_waits_for_new_records(regs, pair, target_model, tmp_path, redis_url):
     """`distill --kind medusa --every`: a tick with new records runs a cycle under the job lock; a tick with
     nothing newer than the last job's window, or while another job holds the lock, skips and the schedule

@@ -251,7 +251,7 @@ def buffer(tmp_path_factory, redis_url):
     prefix = f"test:rayjobs:{uuid.uuid4().hex[:10]}"
     serve_records(target, draft, redis_url, prefix, requests=12, heldout=False, heldout_fraction=HELD, tag="train")
     serve_records(target, draft, redis_url, prefix, requests=4, heldout=True, heldout_fraction=HELD, tag="held")
-    yield {"url": redis_url, "prefix": prefix, "key": f"{prefix}:steps"}
+    yield {"url": redis_url, "prefix": prefix, "key": f"{prefix}:steps", "target": target}
     drop_prefix(redis_url, prefix)
 
 
@@ -397,6 +397,59 @@ def test_a_cluster_without_the_job_api_gets_the_job_as_a_ray_task(cluster, regis
     log_text = Path(out.job["log_file"]).read_text()
     assert "(_ray_task" in log_text and "candidate written to" in log_text
     assert _pending(buffer, group) == set()
+
+
+def test_a_heads_job_runs_on_ray_like_the_drafts_and_a_failed_one_registers_nothing(cluster, buffer, data, tmp_path,
+                                                                                     monkeypatch):
+    """`draftsmith distill --kind medusa` hands its heads cycles the same runner as the draft's jobs: on the Ray of
+    `draftsmith serve` (no job API) the heads job runs as a Ray task, its candidate is registered as the heads'
+    next version and gated, and its state (kind, runner, Ray id) goes to `distill-job.json`; a heads job that
+    fails on Ray (a buffer too thin for its minimum) fails the cycle with its log tail and registers nothing."""
+    import argparse
+
+    import torch
+
+    from deploy import cli, ray_jobs
+    from deploy.gate import GatePolicy
+    from deploy.heads import HeadsEvidence, run_heads_cycle
+    from deploy.registry import heads_registry
+    from serving.engine import Engine
+    from tests.deploy.test_heads_registry import make_heads
+
+    cluster.ready()
+    monkeypatch.setattr(ray_jobs, "_job_api_answers", lambda url: False)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("DRAFTSMITH_DATA", str(data))
+    target = str(buffer["target"])
+    heads = heads_registry(target, tracking_uri=fresh_store(template_db(data.parent), tmp_path / "mlflow"),
+                           cache_root=tmp_path / "cache", candidates_root=tmp_path / "cands")
+    model = Engine.from_paths(target, None, dtype=torch.float32).target.model
+    heads.promote(heads.register(make_heads(model, tmp_path / "h1", seed=1, scale=0.05)))
+    runner = cli._heads_runner(argparse.Namespace(runner="ray", kind="medusa", ray_submit="auto", ray_cpus=1.0,
+                                                  ray_gpus="auto", job_nice=0))
+    runner.settings.poll_s = 0.3
+    job = {"redis_url": buffer["url"], "buffer_prefix": buffer["prefix"], "heldout_fraction": HELD, "budget_s": 3.0,
+           "min_train_rows": 16, "min_heldout_rows": 4}
+    kw = dict(policy=GatePolicy(min_requests=2, category_min_requests=10, bootstrap=200),
+              evidence=HeadsEvidence(target, redis_url=buffer["url"], buffer_prefix=buffer["prefix"],
+                                     heldout_fraction=HELD),
+              smoke_check=lambda p: (True, "skipped in this test"), run_job=runner, progress=lambda m: None)
+    version, verdict = run_heads_cycle(heads, target, job, **kw)
+    assert version == "2" and heads.get("2").parent_version == "1" and verdict.reason
+    info = runner.last_job
+    assert info["runner"] == "ray-task" and info["state"] == "succeeded" and info["id"].startswith("draftsmith-medusa-v1-")
+    assert info["cluster"] == cluster.info["gcs_address"]
+    log_text = Path(info["log_file"]).read_text()
+    assert "(_ray_task" in log_text and "[heads-job]" in log_text and "candidate written to" in log_text
+    state = read_job_status()
+    assert state["kind"] == "medusa" and state["id"] == info["id"] and state["state"] == "succeeded"
+
+    with pytest.raises(ray_jobs.RayJobError, match="exited with status 2") as failed:
+        run_heads_cycle(heads, target, {**job, "min_train_rows": 10**9}, **kw)
+    assert any("a heads job needs at least" in line for line in failed.value.log_tail), failed.value.log_tail
+    assert runner.last_job["state"] == "failed" and read_job_status()["state"] == "failed"
+    assert [v.version for v in heads.versions()] == ["1", "2"]
 
 
 def test_a_job_lost_with_its_node_leaves_its_records_pending(cluster, registry, buffer, data):
