@@ -210,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "top)")
     d.add_argument("--heads-replay", type=_ratio, default=None,
                    help="a --kind medusa|eagle job also trains on RATIO x its window of OLDER buffer steps, against "
-                        "forgetting earlier traffic after a shift (default: the job's, 0)")
+                        "forgetting earlier traffic after a shift (default: the job's, 1; 0: none)")
     d.add_argument("--min-records", type=_positive_int, default=None,
                    help="run when at least N new records are in the buffer")
     d.add_argument("--drift", action="store_true",
@@ -685,7 +685,7 @@ def _distill_heads(args, policy) -> int:
             runner.announce()                                 # where jobs run (deploy/ray_jobs.py)
             stop = threading.Event()
             try:
-                ticks = run_heads_schedule(reg, args.target, job, every_s=args.every, stop=stop,
+                ticks = run_heads_schedule(reg, args.target, job, every_s=args.every, poll_s=args.poll, stop=stop,
                                            max_jobs=args.max_jobs, min_new_steps=args.min_records or 1,
                                            policy=policy, evidence=evidence, canary_share=args.canary_share,
                                            canary=_canary_judge(args, reg) if args.canary_share else None,

@@ -29,7 +29,9 @@ as for drafts.
 """
 from __future__ import annotations
 
+import collections
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +69,15 @@ class HeadsEvidence:
 
             self._target_model = load_causal_lm(resolve_model_path(self.target), "cpu", default_dtype("cpu"))
         return self._target_model
+
+    def heldout_requests(self) -> int:
+        """How many held-out requests the gate's sample would hold now (read-only, no target pass): a schedule
+        runs no job the gate could not judge."""
+        from training.heads_job import read_examples
+
+        examples, _ = read_examples(redis_url=self.redis_url, buffer_prefix=self.buffer_prefix, n=self.records,
+                                    heldout=True, heldout_fraction=self.heldout_fraction)
+        return len(examples)
 
     def collect(self, champion_path: Path, candidate_path: Path) -> PairedEvidence:
         from training.heads_job import read_examples
@@ -212,11 +223,16 @@ def run_heads_schedule(registry: Registry, target: str | None, job_cfg: dict | N
                        stop=None, max_jobs: int | None = None, min_new_steps: int = 1,
                        policy: GatePolicy | None = None, evidence: HeadsEvidence | None = None,
                        smoke_check: SmokeCheck | None = None, lock=None, canary_share: float = 0.0,
-                       canary=None, run_job=None, progress=print) -> list[HeadsTick]:
-    """Every `every_s` seconds, one heads cycle (`run_heads_cycle`) when the buffer holds at least
+                       canary=None, run_job=None, poll_s: float | None = None,
+                       progress=print) -> list[HeadsTick]:
+    """One heads cycle (`run_heads_cycle`) at most every `every_s` seconds, counted from the start of the last
+    one as the draft's scheduler counts `--every` (the first at once), when the buffer holds at least
     `min_new_steps` step records newer than the last job's window (`data_window.last_id` of the newest
-    heads version; all of them before the first job), under the machine's distillation job lock
-    (deploy/scheduler.py `JobLock`, shared with the draft's jobs: one training job at a time). A cycle that
+    heads version; all of them before the first job); the schedule looks every `poll_s` seconds (default
+    `every_s`), and a skipped look is reported only when its reason changes. Under the machine's distillation job lock
+    (deploy/scheduler.py `JobLock`, shared with the draft's jobs: one training job at a time), and, with
+    `evidence`, once the gate's held-out sample holds the policy's `min_requests` (a job the gate cannot judge
+    would be rejected for want of evidence, its training wasted: seen as the first job of a run). A cycle that
     fails (a thin buffer, MLflow or Redis down, a failed job) is logged and the schedule goes on; a rollback
     pauses promotion, which the gate's verdict then records (`Registry.promote` refuses). With
     `canary_share` > 0 a candidate that passes the gate becomes the canary on that share of its mode's
@@ -234,36 +250,50 @@ def run_heads_schedule(registry: Registry, target: str | None, job_cfg: dict | N
 
     if not every_s > 0:
         raise ValueError(f"every_s must be > 0, got {every_s!r}")
+    poll_s = every_s if poll_s is None else poll_s
+    if not poll_s > 0:
+        raise ValueError(f"poll_s must be > 0, got {poll_s!r}")
     stop = stop or threading.Event()
     lock = lock or JobLock()
     cfg = dict(job_cfg or {})
-    ticks: list[HeadsTick] = []
+    ticks: collections.deque[HeadsTick] = collections.deque(maxlen=1000)     # a long-running schedule keeps the last
     jobs = 0
+    last_start: float | None = None
+    said = None
+    need_held = (policy or GatePolicy()).min_requests
     while not stop.is_set():
+        if canary is not None:                        # judged at every look, also between jobs
+            try:
+                v = canary.check()
+                if v.action not in ("none", "waiting", "ok"):
+                    progress(f"[heads-canary] {v.action}: {v.message}")
+            except Exception as e:  # noqa: BLE001 - e.g. MLflow down: no judgement this tick
+                progress(f"[heads-canary] no look this time: {e}")
+        if last_start is not None and time.monotonic() - last_start < every_s:
+            stop.wait(min(poll_s, every_s - (time.monotonic() - last_start)))
+            continue
         tick = None
         try:
-            if canary is not None:
-                try:
-                    v = canary.check()
-                    if v.action not in ("none", "waiting", "ok"):
-                        progress(f"[heads-canary] {v.action}: {v.message}")
-                except Exception as e:  # noqa: BLE001 - e.g. MLflow down: no judgement this tick
-                    progress(f"[heads-canary] no look this time: {e}")
             running = registry.canary() if canary_share else None
             if running is not None:
                 ticks.append(HeadsTick("skipped", f"canary version {running['version']} is still being judged"))
-                progress(f"[heads-schedule] skipped: {ticks[-1].message}")
-                stop.wait(every_s)
+                said = _say_skip(progress, ticks[-1].message, said)
+                stop.wait(poll_s)
                 continue
             newest = max(registry.versions(), key=lambda i: int(i.version), default=None)
             window = json.loads((newest.tags or {}).get("draftsmith.data_window") or "{}") if newest else {}
             new = pending_records(window.get("last_id"), redis_url=cfg.get("redis_url"),
                                   buffer_prefix=cfg.get("buffer_prefix", "draftsmith:buf"))
+            held = evidence.heldout_requests() if evidence is not None and new >= min_new_steps else None
             if new < min_new_steps:
                 tick = HeadsTick("skipped", f"{new} new step records since the last heads job (needs {min_new_steps})")
+            elif held is not None and held < need_held:
+                tick = HeadsTick("skipped", f"the gate's held-out sample holds {held} requests, it needs {need_held}: "
+                                            "no job until traffic brings them")
             elif not lock.acquire():
                 tick = HeadsTick("skipped", "another distillation job holds the job lock")
             else:
+                last_start = time.monotonic()
                 try:
                     version, verdict = run_heads_cycle(registry, target, cfg, policy=policy, evidence=evidence,
                                                        smoke_check=smoke_check, canary_share=canary_share,
@@ -280,9 +310,23 @@ def run_heads_schedule(registry: Registry, target: str | None, job_cfg: dict | N
             log.exception("scheduled heads job failed")
             tick = HeadsTick("failed", f"{type(e).__name__}: {e}")
         ticks.append(tick)
-        progress(f"[heads-schedule] {tick.status}: {tick.message}" + (f" (version {tick.version})" if tick.version else ""))
+        if tick.status == "skipped":
+            said = _say_skip(progress, tick.message, said)
+        else:
+            said = None
+            progress(f"[heads-schedule] {tick.status}: {tick.message}" + (f" (version {tick.version})" if tick.version
+                                                                           else ""))
         if max_jobs is not None and jobs >= max_jobs:
             break
-        stop.wait(every_s)
-    return ticks
+        stop.wait(poll_s)
+    return list(ticks)
+
+
+def _say_skip(progress, message: str, said: str | None) -> str:
+    """Report a skipped look once per reason (its numbers aside: "20 new step records" and "45 new step records"
+    are one reason); returns the reason now said."""
+    reason = re.sub(r"[0-9.]+", "N", message)
+    if reason != said:
+        progress(f"[heads-schedule] skipped: {message}")
+    return reason
 

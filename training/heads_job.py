@@ -33,7 +33,9 @@ the split every job and the gate use), of any decoding mode. With `replay_ratio`
 the newest r x (window steps) training steps OLDER than its window (`training.data.replay_window`, as the
 draft's job replays): after a traffic shift the window holds only the new traffic, and a head trained on it
 alone loses some of what it did on the earlier traffic (docs/benchmarks.md, "EAGLE head versions"). A replayed
-request already in the window is not trained on twice.
+request already in the window is not trained on twice. The default is r = 1, as for the draft's job: in the
+30-minute online experiment (docs/benchmarks.md, "The seventeenth session") heads trained on their window alone
+lost 0.07-0.12 of live acceptance on the earlier traffic after a shift, with r = 1 they kept rising on it.
 
 The candidate folder: `medusa_heads.json` + `medusa_heads.safetensors` (MedusaHeads.save; EAGLE: eagle_head.*,
 EagleHead.save) + `candidate.json`
@@ -59,7 +61,7 @@ DEFAULTS = {"max_records": 4000, "eval_records": 1000, "heldout_fraction": 0.1, 
             "batch_size": 256, "max_epochs": 20, "min_train_rows": 64, "min_heldout_rows": 16,
             "buffer_prefix": "draftsmith:buf", "redis_url": None, "target": None, "parent_heads": None,
             "parent_version": None, "target_sha256": None, "out_dir": None, "seed": 0, "kind": "medusa",
-            "replay_ratio": 0.0}
+            "replay_ratio": 1.0}
 EAGLE_DEFAULTS = {"lr": 2e-4, "batch_size": 8}   # an EAGLE batch is sequences (Medusa's is rows); a gentler step
 KINDS = ("medusa", "eagle")                      # serving/config.py HEADS_MODES (training may not import it)
 
@@ -336,7 +338,7 @@ def main(argv=None) -> int:
     ap.add_argument("--redis-url", default=None)
     ap.add_argument("--buffer-prefix", default=DEFAULTS["buffer_prefix"])
     ap.add_argument("--replay-ratio", type=float, default=DEFAULTS["replay_ratio"],
-                    help="also train on this many older training steps per window step (default 0: none)")
+                    help="also train on this many older training steps per window step (default 1; 0: none)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     try:

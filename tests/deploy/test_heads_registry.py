@@ -3,7 +3,9 @@ store, gated on the gate's own held-out sample from real Redis, hot-swapped into
 rolled back; a heads job trained from real served records; a corrupt or foreign version never served."""
 from __future__ import annotations
 
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -346,6 +348,43 @@ def test_heads_schedule_runs_a_job_then_waits_for_new_records(regs, pair, target
         assert len(ticks) == 1 and ticks[0].status == "skipped" and "job lock" in ticks[0].message
     finally:
         drop_prefix(redis_url, prefix)
+
+
+def test_heads_schedule_counts_every_from_the_last_start_and_says_a_skip_once(monkeypatch):
+    """--every is the interval between job starts, as for the draft's scheduler (a cycle longer than it is
+    followed by the next at once, not by a further interval); between jobs the schedule looks every poll_s and
+    reports a skipped look once per reason (pure logic: cycle, registry and buffer count are stand-ins)."""
+    from types import SimpleNamespace
+
+    import training.job
+    from deploy import heads as H
+    from deploy.scheduler import JobLock
+
+    starts, looks, lines = [], [], []
+
+    def cycle(registry, target, cfg, **kw):
+        starts.append(time.monotonic())
+        time.sleep(0.6)
+        return str(len(starts) + 1), SimpleNamespace(promoted=True, accepted=True, reason="gate ok", promotion=None)
+
+    def pending(since, **kw):
+        looks.append(since)
+        return 0 if len(looks) <= 3 else 10
+
+    held = iter([3, 3, 20, 20])                      # the gate's held-out sample: too thin twice, then enough
+    monkeypatch.setattr(H, "run_heads_cycle", cycle)
+    monkeypatch.setattr(training.job, "pending_records", pending)
+    registry = SimpleNamespace(versions=lambda: [], canary=lambda: None)
+    ticks = H.run_heads_schedule(registry, None, {}, every_s=1.0, poll_s=0.05, max_jobs=2, min_new_steps=5,
+                                 policy=GatePolicy(min_requests=10), evidence=SimpleNamespace(
+                                     heldout_requests=lambda: next(held)),
+                                 lock=JobLock(Path(tempfile.mkdtemp()) / "job.lock"), progress=lines.append)
+    assert [t.status for t in ticks] == ["skipped"] * 5 + ["promoted", "promoted"]
+    assert sum("skipped: 0 new step records" in m for m in lines) == 1            # said once, not three times
+    assert sum("held-out sample holds 3 requests, it needs 10" in m for m in lines) == 1   # no job it cannot judge
+    assert 1.0 <= starts[1] - starts[0] < 1.45, starts                              # not 0.6 + 1.0 after the first
+    with pytest.raises(ValueError, match="poll_s"):
+        H.run_heads_schedule(registry, None, {}, every_s=1.0, poll_s=0)
 
 
 def test_heads_schedule_with_a_canary_share_waits_for_the_judge(regs, pair, target_model, tmp_path, redis_url):
