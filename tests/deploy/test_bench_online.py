@@ -62,6 +62,16 @@ def test_bench_online_smoke(tmp_path):
     assert 1 <= tg["early_requests"] <= len(sql) and 0 <= tg["late_requests"] <= len(sql)
     assert f"({tg['early_requests']} requests)" in md and f"({tg['late_requests']} requests)" in md
     assert (out / "online.png").stat().st_size > 10_000
+    # the analysis redone from the run's own output (nothing re-run): the same figures, both forgetting windows
+    again = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_online.py"), "--resummarize", str(out)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    redone = json.loads((out / "summary.json").read_text())
+    assert redone["requests"] == summary["requests"] and redone["targets"]["early_acceptance"] == tg["early_acceptance"]
+    assert "earlier category drop after the shift: all after / last" in (out / "summary.md").read_text()
+    bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_online.py"), "--resummarize", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "responses.jsonl" in bad.stderr
 
 
 def test_bench_online_smoke_with_heads(tmp_path):
