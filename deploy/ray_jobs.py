@@ -434,7 +434,7 @@ def run_on_ray(cfg: dict, cluster: RayCluster, settings: RaySettings | None = No
                on_state: Callable[[dict], None] | None = None, progress: Callable[[str], None] = print) -> Path:
     """Run one distillation job (`training.job` cfg) on `cluster`; return its candidate folder (module
     docstring). RayJobError / RayJobLost when it produced none."""
-    from deploy.distill_job import resolve_job
+    from deploy.distill_job import is_heads_job, resolve_job
 
     st = settings or RaySettings()
     cfg = resolve_job(cfg)                        # ValueError here, before anything is submitted
@@ -447,7 +447,7 @@ def run_on_ray(cfg: dict, cluster: RayCluster, settings: RaySettings | None = No
     if mode == "task" and not cluster.address:
         raise RayUnavailable(f"{cluster.describe()}: Ray-task submission needs a GCS or ray:// address")
     gpus = st.gpus_for(cluster)
-    what = cfg["kind"] if cfg.get("kind") in ("medusa", "eagle") else "distill"      # a heads job, or the draft's
+    what = cfg["kind"] if is_heads_job(cfg) else "distill"                              # a heads job, or the draft's
     sid = f"draftsmith-{what}-v{cfg.get('parent_version') or 'none'}-{time.strftime('%Y%m%d-%H%M%S')}-" \
           f"{uuid.uuid4().hex[:6]}"
     job = _Job({"runner": f"ray-{mode}", "id": sid, "cluster": cluster.address or cluster.dashboard_url,
