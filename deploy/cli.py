@@ -249,6 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "on a machine that also serves, a higher value leaves serving the CPU (default 0)")
     d.add_argument("--ray-cpus", type=_positive_float, default=1.0,
                    help="CPUs a Ray job asks for (default 1; torch uses as many threads)")
+    d.add_argument("--threads", type=_positive_int, default=None,
+                   help="torch threads of this process, which scores the gate's sample (and runs jobs with --runner "
+                        "process); default: --ray-cpus when `draftsmith serve` runs on this machine, so the "
+                        "distillation side never takes more of the cores than a job asks for, else torch's default")
     d.add_argument("--ray-gpus", type=_gpus, default="auto",
                    help="GPUs a Ray job asks for: a number, or 'auto' (default): 1 when the cluster has a GPU, "
                         "so the job lands on a GPU node")
@@ -308,7 +312,8 @@ def _gate_options(sub) -> None:
                      help="held-out requests the gate's own sample needs (default 20)")
     sub.add_argument("--min-heldout", type=int, default=1, help="held-out steps the gate's sample needs (default 1)")
     sub.add_argument("--category-min-requests", type=int, default=10,
-                     help="a traffic category is tested for regression from this many requests (default 10)")
+                     help="a traffic category is tested for regression from this many requests; the gate's sample "
+                          "reaches back for older held-out requests of a category below it (default 10)")
     sub.add_argument("--gate-records", type=_positive_int, default=4000,
                      help="newest held-out step records the gate draws (default 4000)")
 
@@ -342,7 +347,8 @@ def _evidence(args, overrides: dict):
         return EvidenceSource(redis_url=overrides.get("redis_url"),
                               buffer_prefix=overrides.get("buffer_prefix", "draftsmith:buf"),
                               heldout_fraction=overrides.get("heldout_fraction", 0.1), records=args.gate_records,
-                              max_len=overrides.get("max_len", 1024))
+                              max_len=overrides.get("max_len", 1024),
+                              category_floor=getattr(args, "category_min_requests", 10))
     except ValueError as e:
         raise BadInput(f"gate sample: {e}") from None
 
@@ -589,6 +595,7 @@ def cmd_distill(args) -> int:
     from deploy.scheduler import DistillScheduler, DriftPolicy, LiveWatchdog, ScheduleConfig, WatchdogPolicy
 
     policy = _gate_policy(args)
+    _distill_threads(args)
     if args.kind not in HEADS:                   # the draft's flags first: no registry read for a bad command line
         if args.drift and args.every is None:
             raise BadInput("--drift brings a scheduled job forward: pass --every DURATION too (e.g. --every 10m "
@@ -645,6 +652,25 @@ def cmd_distill(args) -> int:
     return EXIT_OK
 
 
+def _distill_threads(args) -> int | None:
+    """Set this process's torch threads (--threads; by default --ray-cpus when serving runs on this machine:
+    the gate's scoring pass beside a 1-thread serving replica on 2 cores otherwise takes both cores from it,
+    docs/benchmarks.md); returns what was set (None: torch's default kept)."""
+    n = args.threads
+    if n is None:
+        from deploy.ray_jobs import serving_here
+
+        if not serving_here():
+            return None
+        n = max(1, int(args.ray_cpus))
+        print(f"[distill] `draftsmith serve` runs on this machine: the gate scores on {n} thread{'s' * (n > 1)} "
+              "(--threads to change)", flush=True)
+    import torch
+
+    torch.set_num_threads(n)
+    return n
+
+
 def _served_kind(args) -> str:
     """The kind a request that names no mode drafts with (serving/config.py `served_mode`, mode `auto`): the
     Medusa heads where replicas load them, i.e. when the heads registry has a champion; else the draft."""
@@ -672,7 +698,7 @@ def _distill_heads(args, policy) -> int:
         evidence = HeadsEvidence(args.target or reg.target, redis_url=job.get("redis_url"),
                                  buffer_prefix=job.get("buffer_prefix", "draftsmith:buf"),
                                  heldout_fraction=job.get("heldout_fraction", 0.1), records=args.gate_records,
-                                 kind=args.kind)
+                                 kind=args.kind, category_floor=args.category_min_requests)
         if args.every is not None:
             import threading
 
@@ -775,7 +801,7 @@ def cmd_promote(args) -> int:
             evidence = HeadsEvidence(args.target or reg.target, redis_url=ov.get("redis_url"),
                                      buffer_prefix=ov.get("buffer_prefix", "draftsmith:buf"),
                                      heldout_fraction=ov.get("heldout_fraction", 0.1), records=args.gate_records,
-                                     kind=args.kind)
+                                     kind=args.kind, category_floor=args.category_min_requests)
         else:
             smoke, evidence = engine_smoke_check(args.target), _evidence(args, _read_config(args.config))
         verdict = run_gate(reg, args.version, smoke, policy=_gate_policy(args), evidence=evidence,

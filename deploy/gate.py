@@ -235,8 +235,10 @@ def judge_evidence(ev: PairedEvidence, policy: GatePolicy) -> EvidenceJudgement:
 class EvidenceSource:
     """Where the gate draws its own held-out sample: the replay buffer at `redis_url` (default REDIS_URL,
     else the embedded server) under `buffer_prefix`; the newest `records` held-out steps (split
-    `heldout_fraction`, the jobs' or smaller), optionally of one `source`; units of at most `max_len`
-    tokens, scored in batches of about `batch_tokens`."""
+    `heldout_fraction`, the jobs' or smaller), optionally of one `source`, topped up with older held-out
+    steps until every traffic source met has `category_floor` requests (training/data.py
+    `stratified_heldout`; the gate's `category_min_requests`, so a category the newest traffic crowds out is
+    still tested); units of at most `max_len` tokens, scored in batches of about `batch_tokens`."""
 
     redis_url: str | None = None
     buffer_prefix: str = "draftsmith:buf"
@@ -245,11 +247,13 @@ class EvidenceSource:
     max_len: int = 1024
     batch_tokens: int = 4096
     source: str | None = None
+    category_floor: int = 10
 
     def __post_init__(self) -> None:
         if not (0.0 < self.heldout_fraction < 1.0):
             raise ValueError(f"heldout_fraction must be in (0, 1), got {self.heldout_fraction!r}")
         _int_at_least("records", self.records, 1)
+        _int_at_least("category_floor", self.category_floor, 0)
 
     @contextlib.contextmanager
     def _reader(self):
@@ -282,7 +286,8 @@ class EvidenceSource:
 
         with self._reader() as reader:
             units, entries = data.heldout_units(reader, self.records, heldout_fraction=self.heldout_fraction,
-                                                max_len=self.max_len, source=self.source)
+                                                max_len=self.max_len, source=self.source,
+                                                category_floor=self.category_floor)
         scores = {name: score_requests(path, units, batch_tokens=self.batch_tokens)
                   for name, path in (("champion", champion_path), ("candidate", candidate_path))}
         ids = sorted(set(scores["champion"]) & set(scores["candidate"]))

@@ -55,13 +55,15 @@ class HeadsEvidence:
     heldout_fraction: float = 0.1
     records: int = 2000
     kind: str = "medusa"
+    category_floor: int = 10
     _target_model: object = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.kind not in HEADS_KINDS:
             raise ValueError(f"kind must be one of {tuple(HEADS_KINDS)}, got {self.kind!r}")
         EvidenceSource(redis_url=self.redis_url, buffer_prefix=self.buffer_prefix,        # same validation
-                       heldout_fraction=self.heldout_fraction, records=self.records)
+                       heldout_fraction=self.heldout_fraction, records=self.records,
+                       category_floor=self.category_floor)
 
     def _model(self):
         if self._target_model is None:
@@ -83,7 +85,8 @@ class HeadsEvidence:
         from training.heads_job import read_examples
 
         examples, window = read_examples(redis_url=self.redis_url, buffer_prefix=self.buffer_prefix,
-                                         n=self.records, heldout=True, heldout_fraction=self.heldout_fraction)
+                                         n=self.records, heldout=True, heldout_fraction=self.heldout_fraction,
+                                         category_floor=self.category_floor)
         target = self._model()
         hidden = None
         scores = {}

@@ -327,6 +327,12 @@ def unpublish_cluster(data_dir: str | os.PathLike | None = None) -> None:
         pass
 
 
+def serving_here(data_dir: str | os.PathLike | None = None) -> bool:
+    """Whether a `draftsmith serve` that published its Ray (`publish_cluster`) runs on this machine now."""
+    info = read_published_cluster(data_dir) or {}
+    return info.get("host") == socket.gethostname() and _pid_alive(info.get("pid"))
+
+
 def read_published_cluster(data_dir: str | os.PathLike | None = None) -> dict | None:
     path = (Path(data_dir) if data_dir else _data_dir()) / CLUSTER_FILE
     try:

@@ -298,13 +298,56 @@ def heldout_window(reader: ReplayBufferReader, n: int, *, heldout_fraction: floa
                         max_scan=max_scan or int(50 * n / max(heldout_fraction, 0.01)))
 
 
-def heldout_units(reader: ReplayBufferReader, n: int, *, heldout_fraction: float, max_len: int = 1024,
-                  source: str | None = None) -> tuple[list[Unit], list[BufferEntry]]:
-    """The promotion gate's sample (deploy/gate.py): the newest `n` held-out steps (read-only, as
-    `heldout_window`) packed into units with every row scored (`rows="all"`); returns (units, entries).
-    Held out = `is_heldout(request_id, heldout_fraction)`: with the jobs' fraction (or a smaller one)
-    no job ever trained on them."""
+def stratified_heldout(reader: ReplayBufferReader, n: int, *, heldout_fraction: float, category_floor: int = 0,
+                       source: str | None = None, extra_reads: int = 3,
+                       ) -> tuple[list[BufferEntry], dict[str, SequenceRecord]]:
+    """The promotion gate's sample of held-out steps (newest first), read-only: the newest `n`
+    (`heldout_window`), and, when `category_floor` > 0, older held-out steps of every traffic source met
+    that has steps of fewer than `category_floor` requests in the sample: older steps are read max(`n`,
+    1000) at a time, once always (a category the newest `n` crowded out entirely is met there) and at most
+    `extra_reads` times, until each source met has its floor. After a traffic shift the newest steps are
+    mostly the new traffic; without the floor an earlier category falls below the gate's per-category
+    minimum and a candidate that forgot it passes untested. A source absent from the whole scan stays
+    absent: the cost is bounded."""
+    if isinstance(category_floor, bool) or not isinstance(category_floor, int) or category_floor < 0:
+        raise ValueError(f"category_floor must be an integer >= 0, got {category_floor!r}")
     entries, sequences = heldout_window(reader, n, heldout_fraction=heldout_fraction, source=source)
+    if not category_floor or source is not None or len(entries) < n:
+        return entries, sequences                    # one source asked for, or the whole buffer already read
+
+    def src(e: BufferEntry) -> str:
+        return sequences[e.record.request_id].source or "unlabelled"
+
+    requests: dict[str, set[str]] = {}
+    for e in entries:
+        requests.setdefault(src(e), set()).add(e.record.request_id)
+    oldest, chunk = entries[-1].stream_id, max(n, 1000)
+    for i in range(extra_reads):
+        if i and all(len(r) >= category_floor for r in requests.values()):
+            break                                    # (one read always: it finds a category the newest n lack)
+        more, more_seqs = newest_steps(reader, chunk, heldout=True, heldout_fraction=heldout_fraction,
+                                       before_id=oldest, max_scan=int(50 * chunk / max(heldout_fraction, 0.01)))
+        if not more:
+            break
+        oldest = more[-1].stream_id
+        for e in more:
+            rid, s = e.record.request_id, more_seqs[e.record.request_id].source or "unlabelled"
+            have = requests.setdefault(s, set())
+            if rid in have or len(have) < category_floor:    # (a request already in: its older steps too)
+                have.add(rid)
+                entries.append(e)
+                sequences[rid] = more_seqs[rid]
+    return entries, sequences
+
+
+def heldout_units(reader: ReplayBufferReader, n: int, *, heldout_fraction: float, max_len: int = 1024,
+                  source: str | None = None, category_floor: int = 0) -> tuple[list[Unit], list[BufferEntry]]:
+    """The promotion gate's sample (deploy/gate.py): the held-out steps of `stratified_heldout` (the
+    newest `n`, topped up to `category_floor` requests per traffic source) packed into units with every row
+    scored (`rows="all"`); returns (units, entries). Held out = `is_heldout(request_id, heldout_fraction)`:
+    with the jobs' fraction (or a smaller one) no job ever trained on them."""
+    entries, sequences = stratified_heldout(reader, n, heldout_fraction=heldout_fraction, source=source,
+                                            category_floor=category_floor)
     units, _ = build_units(entries, sequences, max_len=max_len, rows="all")
     return units, entries
 

@@ -112,16 +112,22 @@ def examples_from_buffer(entries, sequences: dict) -> list[dict]:
 
 
 def read_examples(*, redis_url: str | None, buffer_prefix: str, n: int, heldout: bool,
-                  heldout_fraction: float, before_id: str | None = None) -> tuple[list[dict], dict]:
+                  heldout_fraction: float, before_id: str | None = None,
+                  category_floor: int = 0) -> tuple[list[dict], dict]:
     """The newest `n` training (or held-out) steps of the buffer (older than `before_id` if given) as
-    examples, read-only; and the window."""
+    examples, read-only; and the window. Held out with `category_floor`: the gate's sample, topped up to
+    that many requests per traffic source (training/data.py `stratified_heldout`)."""
     from buffer.redis_store import BufferConfig, ReplayBufferReader, resolve_redis_url, stream_id_key
-    from training.data import newest_steps
+    from training.data import newest_steps, stratified_heldout
 
     reader = ReplayBufferReader(resolve_redis_url(redis_url), BufferConfig(prefix=buffer_prefix))
     try:
-        entries, seqs = newest_steps(reader, n, heldout=heldout, heldout_fraction=heldout_fraction,
-                                     before_id=before_id)
+        if heldout and category_floor and before_id is None:
+            entries, seqs = stratified_heldout(reader, n, heldout_fraction=heldout_fraction,
+                                               category_floor=category_floor)
+        else:
+            entries, seqs = newest_steps(reader, n, heldout=heldout, heldout_fraction=heldout_fraction,
+                                         before_id=before_id)
     finally:
         reader.client.close()
     ids = sorted((e.stream_id for e in entries), key=stream_id_key)

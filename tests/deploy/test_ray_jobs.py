@@ -20,6 +20,7 @@ import sys
 import textwrap
 import threading
 import time
+import types
 import uuid
 from pathlib import Path
 
@@ -76,7 +77,25 @@ def test_finding_the_cluster_and_the_in_process_fallback(tmp_path, monkeypatch):
                                                      "pid": os.getpid(), "host": socket.gethostname()}))
     t0 = time.time()
     assert find_cluster(tmp_path) is None and time.time() - t0 < 10
+    # serving runs here (a live local serve pid): `draftsmith distill` scores its gate on the jobs' CPUs
+    import torch
+
+    from deploy import cli
+    from deploy.ray_jobs import serving_here
+
+    assert serving_here(tmp_path)
+    before = torch.get_num_threads()
+    monkeypatch.setenv("DRAFTSMITH_DATA", str(tmp_path))
+    try:
+        assert cli._distill_threads(types.SimpleNamespace(threads=None, ray_cpus=1.0)) == 1
+        assert torch.get_num_threads() == 1
+        assert cli._distill_threads(types.SimpleNamespace(threads=2, ray_cpus=1.0)) == 2   # --threads wins
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
     unpublish_cluster(tmp_path)                                         # written by this pid: removed
+    assert not serving_here(tmp_path)
+    assert cli._distill_threads(types.SimpleNamespace(threads=None, ray_cpus=1.0)) is None   # torch's default kept
     assert read_published_cluster(tmp_path) is None
     # RAY_ADDRESS set but dead: an error (the job fails, records pending), never a silent fallback
     monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{_free_port()}")

@@ -224,6 +224,43 @@ def test_windows_separate_training_and_heldout_records(served):
     assert len(held_b) == 3 and {s.source for s in seqs_b.values()} == {"b"}
 
 
+def test_gate_sample_reaches_back_for_a_category_the_newest_steps_crowd_out(served):
+    """After a traffic shift the newest held-out steps are all the new category; the gate's sample
+    (stratified_heldout, EvidenceSource) tops each category met up to `category_floor` requests with older
+    held-out steps, whole requests, newest first, so the per-category regression test still sees the old one."""
+    from deploy.gate import EvidenceSource
+
+    reader = ReplayBufferReader(served.url, served.config)
+    held, seqs = data.heldout_window(reader, 1000, heldout_fraction=FRACTION)
+    newest = held[0].record.request_id
+    assert seqs[newest].source == "b"                          # "b" was served after "a"
+    n = sum(e.record.request_id == newest for e in held)
+    plain, plain_seqs = data.heldout_window(reader, n, heldout_fraction=FRACTION)
+    assert {s.source for s in plain_seqs.values()} == {"b"}
+
+    same, _ = data.stratified_heldout(reader, n, heldout_fraction=FRACTION, category_floor=0)
+    assert [e.stream_id for e in same] == [e.stream_id for e in plain]
+    one, one_seqs = data.stratified_heldout(reader, n, heldout_fraction=FRACTION, category_floor=1)
+    assert [e.stream_id for e in one[:n]] == [e.stream_id for e in plain]
+    a_ids = {r for r, sq in one_seqs.items() if sq.source == "a"}
+    assert len(a_ids) == 1                                     # the newest held-out "a" request, whole
+    (a_id,) = a_ids
+    assert [e.stream_id for e in one if e.record.request_id == a_id] == \
+        [e.stream_id for e in held if e.record.request_id == a_id]
+    keys = [data.stream_id_key(e.stream_id) for e in one]
+    assert keys == sorted(keys, reverse=True) and len(set(keys)) == len(keys)
+    two, two_seqs = data.stratified_heldout(reader, n, heldout_fraction=FRACTION, category_floor=2)
+    assert {e.record.request_id for e in two} == served.heldout_ids      # both requests of both categories
+    with pytest.raises(ValueError, match="category_floor"):
+        data.stratified_heldout(reader, n, heldout_fraction=FRACTION, category_floor=-1)
+
+    def sample(floor):
+        return EvidenceSource(redis_url=served.url, buffer_prefix=served.prefix, heldout_fraction=FRACTION,
+                              records=n, category_floor=floor).collect(served.draft, served.draft)
+    assert set(sample(0).categories) == {"b"}
+    assert sorted(sample(1).categories) == ["a", "b"]
+
+
 # ----------------------------------------------------------------------------- acceptance and training
 def test_row_acceptance_and_expected_length_by_hand():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]]))     # draft, vocabulary 3
