@@ -592,14 +592,14 @@ def cmd_distill(args) -> int:
     import threading
 
     from deploy.gate import engine_smoke_check
-    from deploy.scheduler import DistillScheduler, DriftPolicy, LiveWatchdog, ScheduleConfig, WatchdogPolicy
+    from deploy.scheduler import DistillScheduler, LiveWatchdog, ScheduleConfig, WatchdogPolicy
 
     policy = _gate_policy(args)
     _distill_threads(args)
-    if args.kind not in HEADS:                   # the draft's flags first: no registry read for a bad command line
-        if args.drift and args.every is None:
-            raise BadInput("--drift brings a scheduled job forward: pass --every DURATION too (e.g. --every 10m "
-                           "--drift)")
+    if args.drift and args.every is None:        # the flags first: no registry read for a bad command line
+        raise BadInput("--drift brings a scheduled job forward: pass --every DURATION too (e.g. --every 10m "
+                       "--drift)")
+    if args.kind not in HEADS:
         if args.pipeline and (not args.canary_share or (args.every is None and args.min_records is None)):
             raise BadInput("--pipeline overlaps a scheduled job with a canary: it needs --every or --min-records and "
                            "--canary-share above 0")
@@ -607,11 +607,11 @@ def cmd_distill(args) -> int:
     if chosen:
         args.kind = _served_kind(args)
     if args.kind in HEADS:
-        if args.drift or args.pipeline:
+        if args.pipeline:
             why = (f"the served default drafts with the Medusa heads ({_registry(args, 'medusa').name} has a "
                    "champion), so `distill` distills them, and " if chosen else "")
-            raise BadInput(f"{why}--{'drift' if args.drift else 'pipeline'} schedules draft jobs; a --kind "
-                           f"{args.kind} schedule runs by --every (and --min-records) only: drop the flag"
+            raise BadInput(f"{why}--pipeline schedules draft jobs; a --kind {args.kind} schedule runs by --every "
+                           "(--min-records, --drift): drop the flag"
                            + (", or pass --kind draft to distill the draft" if chosen else ""))
         if chosen:
             print(f"[distill] the served default drafts with the Medusa heads: distilling them (--kind {args.kind}; "
@@ -619,8 +619,8 @@ def cmd_distill(args) -> int:
         return _distill_heads(args, policy)
     schedule = None
     if args.every is not None or args.min_records is not None:
+        drift = _drift_policy(args)
         try:
-            drift = DriftPolicy(window_s=args.drift_window, tolerance=args.drift_tolerance) if args.drift else None
             schedule = ScheduleConfig(every_s=args.every, min_records=args.min_records, poll_s=args.poll, drift=drift,
                                       pipeline=args.pipeline)
         except ValueError as e:
@@ -650,6 +650,18 @@ def cmd_distill(args) -> int:
     except KeyboardInterrupt:
         stop.set()
     return EXIT_OK
+
+
+def _drift_policy(args):
+    """--drift's DriftPolicy (None without --drift)."""
+    from deploy.scheduler import DriftPolicy
+
+    if not args.drift:
+        return None
+    try:
+        return DriftPolicy(window_s=args.drift_window, tolerance=args.drift_tolerance)
+    except ValueError as e:
+        raise BadInput(str(e)) from None
 
 
 def _distill_threads(args) -> int | None:
@@ -715,7 +727,7 @@ def _distill_heads(args, policy) -> int:
                                            max_jobs=args.max_jobs, min_new_steps=args.min_records or 1,
                                            policy=policy, evidence=evidence, canary_share=args.canary_share,
                                            canary=_canary_judge(args, reg) if args.canary_share else None,
-                                           run_job=runner)
+                                           run_job=runner, drift=_drift_policy(args))
             except KeyboardInterrupt:
                 stop.set()
                 return EXIT_OK

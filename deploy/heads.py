@@ -226,7 +226,7 @@ def run_heads_schedule(registry: Registry, target: str | None, job_cfg: dict | N
                        stop=None, max_jobs: int | None = None, min_new_steps: int = 1,
                        policy: GatePolicy | None = None, evidence: HeadsEvidence | None = None,
                        smoke_check: SmokeCheck | None = None, lock=None, canary_share: float = 0.0,
-                       canary=None, run_job=None, poll_s: float | None = None,
+                       canary=None, run_job=None, poll_s: float | None = None, drift=None,
                        progress=print) -> list[HeadsTick]:
     """One heads cycle (`run_heads_cycle`) at most every `every_s` seconds, counted from the start of the last
     one as the draft's scheduler counts `--every` (the first at once), when the buffer holds at least
@@ -242,11 +242,15 @@ def run_heads_schedule(registry: Registry, target: str | None, job_cfg: dict | N
     requests instead of the champion, as the draft's scheduler does; `canary` (deploy/scheduler.py
     `CanaryJudge` on this registry) then judges it at every tick, promoting or dropping it on live evidence,
     and no new job starts while a canary is being judged. `run_job` runs each job (as `run_heads_cycle`: on
-    Ray when `draftsmith distill` hands its DistillRunner). Stops when `stop` (a threading.Event) is set or
+    Ray when `draftsmith distill` hands its DistillRunner). `drift` (a deploy/scheduler.py `DriftPolicy`,
+    `distill --drift`): before `every_s` has passed, a job starts early when the champion's live acceptance
+    has drifted below its gate figure (`drift_reason`, the draft's scheduler's trigger), i.e. when the
+    traffic changed under it. Stops when `stop` (a threading.Event) is set or
     after `max_jobs` cycles that ran a job; returns every tick."""
     import json
     import threading
 
+    from deploy import scheduler
     from deploy.scheduler import JobLock
     from training.heads_job import NotEnoughRows
     from training.job import pending_records
@@ -272,9 +276,16 @@ def run_heads_schedule(registry: Registry, target: str | None, job_cfg: dict | N
                     progress(f"[heads-canary] {v.action}: {v.message}")
             except Exception as e:  # noqa: BLE001 - e.g. MLflow down: no judgement this tick
                 progress(f"[heads-canary] no look this time: {e}")
+        early = None
         if last_start is not None and time.monotonic() - last_start < every_s:
-            stop.wait(min(poll_s, every_s - (time.monotonic() - last_start)))
-            continue
+            if drift is not None:
+                try:
+                    early = scheduler.drift_reason(registry, drift, time.monotonic() - last_start)
+                except Exception as e:  # noqa: BLE001 - e.g. MLflow down: the interval decides
+                    log.warning("[heads-schedule] drift not judged: %s", e)
+            if early is None:
+                stop.wait(min(poll_s, every_s - (time.monotonic() - last_start)))
+                continue
         tick = None
         try:
             running = registry.canary() if canary_share else None
@@ -297,6 +308,8 @@ def run_heads_schedule(registry: Registry, target: str | None, job_cfg: dict | N
                 tick = HeadsTick("skipped", "another distillation job holds the job lock")
             else:
                 last_start = time.monotonic()
+                if early:
+                    progress(f"[heads-schedule] a job before the interval: {early}")
                 try:
                     version, verdict = run_heads_cycle(registry, target, cfg, policy=policy, evidence=evidence,
                                                        smoke_check=smoke_check, canary_share=canary_share,

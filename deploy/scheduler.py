@@ -254,6 +254,40 @@ class ScheduleConfig:
             raise ValueError("--drift brings an interval's job forward: it needs --every")
 
 
+def drift_reason(registry, pol: DriftPolicy, since_last_job_s: float) -> str | None:
+    """Why `registry`'s champion's live acceptance has drifted (module docstring, "Triggers"), or None: the
+    draft's scheduler (`DistillScheduler.drift`) and the heads' (deploy/heads.py `run_heads_schedule`) start
+    a job early on it."""
+    if since_last_job_s < pol.min_gap_s:
+        return None
+    reg = registry
+    champ = reg.champion()
+    if champ is None:
+        return None
+    info = reg.get(champ)
+    intervals = [it for it in reg.live_intervals(champ, since_ms=reg.champion_since_ms(info))
+                 if it.get("draft_tokens")]
+    recent = live_figure(intervals, pol.window_s)
+    if not recent.enough(pol):         # the watchdog's evidence rule, on the drift policy's minimums
+        return None
+    z = NormalDist().inv_cdf(pol.confidence)
+    ref = info.metrics.get("gate_predicted_live_acceptance", info.metrics.get("gate_expected_rate"))
+    if ref is not None:
+        what, gap = f"its gate figure {ref:.3f}", recent.rate + z * recent.se - ref * (1 - pol.tolerance)
+    else:
+        newest = max(it["time_ms"] for it in intervals)
+        base = live_figure([it for it in intervals if it["time_ms"] < newest - pol.window_s * 1000])
+        if base.rate is None or base.drafted < pol.min_draft_tokens:
+            return None
+        ref = base.rate
+        what = f"its own earlier live figure {ref:.3f}"
+        gap = recent.rate - ref * (1 - pol.tolerance) + z * math.hypot(recent.se, base.se)
+    if gap >= 0:
+        return None
+    return (f"drift: version {champ}'s live acceptance {recent.rate:.3f} +- {recent.se:.3f} over the last "
+            f"{pol.window_s:.0f} s is significantly below {what} less {pol.tolerance:.0%}")
+
+
 def parse_duration(text: str) -> float:
     """'90', '90s', '10m', '2h', '1.5h' -> seconds; ValueError with the accepted forms otherwise."""
     s = str(text).strip().lower()
@@ -626,35 +660,7 @@ class DistillScheduler:
 
     def drift(self, since_last_job_s: float) -> str | None:
         """Why the champion's live acceptance has drifted (module docstring, "Triggers"), or None."""
-        pol = self.schedule.drift
-        if since_last_job_s < pol.min_gap_s:
-            return None
-        reg = self.registry
-        champ = reg.champion()
-        if champ is None:
-            return None
-        info = reg.get(champ)
-        intervals = [it for it in reg.live_intervals(champ, since_ms=reg.champion_since_ms(info))
-                     if it.get("draft_tokens")]
-        recent = live_figure(intervals, pol.window_s)
-        if not recent.enough(pol):         # the watchdog's evidence rule, on the drift policy's minimums
-            return None
-        z = NormalDist().inv_cdf(pol.confidence)
-        ref = info.metrics.get("gate_predicted_live_acceptance", info.metrics.get("gate_expected_rate"))
-        if ref is not None:
-            what, gap = f"its gate figure {ref:.3f}", recent.rate + z * recent.se - ref * (1 - pol.tolerance)
-        else:
-            newest = max(it["time_ms"] for it in intervals)
-            base = live_figure([it for it in intervals if it["time_ms"] < newest - pol.window_s * 1000])
-            if base.rate is None or base.drafted < pol.min_draft_tokens:
-                return None
-            ref = base.rate
-            what = f"its own earlier live figure {ref:.3f}"
-            gap = recent.rate - ref * (1 - pol.tolerance) + z * math.hypot(recent.se, base.se)
-        if gap >= 0:
-            return None
-        return (f"drift: version {champ}'s live acceptance {recent.rate:.3f} +- {recent.se:.3f} over the last "
-                f"{pol.window_s:.0f} s is significantly below {what} less {pol.tolerance:.0%}")
+        return drift_reason(self.registry, self.schedule.drift, since_last_job_s)
 
     def tick(self) -> JobOutcome | None:
         """One pass of the schedule: the watchdog, a pending gate, then a job when due; returns the job's

@@ -4,6 +4,7 @@ rolled back; a heads job trained from real served records; a corrupt or foreign 
 from __future__ import annotations
 
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -296,9 +297,11 @@ def test_distill_by_default_distills_the_kind_the_served_default_drafts_with(reg
     assert main(["distill", *base]) == 2
     assert "no champion draft" in capsys.readouterr().err            # the draft's job: nothing to start from
     heads.promote(heads.register(make_heads(target_model, tmp_path / "h1", seed=1)))
-    assert main(["distill", "--every", "1m", "--drift", *base]) == 2
+    assert main(["distill", "--every", "1m", "--pipeline", *base]) == 2
     err = capsys.readouterr().err
-    assert "drafts with the Medusa heads" in err and "--drift schedules draft jobs" in err and "--kind draft" in err
+    assert "drafts with the Medusa heads" in err and "--pipeline schedules draft jobs" in err and "--kind draft" in err
+    assert main(["distill", "--drift", *base]) == 2                   # either kind: drift needs an interval
+    assert "pass --every" in capsys.readouterr().err
     assert main(["distill", "--min-records", "5", *base]) == 2       # the heads' schedule runs by --every
     assert "schedules by time" in capsys.readouterr().err
     assert main(["distill", "--kind", "draft", "--every", "1m", "--drift", *base]) == 2
@@ -385,6 +388,46 @@ def test_heads_schedule_counts_every_from_the_last_start_and_says_a_skip_once(mo
     assert 1.0 <= starts[1] - starts[0] < 1.45, starts                              # not 0.6 + 1.0 after the first
     with pytest.raises(ValueError, match="poll_s"):
         H.run_heads_schedule(registry, None, {}, every_s=1.0, poll_s=0)
+
+
+def test_heads_schedule_starts_a_job_early_when_live_acceptance_drifts(monkeypatch):
+    """`distill --drift` for the heads: within --every, a job starts as soon as the champion's live acceptance
+    has drifted (deploy/scheduler.py `drift_reason`, the draft scheduler's trigger, asked with the time since
+    the last start), and says why; without drift the interval decides (pure logic: stand-ins)."""
+    from types import SimpleNamespace
+
+    import training.job
+    from deploy import heads as H
+    from deploy import scheduler as S
+    from deploy.scheduler import DriftPolicy, JobLock
+
+    starts, asked, lines = [], [], []
+
+    def cycle(registry, target, cfg, **kw):
+        starts.append(time.monotonic())
+        return str(len(starts) + 1), SimpleNamespace(promoted=True, accepted=True, reason="gate ok", promotion=None)
+
+    def drifted(registry, pol, since):
+        asked.append((pol, since))
+        return "drift: version 2's live acceptance 0.200 +- 0.010 ..." if since > 0.3 else None
+
+    monkeypatch.setattr(H, "run_heads_cycle", cycle)
+    monkeypatch.setattr(training.job, "pending_records", lambda since, **kw: 10)
+    monkeypatch.setattr(S, "drift_reason", drifted)
+    registry = SimpleNamespace(versions=lambda: [], canary=lambda: None)
+    pol = DriftPolicy()
+    run = lambda **kw: H.run_heads_schedule(registry, None, {}, every_s=60.0, poll_s=0.05, max_jobs=2,  # noqa: E731
+                                            lock=JobLock(Path(tempfile.mkdtemp()) / "job.lock"),
+                                            progress=lines.append, **kw)
+    t0 = time.monotonic()
+    ticks = run(drift=pol)
+    assert [t.status for t in ticks] == ["promoted", "promoted"] and time.monotonic() - t0 < 5   # not 60 s
+    assert 0.3 < starts[1] - starts[0] < 1.0 and all(p is pol for p, _ in asked)
+    assert sum("a job before the interval: drift" in m for m in lines) == 1
+    stop = threading.Event()
+    threading.Timer(0.8, stop.set).start()
+    starts.clear()
+    assert [t.status for t in run(stop=stop)] == ["promoted"] and len(starts) == 1    # no drift: the interval
 
 
 def test_heads_schedule_with_a_canary_share_waits_for_the_judge(regs, pair, target_model, tmp_path, redis_url):
