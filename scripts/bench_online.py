@@ -116,7 +116,8 @@ class Traffic:
                     phase, mix = self.phase, self.mix
                 category = rng.choices(list(mix), weights=list(mix.values()))[0]
                 body = {"model": model, "messages": [{"role": "user", "content": streams[category].next()}],
-                        "max_tokens": self.args.max_tokens, "temperature": self.args.temperature}
+                        "max_tokens": self.args.max_tokens, "temperature": self.args.temperature,
+                        "metadata": {"category": category}}      # the traffic label the gate tests per category
                 if spec is not None:
                     body["speculative"] = spec
                 t = time.time()

@@ -289,7 +289,7 @@ def build_app(service: Service) -> FastAPI:
         ts = P.TextStream(svc.tokenizer, body.stop)
         cancel = threading.Event()
         agen = svc.stream(prompt, sampling, spec, request_id=rid, log_mode=body.log_mode, deadline=deadline,
-                          cancel=cancel)
+                          cancel=cancel, source=body.traffic_label)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_sse(agen, ts, rid, chat, len(prompt), include_usage, t0, cancel),

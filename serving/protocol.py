@@ -10,6 +10,9 @@ stop (str or up to 4 str), seed, stream, stream_options.include_usage, n (1 only
                  MODE_KNOBS; adaptive, default true: gamma is an upper bound the adaptive speculation
                  controller may stay under; false keeps a fixed gamma)
     log_mode: "full" | "ids_only" | "none"   what the replay buffer may keep of this request
+and OpenAI's `metadata` ({str: str}, at most 16 pairs, keys <= 64 and values <= 512 characters), whose
+`category` labels the request's traffic in the replay buffer (a SequenceRecord's `source`): the promotion
+gate tests each labelled category for regression and keeps enough of each in its held-out sample.
 Defaults where a field is absent follow OpenAI: temperature 1, no top-k (0), top_p 1.0 (no nucleus cut),
 so an OpenAI client that sets neither gets the plain softmax at its temperature. The MJSD paper's warp
 (top_k 20, top_p 0.9: serving/config.py DEFAULT_TOP_K / DEFAULT_TOP_P, what the paper-table benchmarks
@@ -34,6 +37,10 @@ MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 128
 MAX_MESSAGES = 256
 MAX_PROMPT_CHARS = 200_000   # checked before tokenizing; the token limit is the model's context
+MAX_METADATA = 16            # OpenAI's request metadata limits
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
+MAX_CATEGORY = 64            # the traffic label kept in the replay buffer
 
 
 # ----------------------------------------------------------------------------- errors
@@ -115,6 +122,30 @@ class _Common(BaseModel):
     user: str | None = Field(None, max_length=256)
     speculative: SpeculativeOptions | None = None
     log_mode: Literal["full", "ids_only", "none"] = "full"
+    metadata: dict[StrictStr, StrictStr] | None = Field(
+        None, description="OpenAI request metadata; `category` (at most 64 characters) labels the request's traffic "
+        "in the replay buffer, so the promotion gate tests each category for regression")
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v):
+        if v is None:
+            return v
+        if len(v) > MAX_METADATA:
+            raise ValueError(f"at most {MAX_METADATA} metadata pairs")
+        for k, x in v.items():
+            if not k or len(k) > MAX_METADATA_KEY:
+                raise ValueError(f"metadata keys must be 1 to {MAX_METADATA_KEY} characters")
+            if len(x) > MAX_METADATA_VALUE:
+                raise ValueError(f"metadata values must be at most {MAX_METADATA_VALUE} characters")
+        if len(v.get("category", "")) > MAX_CATEGORY:
+            raise ValueError(f"metadata.category (the traffic label) must be at most {MAX_CATEGORY} characters")
+        return v
+
+    @property
+    def traffic_label(self) -> str:
+        """The request's traffic category for the replay buffer ("" when unlabelled)."""
+        return (self.metadata or {}).get("category", "").strip()
 
     @field_validator("stop")
     @classmethod

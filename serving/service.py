@@ -771,7 +771,7 @@ class Service:
 
     # ------------------------------------------------------------------ decoding
     def stream(self, prompt_ids: list[int], sampling, spec, *, request_id: str, log_mode: str = "full",
-               deadline: float, cancel: threading.Event | None = None) -> AsyncIterator:
+               deadline: float, cancel: threading.Event | None = None, source: str = "") -> AsyncIterator:
         """Admit the request (Busy when the queue is full: checked here, before anything is sent), then return
         an async iterator of StepOutput objects as the engine produces them.
 
@@ -785,10 +785,10 @@ class Service:
             raise Busy(f"the server is busy ({self.running} requests decoding, {self.waiting} queued); "
                        "retry shortly", code="queue_full")
         return self._decode(prompt_ids, sampling, spec, request_id=request_id, log_mode=log_mode, deadline=deadline,
-                            cancel=cancel)
+                            cancel=cancel, source=source)
 
     async def _decode(self, prompt_ids: list[int], sampling, spec, *, request_id: str, log_mode: str,
-                      deadline: float, cancel: threading.Event | None) -> AsyncIterator:
+                      deadline: float, cancel: threading.Event | None, source: str = "") -> AsyncIterator:
         self.waiting += 1
         try:
             await asyncio.wait_for(self._slots.acquire(), timeout=max(0.0, deadline - time.monotonic()))
@@ -799,7 +799,7 @@ class Service:
         self.running += 1
         cancel = cancel or threading.Event()
         gen = self.engine.generate(prompt_ids, sampling, spec, request_id=request_id, cancel=cancel,
-                                   log_mode=log_mode)
+                                   log_mode=log_mode, source=source)
         pending: cf.Future | None = None
         try:
             while True:

@@ -241,6 +241,10 @@ BAD = [
     ({"prompt": "x", "speculative": {"adaptive": "yes"}}, "speculative.adaptive", "bool_type"),
     ({"prompt": "x", "speculative": {"adaptive": 1}}, "speculative.adaptive", "bool_type"),
     ({"prompt": "x", "log_mode": "everything"}, "log_mode", None),
+    ({"prompt": "x", "metadata": {"category": 5}}, "metadata.category", None),
+    ({"prompt": "x", "metadata": {"category": "c" * 65}}, "metadata", None),
+    ({"prompt": "x", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", None),
+    ({"prompt": "x", "metadata": ["sql"]}, "metadata", None),
 ]
 
 
@@ -309,7 +313,7 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.
                                                                                                    max_size=3),
                     max_leaves=6)
 FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream",
-          "stream_options", "n", "speculative", "log_mode"]
+          "stream_options", "n", "speculative", "log_mode", "metadata"]
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
@@ -521,6 +525,8 @@ def test_each_verification_step_reaches_the_replay_buffer(pair):
             m = r.json()["metrics"]["speculative_decoding"]
             r2 = complete(c, max_tokens=10, temperature=0.5, seed=3, log_mode="none")
             assert r2.status_code == 200
+            r3 = complete(c, max_tokens=4, temperature=0.0, metadata={"category": "sql", "team": "a"}, log_mode="none")
+            assert r3.status_code == 200
         assert svc.sink.flush(5)
         cfg = BufferConfig(prefix=svc.s.buffer_prefix)
         assert connect(REDIS_URL).xlen(cfg.steps_key) == m["steps"]      # the opted-out request left nothing
@@ -533,6 +539,15 @@ def test_each_verification_step_reaches_the_replay_buffer(pair):
         assert {e.record.draft_version for e in entries if e.record.algorithm != "mjsd"} <= {"none"}
         assert sum(len(e.record.draft_tokens) for e in entries) == m["draft_tokens"]
         assert sum(e.record.num_accepted for e in entries) == m["accepted_tokens"]
+        # an unlabelled request's sequence has no traffic label; `metadata.category` labels one (the gate's
+        # per-category test reads it)
+        reader = ReplayBufferReader(REDIS_URL, cfg)
+        assert reader.get_sequence(r.json()["id"]).source == ""
+        with httpx.Client(base_url=srv.url, timeout=30) as c:
+            r4 = complete(c, max_tokens=4, temperature=0.0, metadata={"category": "sql"})
+            assert r4.status_code == 200
+        assert svc.sink.flush(5)
+        assert reader.get_sequence(r4.json()["id"]).source == "sql"
     finally:
         srv.stop()
         client = connect(REDIS_URL)
