@@ -246,7 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "('task'), or 'auto' (default): the job API when the cluster has a dashboard")
     d.add_argument("--job-nice", type=int, choices=range(0, 20), default=0, metavar="0..19",
                    help="CPU priority a job lowers itself by (nice; a Ray job or task, not --runner process): "
-                        "on a machine that also serves, a higher value leaves serving the CPU (default 0)")
+                        "on a machine that also serves, a higher value leaves serving the CPU, and this process "
+                        "(the gate) lowers its own priority as well (default 0)")
     d.add_argument("--ray-cpus", type=_positive_float, default=1.0,
                    help="CPUs a Ray job asks for (default 1; torch uses as many threads)")
     d.add_argument("--threads", type=_positive_int, default=None,
@@ -596,6 +597,7 @@ def cmd_distill(args) -> int:
 
     policy = _gate_policy(args)
     _distill_threads(args)
+    _distill_priority(args)
     if args.drift and args.every is None:        # the flags first: no registry read for a bad command line
         raise BadInput("--drift brings a scheduled job forward: pass --every DURATION too (e.g. --every 10m "
                        "--drift)")
@@ -681,6 +683,26 @@ def _distill_threads(args) -> int | None:
 
     torch.set_num_threads(n)
     return n
+
+
+def _distill_priority(args) -> int:
+    """With --job-nice N on the machine that serves, this process (the gate's scoring pass, registration, the
+    smoke check) lowers its CPU priority by N as the jobs do, so no part of a distillation cycle takes CPU time
+    from serving (docs/benchmarks.md, the nineteenth session); returns the niceness now."""
+    import os
+
+    want = int(getattr(args, "job_nice", 0) or 0)
+    now = os.nice(0)
+    if want <= now:
+        return now
+    from deploy.ray_jobs import serving_here
+
+    if not serving_here():
+        return now
+    now = os.nice(want - now)
+    print(f"[distill] `draftsmith serve` runs on this machine: the gate runs at nice {now}, as jobs do (--job-nice)",
+          flush=True)
+    return now
 
 
 def _served_kind(args) -> str:

@@ -158,6 +158,41 @@ class Traffic:
             th.join(timeout=660)
 
 
+class JobWatch:
+    """Polls the scheduler's job state (`<data dir>/distill-job.json`, deploy/scheduler.py `write_job_status`)
+    once a second, so the analysis knows when a distillation job ran beside serving: one entry per job id with
+    its submitted / started / ended times (epoch s) and last state."""
+
+    def __init__(self, data: Path, interval_s: float = 1.0) -> None:
+        self.path, self.interval_s = data / "distill-job.json", interval_s
+        self.jobs: dict[str, dict] = {}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def poll(self) -> None:
+        try:
+            info = json.loads(self.path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return
+        if isinstance(info, dict) and info.get("id"):
+            self.jobs[str(info["id"])] = {k: info.get(k) for k in ("submitted", "started", "ended", "state")}
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.interval_s):
+            self.poll()
+
+    def intervals(self, t0: float, now: float) -> list[dict]:
+        """[{id, state, start, end}] in seconds since traffic started; a job still running ends at `now`."""
+        out = []
+        for jid, j in self.jobs.items():
+            start = j.get("started") or j.get("submitted")
+            if start is None:
+                continue
+            end = j.get("ended") or now
+            out.append({"id": jid, "state": j.get("state"), "start": round(start - t0, 1), "end": round(end - t0, 1)})
+        return sorted(out, key=lambda j: j["start"])
+
+
 # ----------------------------------------------------------------------------- analysis
 def acceptance(rs: list[dict]) -> float | None:
     drafted = sum(r["draft_tokens"] for r in rs)
@@ -180,6 +215,32 @@ def rolling(rs: list[dict], window: int, fn) -> list[tuple[float, float]]:
 
 def between(rs: list[dict], lo: float, hi: float) -> list[dict]:
     return [r for r in rs if lo <= r["t"] < hi]
+
+
+def job_overlap(r: dict, jobs: list[dict]) -> float:
+    """The share of a request's lifetime during which a distillation job ran."""
+    a, b = r["t_start"], r["t"]
+    return sum(max(0.0, min(b, j["end"]) - max(a, j["start"])) for j in jobs) / max(b - a, 1e-9)
+
+
+def contention_rows(records: list[dict], jobs: list[dict]) -> list[dict]:
+    """Serving beside a job against serving without one, per category: requests that ran at least 80% of
+    their time during a job against those that ran at most 20% (the gate's scoring, between a job's end and
+    the next job, counts as no job). Seconds per step and drafted / accepted tokens per step separate what
+    the job's CPU share costs from what the controller chose."""
+    rows = []
+    for c in CATEGORIES:
+        for label, keep in (("no job", lambda f: f <= 0.2), ("job running", lambda f: f >= 0.8)):
+            rs = [r for r in records if r["category"] == c and r.get("steps") and keep(job_overlap(r, jobs))]
+            if not rs:
+                continue
+            steps = sum(r["steps"] for r in rs)
+            rows.append({"category": c, "while": label, "requests": len(rs), "tokens_per_s": tokens_per_s(rs),
+                         "ms_per_step": 1000 * sum(r["latency_s"] for r in rs) / steps,
+                         "drafted_per_step": sum(r["draft_tokens"] for r in rs) / steps,
+                         "accepted_per_step": sum(r["accepted_tokens"] for r in rs) / steps,
+                         "acceptance": acceptance(rs)})
+    return rows
 
 
 def registry_events(history: list[dict], t0: float) -> list[tuple[float, str]]:
@@ -277,7 +338,8 @@ def registry_state(env: dict, args) -> tuple[list[dict], list[dict]]:
     return json.loads(lines[-2]), json.loads(lines[-1])
 
 
-def plot(records: list[dict], events: list[tuple[float, str]], shift_at: float, window: int, path: Path) -> None:
+def plot(records: list[dict], events: list[tuple[float, str]], shift_at: float, window: int, path: Path,
+         jobs: list[dict] | None = None) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -297,6 +359,8 @@ def plot(records: list[dict], events: list[tuple[float, str]], shift_at: float, 
         ax.axvline(shift_at / 60, color="black", ls=":", lw=1)
         for t, label in events:
             ax.axvline(t / 60, color="gray", ls="--", lw=0.8)
+        for j in jobs or []:                           # a distillation job ran beside serving
+            ax.axvspan(j["start"] / 60, j["end"] / 60, color="0.85", alpha=0.5, lw=0)
     ymax = ax1.get_ylim()[1]
     for t, label in events:
         ax1.text(t / 60, ymax, label, rotation=90, va="top", ha="right", fontsize=7)
@@ -304,7 +368,7 @@ def plot(records: list[dict], events: list[tuple[float, str]], shift_at: float, 
              transform=ax1.get_xaxis_transform())      # y in axes fraction: inside the plot whatever its range
     ax1.set_ylabel(f"live acceptance\n(accepted/proposed, rolling {window} req.)")
     ax2.set_ylabel(f"tokens/s per request\n(rolling {window} req.)")
-    ax2.set_xlabel("minutes since traffic started")
+    ax2.set_xlabel("minutes since traffic started" + (" (shaded: a distillation job running)" if jobs else ""))
     ax1.legend(loc="upper left", fontsize=8)
     ax1.set_title("Online distillation on traffic the bootstrap never saw (promotions marked)")
     fig.tight_layout()
@@ -316,8 +380,10 @@ def fmt(x, nd=3) -> str:
 
 
 def write_summary(out: Path, records: list[dict], errors: list[dict], events, versions: list[dict], args,
-                  wall: dict) -> dict:
+                  wall: dict, jobs: list[dict] | None = None) -> dict:
     tg = targets(records, args)
+    jobs = jobs or []
+    contention = contention_rows(records, jobs)
     rows = []
     for v in sorted({r["draft_version"] for r in records}, key=lambda x: (len(x), x)):
         for c in CATEGORIES:
@@ -332,7 +398,7 @@ def write_summary(out: Path, records: list[dict], errors: list[dict], events, ve
                         for k, v in vars(args).items()},
                "requests": len(records), "failed_requests": len(errors), "errors": errors[:50],
                "rows": rows, "targets": tg, "events": events, "versions": versions,
-               "max_chain_depth": max_depth, "wall": wall}
+               "max_chain_depth": max_depth, "wall": wall, "jobs": jobs, "contention": contention}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     lines = [f"# Online learning run ({time.strftime('%Y-%m-%d %H:%M')})", "",
              f"Setting: {args.clients} clients, mode {args.mode}, temperature {args.temperature}, "
@@ -373,6 +439,18 @@ def write_summary(out: Path, records: list[dict], errors: list[dict], events, ve
         lines.append(f"| {v['version']} | {v['kind']} | {v['parent'] or '-'} | {v['depth']} | "
                      f"{','.join(v['aliases']) or '-'} | {v['gate'] or '-'} | {fmt(v.get('gate_acceptance'))} | "
                      f"{fmt(v.get('gate_delta'))} |")
+    if jobs:
+        busy = sum(min(j["end"], args.duration) - max(j["start"], 0.0) for j in jobs if j["end"] > 0)
+        lines += ["", f"## Serving beside distillation jobs ({len(jobs)} jobs, running {busy:.0f} s of "
+                  f"{args.duration:.0f} s of traffic)", "",
+                  "Requests that ran >= 80% of their time during a job against those that ran <= 20% (the gate's "
+                  "scoring counts as no job).", "",
+                  "| category | while | requests | tokens/s per request | ms per step | drafted per step | "
+                  "accepted per step | acceptance |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+        for r in contention:
+            lines.append(f"| {r['category']} | {r['while']} | {r['requests']} | {fmt(r['tokens_per_s'], 1)} | "
+                         f"{r['ms_per_step']:.0f} | {r['drafted_per_step']:.2f} | {r['accepted_per_step']:.2f} | "
+                         f"{fmt(r['acceptance'])} |")
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     return summary
 
@@ -458,8 +536,8 @@ def resummarize(out: Path) -> int:
     args.draft = old["args"].get("draft")
     records = [json.loads(line) for line in (out / "responses.jsonl").read_text().splitlines()]
     events = [tuple(e) for e in old["events"]]
-    write_summary(out, records, old["errors"], events, old["versions"], args, wall=old["wall"])
-    plot(records, events, args.shift_at, args.window, out / "online.png")
+    write_summary(out, records, old["errors"], events, old["versions"], args, wall=old["wall"], jobs=old.get("jobs"))
+    plot(records, events, args.shift_at, args.window, out / "online.png", jobs=old.get("jobs"))
     print((out / "summary.md").read_text())
     return 0
 
@@ -521,6 +599,8 @@ def main(argv=None) -> int:
         traffic = Traffic(url, args)
         traffic.set_phase(1, args.phase1)
         traffic.start()
+        watch = JobWatch(data)
+        watch.thread.start()
         t_end = traffic.t0 + args.duration
         shifted = args.shift_at >= args.duration
         last_report = time.time()
@@ -539,14 +619,17 @@ def main(argv=None) -> int:
         traffic.join()
     finally:
         stop_all(procs)
+    watch.stop.set()
+    watch.poll()
+    jobs = watch.intervals(traffic.t0, time.time())
     versions, history = registry_state(env, args)
     events = registry_events(history, traffic.t0)
     with open(out / "responses.jsonl", "w") as f:
         for r in sorted(traffic.records, key=lambda r: r["t"]):
             f.write(json.dumps(r) + "\n")
     summary = write_summary(out, traffic.records, traffic.errors, events, versions, args,
-                            wall={"setup_s": round(traffic.t0 - t_setup, 1), "traffic_s": args.duration})
-    plot(traffic.records, events, args.shift_at, args.window, out / "online.png")
+                            wall={"setup_s": round(traffic.t0 - t_setup, 1), "traffic_s": args.duration}, jobs=jobs)
+    plot(traffic.records, events, args.shift_at, args.window, out / "online.png", jobs=jobs)
     print((out / "summary.md").read_text())
     return 0 if summary["requests"] > 0 else 1
 

@@ -106,3 +106,30 @@ def test_bench_online_smoke_with_heads(tmp_path):
     assert "[heads-schedule]" in distill_log and "submitting job draftsmith-medusa-v1-" in distill_log, \
         distill_log[-3000:]
     assert "drafting with the Medusa heads" in (out / "summary.md").read_text()
+    # the scheduler's jobs as the script watched them (distill-job.json), and serving beside them
+    jobs = summary["jobs"]
+    assert jobs and all(j["id"].startswith("draftsmith-medusa-") and j["end"] >= j["start"] for j in jobs), jobs
+    assert "## Serving beside distillation jobs" in (out / "summary.md").read_text()
+
+
+def test_contention_rows_split_requests_by_the_share_of_their_time_a_job_ran():
+    """Pure logic of the 'serving beside jobs' table: a request counts as 'job running' when a job covered at
+    least 80% of its lifetime, 'no job' at most 20%, and neither in between; per-step figures are sums over
+    requests, not means of ratios."""
+    from scripts.bench_online import contention_rows, job_overlap
+
+    jobs = [{"id": "a", "start": 10.0, "end": 20.0}, {"id": "b", "start": 30.0, "end": 40.0}]
+
+    def req(t0, t1, steps, drafted, accepted):
+        return {"category": "sql", "t_start": t0, "t": t1, "latency_s": t1 - t0, "steps": steps,
+                "draft_tokens": drafted, "accepted_tokens": accepted, "tokens_per_s": 10.0}
+
+    inside, outside, straddle = req(11, 19, 8, 16, 8), req(0, 9, 10, 10, 2), req(15, 25, 5, 5, 5)
+    assert job_overlap(inside, jobs) == 1.0 and job_overlap(outside, jobs) == 0.0
+    assert job_overlap(straddle, jobs) == 0.5 and job_overlap(req(5, 45, 1, 0, 0), jobs) == 0.5   # two jobs
+    rows = {r["while"]: r for r in contention_rows([inside, outside, straddle, req(0, 8, 10, 30, 6)], jobs)}
+    assert set(rows) == {"no job", "job running"}
+    assert rows["job running"]["requests"] == 1 and rows["job running"]["ms_per_step"] == 1000.0
+    assert rows["no job"]["requests"] == 2
+    assert rows["no job"]["drafted_per_step"] == 40 / 20 and rows["no job"]["accepted_per_step"] == 8 / 20
+    assert abs(rows["no job"]["ms_per_step"] - 1000 * 17 / 20) < 1e-9 and rows["no job"]["acceptance"] == 8 / 40

@@ -93,9 +93,19 @@ def test_finding_the_cluster_and_the_in_process_fallback(tmp_path, monkeypatch):
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+    # ... and with --job-nice the gate lowers its own priority as the jobs do (a child process: niceness only rises)
+    probe = ("import os, types; from deploy import cli; base = os.nice(0); "
+             "print(cli._distill_priority(types.SimpleNamespace(job_nice=base + 7)) - base, "
+             "cli._distill_priority(types.SimpleNamespace(job_nice=0)) - base)")
+    env = {**os.environ, "DRAFTSMITH_DATA": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-2:] == ["7", "7"] and "the gate runs at nice" in out.stdout
     unpublish_cluster(tmp_path)                                         # written by this pid: removed
     assert not serving_here(tmp_path)
     assert cli._distill_threads(types.SimpleNamespace(threads=None, ray_cpus=1.0)) is None   # torch's default kept
+    out = subprocess.run([sys.executable, "-c", probe], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split()[-2:] == ["0", "0"], out.stdout + out.stderr   # nothing served here
     assert read_published_cluster(tmp_path) is None
     # RAY_ADDRESS set but dead: an error (the job fails, records pending), never a silent fallback
     monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{_free_port()}")
