@@ -20,8 +20,12 @@ Everything real, started as an operator would, in a data directory of its own (-
 5. records per request: time, category, the draft version(s) that drafted it, drafted / accepted
    tokens, completion tokens, latency; writes into --out:
    responses.jsonl, summary.json, summary.md (a table per draft version and category, the issue's
-   targets computed), online.png (rolling live acceptance and tokens/s per category over time, with
-   promotions and rollbacks marked), serve.log and distill.log.
+   targets computed; serving beside a distillation job against without one, from the scheduler's job state
+   polled once a second), online.png (rolling live acceptance and tokens/s per category over time, with
+   promotions and rollbacks marked and jobs shaded), serve.log and distill.log;
+6. with --eval-prompts N, after the service stops: version 1, the champion at the shift and the final champion
+   decode the same N held-out prompts per category at a fixed draft shape (scripts/eval_versions.py), which
+   separates what a version learned or forgot from the controller's choices and the machine's load.
 
 Acceptance is accepted / proposed draft tokens (n-gram proposals of the adaptive controller included,
 as the response reports it; for the heads, tree depth proposed per step), rolling over the last --window
@@ -338,6 +342,29 @@ def registry_state(env: dict, args) -> tuple[list[dict], list[dict]]:
     return json.loads(lines[-2]), json.loads(lines[-1])
 
 
+def evaluate_versions(env: dict, args, events: list[tuple[float, str]], out: Path) -> dict | None:
+    """scripts/eval_versions.py on this run's registry, with serving stopped: version 1, the champion when the
+    traffic shifted and the final champion, each on the same held-out prompts of every category served."""
+    at_shift = "1"
+    for t, e in events:
+        if e.endswith(" champion") and t <= args.shift_at:
+            at_shift = e.split()[0].lstrip("v")
+    names = list(dict.fromkeys(["1", at_shift, "champion"]))
+    cats = [c for c in CATEGORIES if c in args.phase1 or c in args.phase2]
+    cmd = [sys.executable, str(ROOT / "scripts" / "eval_versions.py"), "--data", env["DRAFTSMITH_DATA"],
+           "--kind", "medusa" if args.heads else "draft", "--versions", ",".join(names), "--categories", ",".join(cats),
+           "--prompts", str(args.eval_prompts), "--out", str(out / "version-eval.json")]
+    if args.target:
+        cmd += ["--target", args.target]
+    log(f"evaluating versions {', '.join(names)} at a fixed draft shape")
+    with open(out / "version-eval.log", "w") as f:
+        res = subprocess.run(cmd, env=env, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+    if res.returncode != 0:
+        log(f"version evaluation failed (exit {res.returncode}): see {out / 'version-eval.log'}")
+        return None
+    return json.loads((out / "version-eval.json").read_text())
+
+
 def plot(records: list[dict], events: list[tuple[float, str]], shift_at: float, window: int, path: Path,
          jobs: list[dict] | None = None) -> None:
     import matplotlib
@@ -380,7 +407,7 @@ def fmt(x, nd=3) -> str:
 
 
 def write_summary(out: Path, records: list[dict], errors: list[dict], events, versions: list[dict], args,
-                  wall: dict, jobs: list[dict] | None = None) -> dict:
+                  wall: dict, jobs: list[dict] | None = None, version_eval: dict | None = None) -> dict:
     tg = targets(records, args)
     jobs = jobs or []
     contention = contention_rows(records, jobs)
@@ -398,7 +425,8 @@ def write_summary(out: Path, records: list[dict], errors: list[dict], events, ve
                         for k, v in vars(args).items()},
                "requests": len(records), "failed_requests": len(errors), "errors": errors[:50],
                "rows": rows, "targets": tg, "events": events, "versions": versions,
-               "max_chain_depth": max_depth, "wall": wall, "jobs": jobs, "contention": contention}
+               "max_chain_depth": max_depth, "wall": wall, "jobs": jobs, "contention": contention,
+               "version_eval": version_eval}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     lines = [f"# Online learning run ({time.strftime('%Y-%m-%d %H:%M')})", "",
              f"Setting: {args.clients} clients, mode {args.mode}, temperature {args.temperature}, "
@@ -451,6 +479,14 @@ def write_summary(out: Path, records: list[dict], errors: list[dict], events, ve
             lines.append(f"| {r['category']} | {r['while']} | {r['requests']} | {fmt(r['tokens_per_s'], 1)} | "
                          f"{r['ms_per_step']:.0f} | {r['drafted_per_step']:.2f} | {r['accepted_per_step']:.2f} | "
                          f"{fmt(r['acceptance'])} |")
+    if version_eval and version_eval.get("rows"):
+        st = version_eval["setting"]
+        lines += ["", f"## Versions at a fixed draft shape (scripts/eval_versions.py: mode {st['mode']}, gamma "
+                  f"{st['gamma']}, not adaptive, T=0, {st['prompts']} held-out prompts per category x "
+                  f"{st['max_tokens']} tokens)", "",
+                  "| version | category | accepted per step | accepted / proposed |", "|---|---|---:|---:|"]
+        for r in version_eval["rows"]:
+            lines.append(f"| {r['label']} | {r['category']} | {fmt(r['accepted_per_step'])} | {fmt(r['acceptance'])} |")
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     return summary
 
@@ -516,6 +552,11 @@ def parse_args(argv=None):
     ap.add_argument("--window", type=int, default=20, help="rolling window (requests) for the curves")
     ap.add_argument("--early-s", type=float, default=300.0, help="length of the 'first minutes' window")
     ap.add_argument("--start-timeout", type=float, default=900.0)
+    ap.add_argument("--eval-prompts", type=int, default=0,
+                    help="after the run, decode this many held-out prompts per category with version 1, the champion "
+                         "at the shift and the final champion, at a fixed draft shape (scripts/eval_versions.py): "
+                         "what each version learned and forgot, without the controller's choices or the load "
+                         "(default 0: off)")
     args = ap.parse_args(argv)
     if args.duration <= 0 or not (0 < args.shift_at):
         ap.error("--duration and --shift-at must be > 0")
@@ -536,7 +577,8 @@ def resummarize(out: Path) -> int:
     args.draft = old["args"].get("draft")
     records = [json.loads(line) for line in (out / "responses.jsonl").read_text().splitlines()]
     events = [tuple(e) for e in old["events"]]
-    write_summary(out, records, old["errors"], events, old["versions"], args, wall=old["wall"], jobs=old.get("jobs"))
+    write_summary(out, records, old["errors"], events, old["versions"], args, wall=old["wall"], jobs=old.get("jobs"),
+                  version_eval=old.get("version_eval"))
     plot(records, events, args.shift_at, args.window, out / "online.png", jobs=old.get("jobs"))
     print((out / "summary.md").read_text())
     return 0
@@ -624,11 +666,13 @@ def main(argv=None) -> int:
     jobs = watch.intervals(traffic.t0, time.time())
     versions, history = registry_state(env, args)
     events = registry_events(history, traffic.t0)
+    version_eval = evaluate_versions(env, args, events, out) if args.eval_prompts > 0 else None
     with open(out / "responses.jsonl", "w") as f:
         for r in sorted(traffic.records, key=lambda r: r["t"]):
             f.write(json.dumps(r) + "\n")
     summary = write_summary(out, traffic.records, traffic.errors, events, versions, args,
-                            wall={"setup_s": round(traffic.t0 - t_setup, 1), "traffic_s": args.duration}, jobs=jobs)
+                            wall={"setup_s": round(traffic.t0 - t_setup, 1), "traffic_s": args.duration}, jobs=jobs,
+                            version_eval=version_eval)
     plot(traffic.records, events, args.shift_at, args.window, out / "online.png", jobs=jobs)
     print((out / "summary.md").read_text())
     return 0 if summary["requests"] > 0 else 1

@@ -92,7 +92,7 @@ def test_bench_online_smoke_with_heads(tmp_path):
            "--duration", "60", "--shift-at", "30", "--phase1", "sql=1", "--phase2", "json=0.7,sql=0.3", "--clients", "2",
            "--max-tokens", "12", "--every", "10s", "--min-records", "20", "--poll", "2s",
            "--distill-arg=--heads-budget=3s", "--distill-arg=--canary-share=0", "--distill-arg=--min-requests=2",
-           "--window", "5", "--early-s", "20", "--start-timeout", "300"]
+           "--window", "5", "--early-s", "20", "--start-timeout", "300", "--eval-prompts", "1"]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -110,6 +110,11 @@ def test_bench_online_smoke_with_heads(tmp_path):
     jobs = summary["jobs"]
     assert jobs and all(j["id"].startswith("draftsmith-medusa-") and j["end"] >= j["start"] for j in jobs), jobs
     assert "## Serving beside distillation jobs" in (out / "summary.md").read_text()
+    # the versions side by side at a fixed tree after the run: version 1 and the final champion on each category
+    ev = summary["version_eval"]
+    assert ev["setting"]["mode"] == "medusa" and {r["category"] for r in ev["rows"]} == {"sql", "json"}
+    assert ev["rows"][0]["version"] == "1" and ev["rows"][-1]["label"].endswith("(champion)"), ev["rows"]
+    assert "## Versions at a fixed draft shape" in (out / "summary.md").read_text()
 
 
 def test_contention_rows_split_requests_by_the_share_of_their_time_a_job_ran():
