@@ -26,6 +26,11 @@ Where the numbers come from:
   target step, +3% per extra verified token). A size not measured is read off its measured neighbours,
   never below a smaller size's cost (the cost is far from linear on a CPU); the replica's calibration
   (Engine.calibrate) times every size a default request verifies, so the live model starts from them.
+  The machine's load is one factor shared by every cost: a target pass that runs slower than predicted moves
+  that factor by LOAD_SHARE of its surprise and its own size's cost by the rest, so that when a distillation job
+  starts beside serving, the sizes the controller keeps choosing and the ones it seldom measures (a plain
+  step, under a draft that is usually accepted) slow down together instead of the seldom-measured ones
+  looking cheap (`CostModel.load`).
 - `AcceptanceEstimate`: decayed counts of accepted / rejected draft positions (a rejected step is one
   failure; a fully accepted step none), shrunk towards a prior. Each request has one per proposer; its
   prior is the replica's estimate for that (draft version, proposer, greedy or sampled) from recent
@@ -94,6 +99,17 @@ MIN_GAIN = 0.05
 # since more tokens never count as cheaper, 4- and 5-token steps then looked 1.6x a plain step and were not chosen,
 # so not measured again (docs/benchmarks.md, "The fourteenth session").
 SPIKE_RATIO = 2.0
+# The share of a target pass's timing surprise that the cost model books as the machine's load (every cost moves
+# by it) rather than as that size's own cost (CostModel.observe_target). Each size is timed only when it is
+# chosen, so with per-size means alone a lasting slowdown (a distillation job starting on the cores serving
+# uses) reached only the sizes chosen since: on a 2-core host the sizes a request seldom chose, the plain
+# step among them, kept their idle cost and looked up to 25% cheaper relative to the rest (docs/benchmarks.md,
+# the nineteenth session). 0: per-size means only. A size's first WARM_OBSERVATIONS timings settle its own cost
+# (a new shape's first pass can run cold at 2-3x, and a probe that measures the true cost must correct that size,
+# not the machine's load).
+LOAD_SHARE = 0.9
+WARM_OBSERVATIONS = 5
+RECENT_WEIGHT = 0.2
 # Without evidence (a request whose prior carries no traffic: a seeded request, a new draft version) the
 # controller drafts only when drafting pays at the pessimistic end of its estimate, alpha - CAUTION_Z standard
 # errors (AcceptanceEstimate.lower); how many tokens it then drafts still follows the point estimate. Where
@@ -137,6 +153,11 @@ class CostModel:
         self._draft_rows: dict[int, float] = {}      # rows in a batched draft forward -> EWMA seconds per forward
         self._catch_up: float | None = None          # EWMA seconds per token of a draft catch-up beyond one token
         self._plain_run = 0                          # plain request steps since any request drafted (take)
+        # the machine's load now, relative to when the tables' first entries were measured: every table holds
+        # costs divided by the load of their observation, and every read multiplies by the load now
+        self._load = 1.0
+        self._target_seen: dict[int, int] = {}       # tokens -> timings of that size so far (WARM_OBSERVATIONS)
+        self._recent: dict[int, float] = {}          # tokens -> share of the recent target timings (RECENT_WEIGHT)
         self._lock = threading.Lock()
 
     def _ewma(self, table: dict, key, value: float) -> None:
@@ -146,10 +167,17 @@ class CostModel:
         per sample."""
         if self.frozen_profile is not None:
             return
+        value = value / self._load                     # the tables hold costs at load 1
         old = table.get(key)
         if old is not None:
             value = min(max(value, old / SPIKE_RATIO), old * SPIKE_RATIO)
         table[key] = value if old is None else (1 - self.weight) * old + self.weight * value
+
+    @property
+    def load(self) -> float:
+        """The machine's load factor now (1.0 until a measured size is timed slower or faster than its estimate)."""
+        with self._lock:
+            return self._load
 
     def count_plain(self, drafted: bool) -> int:
         """One request step of this replica (RequestController.take): a plain one adds to the run of plain steps
@@ -159,15 +187,34 @@ class CostModel:
             return self._plain_run
 
     def observe_target(self, tokens: int, seconds: float) -> None:
-        if tokens >= 1 and seconds > 0:
-            with self._lock:
-                self._ewma(self._target, int(tokens), float(seconds))
+        """A target pass over `tokens` tokens took `seconds`. A size measured before moves its estimate (load x
+        its cost) as a running mean would (clipped to SPIKE_RATIO, weight `weight`); LOAD_SHARE of that move goes
+        to the load factor, which every cost follows, and the rest to this size's own cost."""
+        if tokens < 1 or seconds <= 0 or self.frozen_profile is not None:
+            return
+        n = int(tokens)
+        with self._lock:
+            old = self._target.get(n)
+            seen = self._target_seen.get(n, 0)
+            self._target_seen[n] = seen + 1
+            for m in self._recent:                   # how much of the recent timings are of each size
+                self._recent[m] *= 1.0 - RECENT_WEIGHT
+            self._recent[n] = self._recent.get(n, 0.0) + RECENT_WEIGHT
+            share = LOAD_SHARE * min(1.0, self._recent[n]) if seen >= WARM_OBSERVATIONS else 0.0
+            if old is None or share <= 0:
+                self._ewma(self._target, n, float(seconds))
+                return
+            predicted = old * self._load
+            value = min(max(float(seconds), predicted / SPIKE_RATIO), predicted * SPIKE_RATIO)
+            q = ((1 - self.weight) * predicted + self.weight * value) / predicted
+            self._load *= q ** share
+            self._target[n] = old * q ** (1.0 - share)
 
     def set_target(self, tokens: int, seconds: float) -> None:
         """A directly timed target pass over `tokens` tokens (Engine.calibrate): replaces the running mean."""
         if tokens >= 1 and seconds > 0 and self.frozen_profile is None:
             with self._lock:
-                self._target[int(tokens)] = float(seconds)
+                self._target[int(tokens)] = float(seconds) / self._load
 
     def observe_target_if_unmeasured(self, tokens: int, seconds: float) -> None:
         """`observe_target` for a size this model has not measured yet (a replica's calibration seeding its
@@ -197,7 +244,7 @@ class CostModel:
                 if near:
                     r, t = min(near, key=lambda rt: abs(rt[0] - rows))
                     v = t * rows / r
-            return v or 0.0
+            return (v or 0.0) * self._load
 
     def observe_draft_forward(self, rows: int, forwards: int, seconds: float) -> None:
         """A batched proposal: `forwards` draft forwards over `rows` rows (chains + beams) took `seconds`."""
@@ -212,6 +259,7 @@ class CostModel:
             return
         extra = max(0.0, float(seconds) - self.draft_forward_s(rows)) / (tokens - 1)
         with self._lock:
+            extra /= self._load
             old = self._catch_up
             self._catch_up = extra if old is None else (1 - self.weight) * old + self.weight * extra
 
@@ -221,19 +269,20 @@ class CostModel:
         if seconds_per_token >= 0 and self.frozen_profile is None:
             with self._lock:
                 if not (if_unmeasured and self._catch_up is not None):
-                    self._catch_up = float(seconds_per_token)
+                    self._catch_up = float(seconds_per_token) / self._load
 
     def catch_up_token_s(self) -> float:
         """Seconds per token the draft spends catching up on tokens it did not see (0 until measured)."""
         with self._lock:
-            return self._catch_up or 0.0
+            return (self._catch_up or 0.0) * self._load
 
     def draft_forward_s(self, rows: int) -> float:
         """Seconds of one draft forward over `rows` rows: measured; else the line through measured sizes;
         else the one-request per-token figures (a chain is one row); else the prior ratio."""
         with self._lock:
-            table = dict(self._draft_rows)
-            per_token = dict(self._draft)
+            load = self._load
+            table = {r: t * load for r, t in self._draft_rows.items()}
+            per_token = {k: t * load for k, t in self._draft.items()}
         if rows in table:
             return table[rows]
         if len(table) >= 2:
@@ -250,6 +299,12 @@ class CostModel:
         return PRIOR_DRAFT_RATIO * self.target_s(1) * (1.0 + 0.05 * (rows - 1))
 
     def target_s(self, tokens: int) -> float:
+        """Seconds for a target pass over `tokens` new tokens at the machine's load now (`_target_s` x load)."""
+        with self._lock:
+            load = self._load
+        return self._target_s(tokens) * load
+
+    def _target_s(self, tokens: int) -> float:
         """Seconds for a target pass over `tokens` new tokens, never below the cost of a smaller measured size:
         measured; else, between two measured sizes, the straight line from the nearest smaller to the nearest
         larger one; past the largest (or before the smallest), the least-squares slope through the measured sizes
@@ -288,16 +343,22 @@ class CostModel:
             return 0.0
         with self._lock:
             measured = self._draft.get(proposer)
-        return measured if measured is not None else PRIOR_DRAFT_RATIO * self.target_s(1)
+            load = self._load
+        return measured * load if measured is not None else PRIOR_DRAFT_RATIO * self.target_s(1)
 
     def step_s(self, proposer: str, k: int) -> float:
         return k * self.draft_token_s(proposer) + self.target_s(k + 1) + self.overhead_s(k > 0)
 
     def snapshot(self) -> dict:
+        """The measured costs in seconds at the load now, and the load factor."""
         with self._lock:
-            return {"target_s": dict(self._target), "draft_token_s": dict(self._draft),
-                    "draft_forward_s": dict(self._draft_rows), "catch_up_token_s": self._catch_up,
-                    "overhead_s": {f"{r}/{'draft' if d else 'plain'}": t for (r, d), t in self._overhead.items()}}
+            m = self._load
+            return {"target_s": {n: t * m for n, t in self._target.items()},
+                    "draft_token_s": {k: t * m for k, t in self._draft.items()},
+                    "draft_forward_s": {r: t * m for r, t in self._draft_rows.items()},
+                    "catch_up_token_s": None if self._catch_up is None else self._catch_up * m,
+                    "overhead_s": {f"{r}/{'draft' if d else 'plain'}": t * m for (r, d), t in self._overhead.items()},
+                    "load": m}
 
     @classmethod
     def frozen(cls, profile: dict) -> "CostModel":

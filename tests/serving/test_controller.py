@@ -287,10 +287,12 @@ def test_a_lone_stall_cannot_make_a_size_look_dear_but_a_real_change_moves_the_c
     lasting change (plain steps 1.5x slower) still reaches the estimate."""
     import serving.controller as controller_module
 
-    clip = controller_module.SPIKE_RATIO
+    clip, load_share = controller_module.SPIKE_RATIO, controller_module.LOAD_SHARE
 
-    def measured(spike_ratio: float) -> CostModel:
+    def measured(spike_ratio: float, load_share: float = 0.0) -> CostModel:
+        # per-size means alone (LOAD_SHARE 0), as before the load factor: the clip is what protects them
         monkeypatch.setattr(controller_module, "SPIKE_RATIO", spike_ratio)
+        monkeypatch.setattr(controller_module, "LOAD_SHARE", load_share)
         c = CostModel(weight=0.1)
         for n in range(1, 6):
             for _ in range(20):
@@ -309,6 +311,53 @@ def test_a_lone_stall_cannot_make_a_size_look_dear_but_a_real_change_moves_the_c
     for _ in range(40):
         c.observe_target(1, 0.105)                             # a lasting 1.5x slowdown of plain steps
     assert c.target_s(1) == pytest.approx(0.105, rel=0.02)
+    # with the load factor (the default), the clipped stall leaves the plan as it was too
+    shared = measured(clip, load_share=load_share)
+    assert shared.target_s(5) / shared.target_s(1) < 1.12 and plan(shared) == 4
+
+
+def test_a_lasting_slowdown_seen_at_one_size_moves_every_size_alike(monkeypatch):
+    """A distillation job starts beside serving: every pass gets 1.3x slower, but only the size the controller
+    keeps choosing (here 4 tokens) is timed. With per-size means alone the plain step kept its idle cost and
+    the other stale sizes looked 1.3x cheaper than the timed one, and the plan moved to them; with the load factor
+    the relative costs hold, and so does the idle plan. A size's first timings still settle its own cost:
+    a cold first pass corrected by the next ones leaves the load alone."""
+    import serving.controller as controller_module
+
+    default_share = controller_module.LOAD_SHARE
+
+    def run(load_share: float, loaded: int = 0) -> CostModel:
+        monkeypatch.setattr(controller_module, "LOAD_SHARE", load_share)
+        c = CostModel(weight=0.1)
+        for _ in range(controller_module.WARM_OBSERVATIONS + 5):       # idle, every size warm
+            for n in range(1, 6):
+                c.observe_target(n, 0.050 * (1 + 0.06 * (n - 1)))
+        for _ in range(30 if loaded else 0):                         # idle traffic: the plan's size
+            c.observe_target(loaded, 0.050 * (1 + 0.06 * (loaded - 1)))
+        c.observe_draft("chain", 1, 0.004)
+        for _ in range(60 if loaded else 0):                         # loaded: only the chosen size is timed
+            c.observe_target(loaded, 1.3 * 0.050 * (1 + 0.06 * (loaded - 1)))
+        return c
+
+    plan = lambda c: best_k(0.5, 4, lambda k: c.step_s("chain", k), 0.05)[0]   # noqa: E731
+    idle = plan(run(default_share))
+    n = idle + 1                                                     # the size the idle plan verifies
+    idle_ratio = 1 + 0.06 * (n - 1)
+    per_size, shared = run(0.0, loaded=n), run(default_share, loaded=n)
+    assert per_size.target_s(n) / per_size.target_s(1) == pytest.approx(1.3 * idle_ratio, rel=0.01)
+    assert shared.target_s(n) / shared.target_s(1) < 1.3 ** (1 - default_share) * idle_ratio * 1.001
+    assert shared.target_s(n) == pytest.approx(per_size.target_s(n), rel=0.01)   # the timed size: the same estimate
+    assert shared.load == pytest.approx(1.3 ** default_share, rel=0.05)
+    assert idle >= 1 and plan(shared) == idle and plan(per_size) != idle     # per size: the stale sizes look cheap
+    assert shared.snapshot()["load"] == shared.load and shared.snapshot()["target_s"][1] == shared.target_s(1)
+    # a new size: its first timings are its own (a cold 3x first pass, then warm ones), the load does not move
+    cold = CostModel(weight=0.3)
+    for _ in range(controller_module.WARM_OBSERVATIONS):
+        cold.observe_target(1, 0.050)
+    cold.observe_target(6, 0.150)
+    for _ in range(controller_module.WARM_OBSERVATIONS - 1):
+        cold.observe_target(6, 0.055)
+    assert cold.load == 1.0 and cold.target_s(6) < 0.085 and cold.target_s(1) == pytest.approx(0.050)
 
 
 import numpy as np   # noqa: E402
