@@ -82,7 +82,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
+import os
 import threading
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -107,9 +109,27 @@ SPIKE_RATIO = 2.0
 # the nineteenth session). 0: per-size means only. A size's first WARM_OBSERVATIONS timings settle its own cost
 # (a new shape's first pass can run cold at 2-3x, and a probe that measures the true cost must correct that size,
 # not the machine's load).
-LOAD_SHARE = 0.9
+LOAD_SHARE = 0.9      # DRAFTSMITH_LOAD_SHARE overrides it (a value in [0, 1); 0: per-size means alone)
 WARM_OBSERVATIONS = 5
 RECENT_WEIGHT = 0.2
+
+
+def _load_share_from_env(default: float) -> float:
+    raw = os.environ.get("DRAFTSMITH_LOAD_SHARE", "").strip()
+    if not raw:
+        return default
+    try:
+        v = float(raw)
+    except ValueError:
+        v = -1.0
+    if not 0.0 <= v < 1.0:
+        logging.getLogger(__name__).warning("DRAFTSMITH_LOAD_SHARE=%r is not a number in [0, 1); using %s", raw, default)
+        return default
+    logging.getLogger(__name__).info("DRAFTSMITH_LOAD_SHARE: the cost model's load share is %s", v)
+    return v
+
+
+LOAD_SHARE = _load_share_from_env(LOAD_SHARE)
 # Without evidence (a request whose prior carries no traffic: a seeded request, a new draft version) the
 # controller drafts only when drafting pays at the pessimistic end of its estimate, alpha - CAUTION_Z standard
 # errors (AcceptanceEstimate.lower); how many tokens it then drafts still follows the point estimate. Where

@@ -965,3 +965,19 @@ def test_a_kept_profile_is_shared_by_the_next_start_and_a_damaged_one_is_measure
     again = third.calibrate()                                     # measured again, and the file replaced
     assert again is not None and json.loads(path.read_text())["digest"] == again["digest"]
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_load_share_env_override(monkeypatch, caplog):
+    """DRAFTSMITH_LOAD_SHARE sets the load share (0: per-size means alone); a value outside [0, 1) or not a
+    number is a warning and the default stays."""
+    from serving.controller import _load_share_from_env
+
+    monkeypatch.delenv("DRAFTSMITH_LOAD_SHARE", raising=False)
+    assert _load_share_from_env(0.9) == 0.9
+    monkeypatch.setenv("DRAFTSMITH_LOAD_SHARE", "0")
+    assert _load_share_from_env(0.9) == 0.0
+    for bad in ("1", "-0.1", "half"):
+        monkeypatch.setenv("DRAFTSMITH_LOAD_SHARE", bad)
+        with caplog.at_level("WARNING"):
+            assert _load_share_from_env(0.9) == 0.9
+        assert f"DRAFTSMITH_LOAD_SHARE={bad!r}" in caplog.text
