@@ -244,10 +244,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--ray-submit", choices=("auto", "job", "task"), default="auto",
                    help="how a job goes to Ray: the job submission API ('job', needs the dashboard), a Ray task "
                         "('task'), or 'auto' (default): the job API when the cluster has a dashboard")
-    d.add_argument("--job-nice", type=int, choices=range(0, 20), default=0, metavar="0..19",
+    d.add_argument("--job-nice", type=int, choices=range(0, 20), default=None, metavar="0..19",
                    help="CPU priority a job lowers itself by (nice; a Ray job or task, not --runner process): "
                         "on a machine that also serves, a higher value leaves serving the CPU, and this process "
-                        "(the gate) lowers its own priority as well (default 0)")
+                        "(the gate) lowers its own priority as well (default: 10 when `draftsmith serve` runs on "
+                        "this machine, else 0)")
     d.add_argument("--ray-cpus", type=_positive_float, default=1.0,
                    help="CPUs a Ray job asks for (default 1; torch uses as many threads)")
     d.add_argument("--threads", type=_positive_int, default=None,
@@ -531,7 +532,7 @@ def _ray_settings(args):
 
     try:
         return RaySettings(submit=getattr(args, "ray_submit", "auto"), num_cpus=getattr(args, "ray_cpus", 1.0),
-                           num_gpus=getattr(args, "ray_gpus", "auto"), nice=getattr(args, "job_nice", 0))
+                           num_gpus=getattr(args, "ray_gpus", "auto"), nice=getattr(args, "job_nice", 0) or 0)
     except ValueError as e:
         raise BadInput(str(e)) from None
 
@@ -597,6 +598,7 @@ def cmd_distill(args) -> int:
 
     policy = _gate_policy(args)
     _distill_threads(args)
+    _job_nice(args)
     _distill_priority(args)
     if args.drift and args.every is None:        # the flags first: no registry read for a bad command line
         raise BadInput("--drift brings a scheduled job forward: pass --every DURATION too (e.g. --every 10m "
@@ -683,6 +685,19 @@ def _distill_threads(args) -> int | None:
 
     torch.set_num_threads(n)
     return n
+
+
+def _job_nice(args) -> int:
+    """--job-nice, or by default 10 when `draftsmith serve` runs on this machine (jobs and the gate then leave
+    serving the CPU: docs/benchmarks.md, the nineteenth session) and 0 elsewhere; sets args.job_nice."""
+    if getattr(args, "job_nice", None) is None:
+        from deploy.ray_jobs import serving_here
+
+        args.job_nice = DEFAULT_JOB_NICE_BESIDE_SERVING if serving_here() else 0
+    return args.job_nice
+
+
+DEFAULT_JOB_NICE_BESIDE_SERVING = 10
 
 
 def _distill_priority(args) -> int:

@@ -101,11 +101,15 @@ def test_finding_the_cluster_and_the_in_process_fallback(tmp_path, monkeypatch):
     out = subprocess.run([sys.executable, "-c", probe], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[-2:] == ["7", "7"] and "the gate runs at nice" in out.stdout
+    # no --job-nice: 10 beside a local `draftsmith serve`, 0 elsewhere (below)
+    assert cli._job_nice(types.SimpleNamespace(job_nice=None)) == cli.DEFAULT_JOB_NICE_BESIDE_SERVING == 10
+    assert cli._job_nice(types.SimpleNamespace(job_nice=3)) == 3
     unpublish_cluster(tmp_path)                                         # written by this pid: removed
     assert not serving_here(tmp_path)
     assert cli._distill_threads(types.SimpleNamespace(threads=None, ray_cpus=1.0)) is None   # torch's default kept
     out = subprocess.run([sys.executable, "-c", probe], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.split()[-2:] == ["0", "0"], out.stdout + out.stderr   # nothing served here
+    assert cli._job_nice(types.SimpleNamespace(job_nice=None)) == 0
     assert read_published_cluster(tmp_path) is None
     # RAY_ADDRESS set but dead: an error (the job fails, records pending), never a silent fallback
     monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{_free_port()}")
