@@ -227,6 +227,26 @@ def job_overlap(r: dict, jobs: list[dict]) -> float:
     return sum(max(0.0, min(b, j["end"]) - max(a, j["start"])) for j in jobs) / max(b - a, 1e-9)
 
 
+def window_rows(records: list[dict], window_s: float) -> list[dict]:
+    """Per category and --early-s window of time: requests, tokens/s, ms per step, drafted / accepted tokens per
+    step and the share of steps that drafted nothing (what the controller chose, beside what it gained)."""
+    rows = []
+    end = max((r["t"] for r in records), default=0.0)
+    for c in CATEGORIES:
+        lo = 0.0
+        while lo <= end:
+            rs = [r for r in records if r["category"] == c and lo <= r["t"] < lo + window_s and r.get("steps")]
+            if rs:
+                steps = sum(r["steps"] for r in rs)
+                rows.append({"category": c, "from_s": lo, "to_s": lo + window_s, "requests": len(rs),
+                             "tokens_per_s": tokens_per_s(rs), "ms_per_step": 1000 * sum(r["latency_s"] for r in rs) / steps,
+                             "drafted_per_step": sum(r["draft_tokens"] for r in rs) / steps,
+                             "accepted_per_step": sum(r["accepted_tokens"] for r in rs) / steps,
+                             "plain_step_share": sum(r.get("zero_draft_steps") or 0 for r in rs) / steps})
+            lo += window_s
+    return rows
+
+
 def contention_rows(records: list[dict], jobs: list[dict]) -> list[dict]:
     """Serving beside a job against serving without one, per category: requests that ran at least 80% of
     their time during a job against those that ran at most 20% (the gate's scoring, between a job's end and
@@ -411,6 +431,7 @@ def write_summary(out: Path, records: list[dict], errors: list[dict], events, ve
     tg = targets(records, args)
     jobs = jobs or []
     contention = contention_rows(records, jobs)
+    windows = window_rows(records, args.early_s)
     rows = []
     for v in sorted({r["draft_version"] for r in records}, key=lambda x: (len(x), x)):
         for c in CATEGORIES:
@@ -425,7 +446,7 @@ def write_summary(out: Path, records: list[dict], errors: list[dict], events, ve
                         for k, v in vars(args).items()},
                "requests": len(records), "failed_requests": len(errors), "errors": errors[:50],
                "rows": rows, "targets": tg, "events": events, "versions": versions,
-               "max_chain_depth": max_depth, "wall": wall, "jobs": jobs, "contention": contention,
+               "max_chain_depth": max_depth, "wall": wall, "jobs": jobs, "contention": contention, "windows": windows,
                "version_eval": version_eval}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     lines = [f"# Online learning run ({time.strftime('%Y-%m-%d %H:%M')})", "",
@@ -467,6 +488,13 @@ def write_summary(out: Path, records: list[dict], errors: list[dict], events, ve
         lines.append(f"| {v['version']} | {v['kind']} | {v['parent'] or '-'} | {v['depth']} | "
                      f"{','.join(v['aliases']) or '-'} | {v['gate'] or '-'} | {fmt(v.get('gate_acceptance'))} | "
                      f"{fmt(v.get('gate_delta'))} |")
+    lines += ["", f"## Per {args.early_s:.0f}-s window", "",
+              "| category | window (s) | requests | tokens/s per request | ms per step | drafted per step | "
+              "accepted per step | plain steps |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for w in windows:
+        lines.append(f"| {w['category']} | {w['from_s']:.0f}-{w['to_s']:.0f} | {w['requests']} | "
+                     f"{fmt(w['tokens_per_s'], 1)} | {w['ms_per_step']:.0f} | {w['drafted_per_step']:.2f} | "
+                     f"{w['accepted_per_step']:.2f} | {w['plain_step_share']:.0%} |")
     if jobs:
         busy = sum(min(j["end"], args.duration) - max(j["start"], 0.0) for j in jobs if j["end"] > 0)
         lines += ["", f"## Serving beside distillation jobs ({len(jobs)} jobs, running {busy:.0f} s of "

@@ -110,6 +110,8 @@ def test_bench_online_smoke_with_heads(tmp_path):
     jobs = summary["jobs"]
     assert jobs and all(j["id"].startswith("draftsmith-medusa-") and j["end"] >= j["start"] for j in jobs), jobs
     assert "## Serving beside distillation jobs" in (out / "summary.md").read_text()
+    assert {w["category"] for w in summary["windows"]} == {"sql", "json"}
+    assert sum(w["requests"] for w in summary["windows"]) == summary["requests"]    # every request in one window
     # the versions side by side at a fixed tree after the run: version 1 and the final champion on each category
     ev = summary["version_eval"]
     assert ev["setting"]["mode"] == "medusa" and {r["category"] for r in ev["rows"]} == {"sql", "json"}
