@@ -26,8 +26,9 @@ Where the numbers come from:
   target step, +3% per extra verified token). A size not measured is read off its measured neighbours,
   never below a smaller size's cost (the cost is far from linear on a CPU); the replica's calibration
   (Engine.calibrate) times every size a default request verifies, so the live model starts from them.
-  The machine's load is one factor shared by every cost: a target pass that runs slower than predicted moves
-  that factor by LOAD_SHARE of its surprise and its own size's cost by the rest, so that when a distillation job
+  The machine's load is one factor shared by every cost: a target pass of a warm size that runs slower than
+  predicted moves that factor by LOAD_SHARE x (that size's share of the recent timings) of its surprise and its own
+  size's cost by the rest, so that when a distillation job
   starts beside serving, the sizes the controller keeps choosing and the ones it seldom measures (a plain
   step, under a draft that is usually accepted) slow down together instead of the seldom-measured ones
   looking cheap (`CostModel.load`).
@@ -105,8 +106,10 @@ SPIKE_RATIO = 2.0
 # by it) rather than as that size's own cost (CostModel.observe_target). Each size is timed only when it is
 # chosen, so with per-size means alone a lasting slowdown (a distillation job starting on the cores serving
 # uses) reached only the sizes chosen since: on a 2-core host the sizes a request seldom chose, the plain
-# step among them, kept their idle cost and looked up to 25% cheaper relative to the rest (docs/benchmarks.md,
-# the nineteenth session). 0: per-size means only. A size's first WARM_OBSERVATIONS timings settle its own cost
+# step among them, kept their idle cost, and the relative costs went to 0.52-1.72x their idle values
+# (scripts/bench_controller_load.py, docs/benchmarks.md, the nineteenth session). The share is scaled by how much
+# of the recent timings are of that size: a surprise at the size the controller keeps choosing is load, one at
+# a rarely timed size is that size's own. 0: per-size means only. A size's first WARM_OBSERVATIONS timings settle its own cost
 # (a new shape's first pass can run cold at 2-3x, and a probe that measures the true cost must correct that size,
 # not the machine's load).
 LOAD_SHARE = 0.9      # DRAFTSMITH_LOAD_SHARE overrides it (a value in [0, 1); 0: per-size means alone)
