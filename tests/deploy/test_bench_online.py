@@ -92,6 +92,9 @@ def test_bench_online_smoke_with_heads(tmp_path):
            "--duration", "60", "--shift-at", "30", "--phase1", "sql=1", "--phase2", "json=0.7,sql=0.3", "--clients", "2",
            "--max-tokens", "12", "--every", "10s", "--min-records", "20", "--poll", "2s",
            "--distill-arg=--heads-budget=3s", "--distill-arg=--canary-share=0", "--distill-arg=--min-requests=2",
+           # a job beside serving defaults to nice 10; two clients on tiny models keep both cores busy, and in a
+           # one-minute run a job that yields to them would not finish
+           "--distill-arg=--job-nice=0",
            "--window", "5", "--early-s", "20", "--start-timeout", "300", "--eval-prompts", "1"]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
