@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from scripts.bench_job_contention import TRAINER  # noqa: E402
-from scripts.online_traffic import PromptStream  # noqa: E402
+from scripts.eval_versions import prompts_for  # noqa: E402
 
 PHASES = ("idle", "loaded", "idle again")
 
@@ -81,18 +81,8 @@ def tiny_setup(work: Path) -> tuple[str, Path]:
 
 
 def prompts(engine, categories: list[str], n: int, seed: int, max_tokens: int) -> list[list[int]]:
-    out = []
-    for c in categories:
-        stream, got = PromptStream(c, seed=seed), 0
-        for _ in range(50 * n):
-            if got == n:
-                break
-            ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": stream.next()}],
-                                                       add_generation_prompt=True, tokenize=True, return_dict=False)
-            if len(ids) + max_tokens <= engine.max_context:
-                out.append([int(t) for t in ids])
-                got += 1
-    return out
+    return [ids for c in categories
+            for ids in prompts_for(engine.tokenizer, c, n, seed, engine.max_context, max_tokens)]
 
 
 def start_trainers(n: int, seconds: float) -> list[subprocess.Popen]:

@@ -227,6 +227,18 @@ def job_overlap(r: dict, jobs: list[dict]) -> float:
     return sum(max(0.0, min(b, j["end"]) - max(a, j["start"])) for j in jobs) / max(b - a, 1e-9)
 
 
+def step_figures(rs: list[dict]) -> dict:
+    """Requests (each with steps) summed per step: requests, tokens/s per request, ms / drafted / accepted tokens
+    per step, the share of steps that drafted nothing, and acceptance (accepted / proposed)."""
+    steps = sum(r["steps"] for r in rs)
+    return {"requests": len(rs), "tokens_per_s": tokens_per_s(rs),
+            "ms_per_step": 1000 * sum(r["latency_s"] for r in rs) / steps,
+            "drafted_per_step": sum(r["draft_tokens"] for r in rs) / steps,
+            "accepted_per_step": sum(r["accepted_tokens"] for r in rs) / steps,
+            "plain_step_share": sum(r.get("zero_draft_steps") or 0 for r in rs) / steps,
+            "acceptance": acceptance(rs)}
+
+
 def window_rows(records: list[dict], window_s: float) -> list[dict]:
     """Per category and --early-s window of time: requests, tokens/s, ms per step, drafted / accepted tokens per
     step and the share of steps that drafted nothing (what the controller chose, beside what it gained)."""
@@ -237,12 +249,7 @@ def window_rows(records: list[dict], window_s: float) -> list[dict]:
         while lo <= end:
             rs = [r for r in records if r["category"] == c and lo <= r["t"] < lo + window_s and r.get("steps")]
             if rs:
-                steps = sum(r["steps"] for r in rs)
-                rows.append({"category": c, "from_s": lo, "to_s": lo + window_s, "requests": len(rs),
-                             "tokens_per_s": tokens_per_s(rs), "ms_per_step": 1000 * sum(r["latency_s"] for r in rs) / steps,
-                             "drafted_per_step": sum(r["draft_tokens"] for r in rs) / steps,
-                             "accepted_per_step": sum(r["accepted_tokens"] for r in rs) / steps,
-                             "plain_step_share": sum(r.get("zero_draft_steps") or 0 for r in rs) / steps})
+                rows.append({"category": c, "from_s": lo, "to_s": lo + window_s, **step_figures(rs)})
             lo += window_s
     return rows
 
@@ -256,14 +263,8 @@ def contention_rows(records: list[dict], jobs: list[dict]) -> list[dict]:
     for c in CATEGORIES:
         for label, keep in (("no job", lambda f: f <= 0.2), ("job running", lambda f: f >= 0.8)):
             rs = [r for r in records if r["category"] == c and r.get("steps") and keep(job_overlap(r, jobs))]
-            if not rs:
-                continue
-            steps = sum(r["steps"] for r in rs)
-            rows.append({"category": c, "while": label, "requests": len(rs), "tokens_per_s": tokens_per_s(rs),
-                         "ms_per_step": 1000 * sum(r["latency_s"] for r in rs) / steps,
-                         "drafted_per_step": sum(r["draft_tokens"] for r in rs) / steps,
-                         "accepted_per_step": sum(r["accepted_tokens"] for r in rs) / steps,
-                         "acceptance": acceptance(rs)})
+            if rs:
+                rows.append({"category": c, "while": label, **step_figures(rs)})
     return rows
 
 

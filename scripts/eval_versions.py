@@ -75,23 +75,25 @@ def resolve(reg, name: str) -> str:
 
 
 def prompts_for(tokenizer, category: str, n: int, seed: int, max_context: int, max_tokens: int) -> list[list[int]]:
+    """Chat-templated token ids of the first `n` prompts of `category`'s seeded stream that leave room for
+    `max_tokens` of answer within `max_context` (also scripts/bench_controller_load.py)."""
+    from training.prompts import chat_prompt_ids
+
     stream = PromptStream(category, seed=seed)
     out: list[list[int]] = []
     for _ in range(50 * n):                        # prompts that leave no room for the answer are skipped
         if len(out) == n:
             break
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": stream.next()}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=False)
+        ids = chat_prompt_ids(tokenizer, stream.next())
         if len(ids) + max_tokens <= max_context:
-            out.append([int(t) for t in ids])
+            out.append(ids)
     return out
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ["DRAFTSMITH_DATA"] = str(args.data.resolve())
-    for k in ("MLFLOW_TRACKING_URI",):
-        os.environ.pop(k, None)
+    os.environ.pop("MLFLOW_TRACKING_URI", None)          # the data dir's own store
     from deploy.registry import Registry, heads_registry
     from serving.config import SamplingParams, SpecParams
     from serving.engine import Engine
