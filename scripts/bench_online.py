@@ -44,6 +44,7 @@ import ast
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -195,6 +196,35 @@ class JobWatch:
             end = j.get("ended") or now
             out.append({"id": jid, "state": j.get("state"), "start": round(start - t0, 1), "end": round(end - t0, 1)})
         return sorted(out, key=lambda j: j["start"])
+
+
+# submissions (deploy/ray_jobs.py) and the outcome lines that close a cycle: the draft scheduler's JobOutcome and
+# the heads schedule's HeadsTick statuses ("skipped" opens none)
+SUBMITTED = re.compile(r"^\[distill\] submitting job ", re.M)
+CLOSED = re.compile(r"^\[(?:distill|heads-schedule)\] (?:promoted|canary|rejected|held|failed|discarded):", re.M)
+
+
+def open_cycles(log_text: str) -> int:
+    """Jobs the scheduler submitted whose outcome (registered and gated, or failed) it has not printed yet."""
+    return max(0, len(SUBMITTED.findall(log_text)) - len(CLOSED.findall(log_text)))
+
+
+def drain(distill_log: Path, seconds: float, poll_s: float = 1.0) -> bool | None:
+    """Wait up to `seconds` while the scheduler has a cycle open: True once none is, False at the deadline,
+    None when there was nothing to wait for (or --drain 0)."""
+    if seconds <= 0:
+        return None
+    deadline, waited = time.time() + seconds, False
+    while True:
+        try:
+            if open_cycles(distill_log.read_text(errors="replace")) == 0:
+                return True if waited else None
+        except OSError:
+            return None
+        if time.time() >= deadline:
+            return False
+        waited = True
+        time.sleep(poll_s)
 
 
 # ----------------------------------------------------------------------------- analysis
@@ -581,6 +611,10 @@ def parse_args(argv=None):
     ap.add_argument("--window", type=int, default=20, help="rolling window (requests) for the curves")
     ap.add_argument("--early-s", type=float, default=300.0, help="length of the 'first minutes' window")
     ap.add_argument("--start-timeout", type=float, default=900.0)
+    ap.add_argument("--drain", type=float, default=0.0,
+                    help="after the traffic, wait up to this many seconds for a cycle the scheduler has open (a job "
+                         "submitted whose gate has not reported) before stopping, so the run's last job is "
+                         "registered and judged (default 0: stop at once)")
     ap.add_argument("--eval-prompts", type=int, default=0,
                     help="after the run, decode this many held-out prompts per category with version 1, the champion "
                          "at the shift and the final champion, at a fixed draft shape (scripts/eval_versions.py): "
@@ -688,6 +722,12 @@ def main(argv=None) -> int:
                     f"{len(traffic.errors)} failed, acceptance last minute {fmt(acceptance(recent))}, "
                     f"versions seen {sorted({r['draft_version'] for r in recent})}")
         traffic.join()
+        t_drain = time.time()
+        drained = drain(distill_log, args.drain)
+        drain_s = round(time.time() - t_drain, 1)
+        if drained is not None:
+            log(f"the scheduler's open cycle {'closed' if drained else 'was still open'} "
+                f"{time.time() - t_end:.0f} s after the traffic")
     finally:
         stop_all(procs)
     watch.stop.set()
@@ -700,7 +740,8 @@ def main(argv=None) -> int:
         for r in sorted(traffic.records, key=lambda r: r["t"]):
             f.write(json.dumps(r) + "\n")
     summary = write_summary(out, traffic.records, traffic.errors, events, versions, args,
-                            wall={"setup_s": round(traffic.t0 - t_setup, 1), "traffic_s": args.duration}, jobs=jobs,
+                            wall={"setup_s": round(traffic.t0 - t_setup, 1), "traffic_s": args.duration,
+                                  "drain_s": drain_s}, jobs=jobs,
                             version_eval=version_eval)
     plot(traffic.records, events, args.shift_at, args.window, out / "online.png", jobs=jobs)
     print((out / "summary.md").read_text())

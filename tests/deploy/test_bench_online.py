@@ -30,7 +30,7 @@ def test_bench_online_smoke(tmp_path):
            "--data", str(tmp_path / "data"), "--out", str(out), "--port", str(free_port()),
            "--duration", "60", "--shift-at", "30", "--phase1", "sql=1", "--phase2", "json=0.7,sql=0.3", "--clients", "2", "--max-tokens", "12",
            "--every", "10s", "--min-records", "20", "--poll", "2s", "--distill-config", str(cfg),
-           "--window", "5", "--early-s", "20", "--start-timeout", "300"]
+           "--window", "5", "--early-s", "20", "--start-timeout", "300", "--drain", "150"]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
 
@@ -95,7 +95,8 @@ def test_bench_online_smoke_with_heads(tmp_path):
            # a job beside serving defaults to nice 10; two clients on tiny models keep both cores busy, and in a
            # one-minute run a job that yields to them would not finish
            "--distill-arg=--job-nice=0",
-           "--window", "5", "--early-s", "20", "--start-timeout", "300", "--eval-prompts", "1"]
+           # a busy CI host may still be gating the first job when the minute ends: wait for that cycle
+           "--window", "5", "--early-s", "20", "--start-timeout", "300", "--eval-prompts", "1", "--drain", "150"]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -120,6 +121,19 @@ def test_bench_online_smoke_with_heads(tmp_path):
     assert ev["setting"]["mode"] == "medusa" and {r["category"] for r in ev["rows"]} == {"sql", "json"}
     assert ev["rows"][0]["version"] == "1" and ev["rows"][-1]["label"].endswith("(champion)"), ev["rows"]
     assert "## Versions at a fixed draft shape" in (out / "summary.md").read_text()
+
+
+def test_open_cycles_count_submitted_jobs_without_an_outcome_line():
+    from scripts.bench_online import open_cycles
+
+    sub = "[distill] submitting job draftsmith-medusa-v1-x to Ray at 1.2.3.4:5 as a Ray task (1 CPU, 0 GPU)\n"
+    done = "[distill] Ray job draftsmith-medusa-v1-x succeeded in 31 s: /tmp/c\n"
+    assert open_cycles("") == 0
+    assert open_cycles(sub + done) == 1, "a finished job is not a closed cycle: its gate has not reported"
+    assert open_cycles(sub + done + "[heads-schedule] rejected: no gain (version 2)\n") == 0
+    assert open_cycles(sub + "[distill] promoted: version 2 promoted to champion\n" + sub) == 1
+    assert open_cycles(sub + "[heads-schedule] skipped: 3 new step records\n") == 1, "a skip closes nothing"
+    assert open_cycles("[distill] failed: no champion draft to distill from\n") == 0
 
 
 def test_contention_rows_split_requests_by_the_share_of_their_time_a_job_ran():
