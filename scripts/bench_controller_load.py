@@ -48,6 +48,12 @@ def parse_args(argv=None):
                     help="Medusa heads folder (default data/medusa-heads, where `draftsmith bootstrap` leaves them)")
     ap.add_argument("--load-shares", type=float, nargs="+", default=None,
                     help="LOAD_SHARE values to compare (default: 0, per-size means alone, and the module's default)")
+    ap.add_argument("--depth-probes", nargs="+", choices=("on", "off"), default=["on"],
+                    help="re-time stale deeper sizes (serving/controller.py RequestController._depth_probe): 'on' "
+                         "(the default), 'off', or both to compare (each an engine of its own per load share)")
+    ap.add_argument("--calibrate-loaded", action="store_true",
+                    help="calibrate each engine beside the busy trainers, as a replica that measured its costs while "
+                         "the machine was still starting up (the nineteenth session's run 4), then serve the phases")
     ap.add_argument("--categories", default="known,sql", help="prompt categories (scripts/online_traffic.py)")
     ap.add_argument("--prompts", type=int, default=4, help="prompts per category per phase")
     ap.add_argument("--max-tokens", type=int, default=96)
@@ -131,6 +137,8 @@ def main(argv=None) -> int:
     from serving.engine import Engine
 
     shares = args.load_shares if args.load_shares is not None else [0.0, controller.LOAD_SHARE]
+    arms = [(share, probes) for share in shares for probes in args.depth_probes]
+    min_gap = controller.DEPTH_PROBE_MIN_GAP
     torch.set_num_threads(args.threads)
     work = Path(tempfile.mkdtemp(prefix="controller-load-"))
     if args.tiny:
@@ -146,10 +154,17 @@ def main(argv=None) -> int:
     sampling = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     rows = []
     for rep in range(args.repeats):
-        for share in (shares if rep % 2 == 0 else list(reversed(shares))):
+        for share, probes in (arms if rep % 2 == 0 else list(reversed(arms))):
             controller.LOAD_SHARE = share
+            controller.DEPTH_PROBE_MIN_GAP = min_gap if probes == "on" else 10 ** 9
             engine = Engine.from_paths(target, None, heads=str(heads))
-            engine.calibrate()                                         # no profile dir: measured afresh
+            trainers = start_trainers(args.trainers, 3600) if args.calibrate_loaded else []
+            try:
+                if trainers:
+                    time.sleep(1.0)
+                engine.calibrate()                                     # no profile dir: measured afresh
+            finally:
+                stop(trainers)
             ps = prompts(engine, categories, args.prompts, args.seed, args.max_tokens)
             run_phase(engine, spec, sampling, ps[:1])                  # warm-up: the first request's shapes
             for phase in PHASES:
@@ -160,37 +175,42 @@ def main(argv=None) -> int:
                     r = run_phase(engine, spec, sampling, ps)
                 finally:
                     stop(trainers)
-                rows.append({"repeat": rep, "load_share": share, "phase": phase, **r})
-                log(f"repeat {rep} load share {share:g} {phase}: {r['tokens_per_s']:.2f} tok/s, "
+                rows.append({"repeat": rep, "load_share": share, "depth_probes": probes, "phase": phase, **r})
+                log(f"repeat {rep} load share {share:g} depth probes {probes} {phase}: {r['tokens_per_s']:.2f} tok/s, "
                     f"{r['ms_per_step']:.0f} ms/step, drafted {r['drafted_per_step']:.2f} / accepted "
                     f"{r['accepted_per_step']:.2f} per step, {r['zero_draft_share']:.0%} plain steps, load {r['load']:.2f}")
-    controller.LOAD_SHARE = shares[-1]
-    write(args, rows, shares, categories)
+    controller.LOAD_SHARE, controller.DEPTH_PROBE_MIN_GAP = shares[-1], min_gap
+    write(args, rows, arms, categories)
     return 0
 
 
-def write(args, rows: list[dict], shares: list[float], categories: list[str]) -> None:
+def write(args, rows: list[dict], arms: list[tuple], categories: list[str]) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     setting = {"threads": args.threads, "trainers": args.trainers, "prompts_per_category": args.prompts,
                "categories": categories, "max_tokens": args.max_tokens, "temperature": 0.0, "repeats": args.repeats,
-               "mode": "served default (medusa, adaptive)", "tiny": args.tiny, "cpu_count": os.cpu_count()}
+               "mode": "served default (medusa, adaptive)", "tiny": args.tiny, "cpu_count": os.cpu_count(),
+               "calibrated": "beside the trainers" if args.calibrate_loaded else "idle"}
     (args.out / "controller-load.json").write_text(json.dumps({"setting": setting, "rows": rows}, indent=1))
 
-    def mean(share, phase, key):
-        vs = [r[key] for r in rows if r["load_share"] == share and r["phase"] == phase]
+    def mean(arm, phase, key):
+        vs = [r[key] for r in rows if (r["load_share"], r.get("depth_probes", "on")) == arm and r["phase"] == phase]
         return sum(vs) / len(vs)
+
+    def label(arm):
+        return f"share {arm[0]:g}, depth probes {arm[1]}"
 
     lines = [f"Served default (Medusa heads, adaptive tree), T=0, {args.prompts} prompts x {len(categories)} categories "
              f"({', '.join(categories)}) x {args.max_tokens} tokens per phase; engine on {args.threads} thread(s); "
-             f"loaded = beside {args.trainers} busy 1-thread trainers; mean of {args.repeats} repeat(s).", "",
-             "| load share | phase | tokens/s | ms per step | drafted per step | accepted per step | plain steps | "
+             f"loaded = beside {args.trainers} busy 1-thread trainers; calibrated {setting['calibrated']}; mean of "
+             f"{args.repeats} repeat(s).", "",
+             "| load share, depth probes | phase | tokens/s | ms per step | drafted per step | accepted per step | plain steps | "
              "load factor at end |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
-    for share in shares:
+    for arm in arms:
         for phase in PHASES:
-            lines.append(f"| {share:g} | {phase} | {mean(share, phase, 'tokens_per_s'):.2f} | "
-                         f"{mean(share, phase, 'ms_per_step'):.0f} | {mean(share, phase, 'drafted_per_step'):.2f} | "
-                         f"{mean(share, phase, 'accepted_per_step'):.2f} | {mean(share, phase, 'zero_draft_share'):.0%} | "
-                         f"{mean(share, phase, 'load'):.2f} |")
+            lines.append(f"| {label(arm)} | {phase} | {mean(arm, phase, 'tokens_per_s'):.2f} | "
+                         f"{mean(arm, phase, 'ms_per_step'):.0f} | {mean(arm, phase, 'drafted_per_step'):.2f} | "
+                         f"{mean(arm, phase, 'accepted_per_step'):.2f} | {mean(arm, phase, 'zero_draft_share'):.0%} | "
+                         f"{mean(arm, phase, 'load'):.2f} |")
     table = "\n".join(lines)
     print(table)
     (args.out / "controller-load.md").write_text(table + "\n")
@@ -199,11 +219,11 @@ def write(args, rows: list[dict], shares: list[float], categories: list[str]) ->
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    width = 0.8 / len(shares)
-    for i, share in enumerate(shares):
+    width = 0.8 / len(arms)
+    for i, arm in enumerate(arms):
         xs = [j + i * width for j in range(len(PHASES))]
-        axes[0].bar(xs, [mean(share, p, "tokens_per_s") for p in PHASES], width, label=f"load share {share:g}")
-        axes[1].bar(xs, [mean(share, p, "drafted_per_step") for p in PHASES], width, label=f"load share {share:g}")
+        axes[0].bar(xs, [mean(arm, p, "tokens_per_s") for p in PHASES], width, label=label(arm))
+        axes[1].bar(xs, [mean(arm, p, "drafted_per_step") for p in PHASES], width, label=label(arm))
     for ax, title in zip(axes, ("tokens/s", "drafted tokens per step")):
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(PHASES))], PHASES)
         ax.set_title(title)

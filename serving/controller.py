@@ -69,6 +69,15 @@ a token the draft doubts is often rejected, and every token drafted after a reje
 (BiLD's fallback test, Kim et al., "Speculative Decoding with Big Little Decoder", NeurIPS 2023, used here
 to end a proposal rather than to hand over). The estimate learns from the tokens actually proposed.
 
+Re-timing a deeper draft (`RequestController._depth_probe`): the cost model times only the sizes the controller
+chooses, so a size priced too dear (a calibration that ran beside the replica's start-up priced 5- and 7-node trees
+at 1.19x a one-token step on the nineteenth session's host, and that replica drafted at most one level deep for a
+30-minute run) is never chosen and never timed again. While a request drafts k tokens deep and the size of k + 1
+has not been timed by traffic in the last STALE_TIMINGS target passes, one step in a gap drafts k + 1 instead;
+the gap keeps what those steps are predicted to lose within DEPTH_PROBE_BUDGET of the time. A size's first
+WARM_OBSERVATIONS timings (its calibration among them) are averaged equally, so one re-timing corrects a wrong
+seed by half, not by the running mean's tenth.
+
 Trees of Medusa heads (mode medusa, `verify_tokens`): the same choice picks the tree's depth k, priced by the
 nodes its shape puts in the verification pass (a (2,1,1) tree: 3, 5, 7 tokens for k = 1, 2, 3) and the heads'
 measured time per depth; there is no draft model to catch up (`catches_up=False`), so a probe costs only its
@@ -144,6 +153,12 @@ HOPELESS_ALPHA = 0.9
 HOPELESS_PROBE_GAP = 128     # plain steps between such probes (a probe costs about one more step)
 # Elsewhere probes are spaced so that they take at most this share of a request's time (affordable_gap).
 PROBE_BUDGET = 0.02
+# A size not timed by traffic in this many target passes is stale: a request drafting one level shallower
+# re-times it now and then, at most DEPTH_PROBE_BUDGET of the time by the current (maybe wrong) prices and never
+# more often than every DEPTH_PROBE_MIN_GAP drafting steps of the replica (RequestController._depth_probe).
+STALE_TIMINGS = 256
+DEPTH_PROBE_BUDGET = 0.005
+DEPTH_PROBE_MIN_GAP = 8
 # A draft chain ends after a token whose draft confidence (the largest probability of the draft's raw
 # softmax) is below this; the planned k is then an upper bound. Chosen on the bootstrap's held-out teacher
 # data (scripts/bench_confidence.py, docs/benchmarks.md); 0 turns the stop off.
@@ -181,20 +196,25 @@ class CostModel:
         self._load = 1.0
         self._target_seen: dict[int, int] = {}       # tokens -> timings of that size so far (WARM_OBSERVATIONS)
         self._recent: dict[int, float] = {}          # tokens -> share of the recent target timings (RECENT_WEIGHT)
+        self._timings = 0                            # target passes traffic timed so far (not calibration seeds)
+        self._last_timed: dict[int, int] = {}        # tokens -> _timings when traffic last timed that size
+        self._depth_wait = 0                         # drafting steps since the last depth probe (depth_probe_due)
+        self.depth_probes = 0                        # depth probes taken (snapshot)
         self._lock = threading.Lock()
 
-    def _ewma(self, table: dict, key, value: float) -> None:
+    def _ewma(self, table: dict, key, value: float, weight: float | None = None) -> None:
         """Running mean of one cost. A sample enters clipped to [1/SPIKE_RATIO, SPIKE_RATIO] x the current
         estimate: a lone stall cannot make a size look dear (and a size that looks dear is seldom chosen, so
         seldom measured again), while a real change still moves the estimate by up to weight x (SPIKE_RATIO - 1)
         per sample."""
         if self.frozen_profile is not None:
             return
+        w = self.weight if weight is None else weight
         value = value / self._load                     # the tables hold costs at load 1
         old = table.get(key)
         if old is not None:
             value = min(max(value, old / SPIKE_RATIO), old * SPIKE_RATIO)
-        table[key] = value if old is None else (1 - self.weight) * old + self.weight * value
+        table[key] = value if old is None else (1 - w) * old + w * value
 
     @property
     def load(self) -> float:
@@ -209,10 +229,12 @@ class CostModel:
             self._plain_run = 0 if drafted else self._plain_run + 1
             return self._plain_run
 
-    def observe_target(self, tokens: int, seconds: float) -> None:
+    def observe_target(self, tokens: int, seconds: float, seed: bool = False) -> None:
         """A target pass over `tokens` tokens took `seconds`. A size measured before moves its estimate (load x
         its cost) as a running mean would (clipped to SPIKE_RATIO, weight `weight`); LOAD_SHARE of that move goes
-        to the load factor, which every cost follows, and the rest to this size's own cost."""
+        to the load factor, which every cost follows, and the rest to this size's own cost. A size's first
+        WARM_OBSERVATIONS timings are averaged equally. `seed`: a calibration's timing, which counts among those
+        but does not make the size fresh (`stale`)."""
         if tokens < 1 or seconds <= 0 or self.frozen_profile is not None:
             return
         n = int(tokens)
@@ -220,12 +242,16 @@ class CostModel:
             old = self._target.get(n)
             seen = self._target_seen.get(n, 0)
             self._target_seen[n] = seen + 1
+            if not seed:
+                self._timings += 1
+                self._last_timed[n] = self._timings
             for m in self._recent:                   # how much of the recent timings are of each size
                 self._recent[m] *= 1.0 - RECENT_WEIGHT
             self._recent[n] = self._recent.get(n, 0.0) + RECENT_WEIGHT
             share = LOAD_SHARE * min(1.0, self._recent[n]) if seen >= WARM_OBSERVATIONS else 0.0
             if old is None or share <= 0:
-                self._ewma(self._target, n, float(seconds))
+                self._ewma(self._target, n, float(seconds),
+                           weight=max(self.weight, 1.0 / (seen + 1)) if seen < WARM_OBSERVATIONS else None)
                 return
             predicted = old * self._load
             value = min(max(float(seconds), predicted / SPIKE_RATIO), predicted * SPIKE_RATIO)
@@ -245,7 +271,24 @@ class CostModel:
         with self._lock:
             known = int(tokens) in self._target
         if not known:
-            self.observe_target(tokens, seconds)
+            self.observe_target(tokens, seconds, seed=True)
+
+    def stale(self, tokens: int) -> bool:
+        """Whether traffic has not timed a target pass of this size in the last STALE_TIMINGS passes (or ever)."""
+        with self._lock:
+            last = self._last_timed.get(int(tokens))
+            return last is None or self._timings - last > STALE_TIMINGS
+
+    def depth_probe_due(self, gap: int) -> bool:
+        """Counts one drafting step that could re-time a stale deeper size; True (and the count restarts) once
+        `gap` such steps have passed since the last depth probe of this replica."""
+        with self._lock:
+            self._depth_wait += 1
+            if self._depth_wait < gap:
+                return False
+            self._depth_wait = 0
+            self.depth_probes += 1
+            return True
 
     def observe_draft(self, proposer: str, drafted: int, seconds: float) -> None:
         if drafted >= 1 and seconds > 0:
@@ -381,7 +424,7 @@ class CostModel:
                     "draft_forward_s": {r: t * m for r, t in self._draft_rows.items()},
                     "catch_up_token_s": None if self._catch_up is None else self._catch_up * m,
                     "overhead_s": {f"{r}/{'draft' if d else 'plain'}": t * m for (r, d), t in self._overhead.items()},
-                    "load": m}
+                    "load": m, "depth_probes": self.depth_probes}
 
     @classmethod
     def frozen(cls, profile: dict) -> "CostModel":
@@ -575,6 +618,8 @@ class RequestController:
         if k and not self.evidence["draft"] and best_k(est.lower(CAUTION_Z), self.gamma, step_s, self.min_gain)[0] == 0:
             k, rate = 0, 1.0 / step_s(0)     # no traffic behind the prior: draft only where it pays pessimistically
         plan = Plan("draft" if k else "none", k)
+        if 0 < k < self.gamma and self._depth_probe(k):
+            plan = Plan("draft", k + 1)
         if self.use_ngram and ngram_available:
             kn, rate_n = best_k(self.alpha("ngram"), min(self.gamma, ngram_available),
                                 lambda k: self.costs.step_s("ngram", k), self.min_gain)
@@ -625,6 +670,22 @@ class RequestController:
             est.update(1, 1)
         alpha = est.alpha if self.evidence["draft"] else est.lower(CAUTION_Z)
         return best_k(alpha, self.gamma, self.step_s, self.min_gain)[0] > 0
+
+    def verified(self, k: int) -> int:
+        """Tokens the target verifies for a proposal k deep (a chain's k + 1; a tree's nodes and its root)."""
+        return k + 1 if self.verify_tokens is None or k == 0 else int(self.verify_tokens(k))
+
+    def _depth_probe(self, k: int) -> bool:
+        """Whether this step, planned k deep, drafts k + 1 instead to re-time that size (module docstring,
+        "Re-timing a deeper draft"): only on the replica's live costs, only while that size is stale, and one
+        step in a gap that keeps the predicted loss (what k + 1 yields per second below k, at the current prices)
+        within DEPTH_PROBE_BUDGET."""
+        if not self.shared or not self.costs.stale(self.verified(k + 1)):
+            return False
+        alpha = self.alpha("draft")
+        rate = expected_tokens(alpha, k) / self.step_s(k)
+        loss = max(0.0, 1.0 - expected_tokens(alpha, k + 1) / self.step_s(k + 1) / rate)
+        return self.costs.depth_probe_due(max(DEPTH_PROBE_MIN_GAP, math.ceil(loss / DEPTH_PROBE_BUDGET - 1e-9)))
 
     def affordable_gap(self) -> int:
         """The fewest plain steps between probes that keep probing within PROBE_BUDGET of the time. A probe after

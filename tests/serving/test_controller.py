@@ -360,6 +360,72 @@ def test_a_lasting_slowdown_seen_at_one_size_moves_every_size_alike(monkeypatch)
     assert cold.load == 1.0 and cold.target_s(6) < 0.085 and cold.target_s(1) == pytest.approx(0.050)
 
 
+
+def tree_run(c: CostModel, truth: dict, steps: int, accept_p: float, rng: random.Random) -> list:
+    """Requests of 64 steps on a (2,1,1)-like tree (3, 5, 7 tokens verified at depth 1, 2, 3) on the replica's
+    cost model `c`, each step timed at its `truth` cost as the served path times it; returns the plans."""
+    priors, plans, ctrl = ReplicaPriors(prior=accept_p), [], None
+    for i in range(steps):
+        if i % 64 == 0:
+            ctrl = RequestController(gamma=3, costs=c, priors=priors, version="v1", greedy=True,
+                                     catches_up=False, verify_tokens=lambda k: 2 * k + 1)
+        plan = ctrl.plan(0)
+        n = 0
+        while n < plan.k and rng.random() < accept_p:
+            n += 1
+        c.observe_target(ctrl.verified(plan.k), truth[ctrl.verified(plan.k)])
+        ctrl.observe(plan, n)
+        plans.append(plan)
+    return plans
+
+
+def test_a_deeper_size_priced_too_dear_is_re_timed_and_then_chosen():
+    """A calibration that ran beside start-up priced the deeper trees too dear (5 and 7 tokens at 1.6-1.8x a
+    one-token step, truly 1.1x): a controller that times only what it chooses kept drafting one level deep for
+    good (the nineteenth session's run 4). Now a stale deeper size is re-timed now and then, its first timings
+    averaged with the seed, and the plan moves deeper; where the deeper size truly is dear it stays unchosen and
+    its re-timings stay rare."""
+    import serving.controller as cm
+
+    truth = {1: 0.020, 3: 0.021, 5: 0.022, 7: 0.023}
+    c = CostModel(weight=0.1)
+    for n, dear in ((1, 0.020), (3, 0.021), (5, 0.032), (7, 0.036)):      # the wrong calibration
+        c.observe_target_if_unmeasured(n, dear)
+    assert c.stale(5) and c.stale(3), "a calibration's seed is not a timing by traffic"
+    first = tree_run(c, truth, 64, 0.7, random.Random(0))
+    assert max(p.k for p in first[:8]) == 1, "the wrong prices keep the first steps one level deep"
+    plans = first + tree_run(c, truth, 2000, 0.7, random.Random(1))
+    assert c.target_s(5) == pytest.approx(truth[5], rel=0.15) and c.target_s(7) == pytest.approx(truth[7], rel=0.15)
+    late = plans[-500:]
+    assert sum(p.k == 3 for p in late) > 0.9 * len(late), [p.k for p in late][:40]
+    # where the deeper trees truly are dear, they stay dear and are seldom tried
+    dear = {1: 0.020, 3: 0.021, 5: 0.036, 7: 0.045}
+    d = CostModel(weight=0.1)
+    for n, t in dear.items():
+        d.observe_target_if_unmeasured(n, t)
+    plans = tree_run(d, dear, 3000, 0.7, random.Random(2))
+    assert sum(p.k > 1 for p in plans) <= 3000 / cm.STALE_TIMINGS + 2, sum(p.k > 1 for p in plans)
+    assert d.snapshot()["depth_probes"] == sum(p.k > 1 for p in plans) >= 1
+    assert d.target_s(5) == pytest.approx(dear[5], rel=0.05)
+
+
+def test_a_frozen_cost_model_never_re_times_a_deeper_size():
+    """A seeded sampled request plans on the frozen profile: its plan, and so its output, must not follow anything
+    else, so it never drafts deeper than its plan to re-time a size."""
+    c = costs(slope=0.2)
+    frozen = CostModel.frozen({"target": {n: c.target_s(n) for n in range(1, 18)}, "draft": {"chain": 0.003},
+                               "overhead": {}})
+    ctrl = RequestController(gamma=4, costs=frozen, priors=ReplicaPriors(prior=0.6), version="v1", greedy=False)
+    ks = [ctrl.plan(0).k for _ in range(400)]
+    assert 0 < ks[0] < 4 and set(ks) == {ks[0]} and frozen.depth_probes == 0
+    seeded = CostModel()
+    for n in range(1, 18):
+        seeded.observe_target_if_unmeasured(n, c.target_s(n))
+    seeded.observe_draft("chain", 1, 0.003)
+    live = RequestController(gamma=4, costs=seeded, priors=ReplicaPriors(prior=0.6), version="v1", greedy=False)
+    assert max(live.plan(0).k for _ in range(400)) == ks[0] + 1, "the same plan on live, never-timed costs re-times"
+
+
 import numpy as np   # noqa: E402
 import torch   # noqa: E402
 from scipy import stats as scipy_stats   # noqa: E402
