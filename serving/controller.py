@@ -24,7 +24,8 @@ Where the numbers come from:
   the target verified and by proposer (a sample clipped to SPIKE_RATIO x the estimate, so one stall does
   not price a size out of the plans that would measure it again); before the first measurement a prior ratio (draft token = 0.1 of a
   target step, +3% per extra verified token). A size not measured is read off its measured neighbours,
-  never below a smaller size's cost (the cost is far from linear on a CPU); the replica's calibration
+  never below a smaller size's cost (the cost is far from linear on a CPU; where a size traffic timed lately and
+  one it has not disagree, the fresher wins: `_target_s`); the replica's calibration
   (Engine.calibrate) times every size a default request verifies, so the live model starts from them.
   The machine's load is one factor shared by every cost: a target pass of a warm size that runs slower than
   predicted moves that factor by LOAD_SHARE x (that size's share of the recent timings) of its surprise and its own
@@ -276,8 +277,11 @@ class CostModel:
     def stale(self, tokens: int) -> bool:
         """Whether traffic has not timed a target pass of this size in the last STALE_TIMINGS passes (or ever)."""
         with self._lock:
-            last = self._last_timed.get(int(tokens))
-            return last is None or self._timings - last > STALE_TIMINGS
+            return self._stale(int(tokens))
+
+    def _stale(self, tokens: int) -> bool:
+        last = self._last_timed.get(tokens)
+        return last is None or self._timings - last > STALE_TIMINGS
 
     def depth_probe_due(self, gap: int) -> bool:
         """Counts one drafting step that could re-time a stale deeper size; True (and the count restarts) once
@@ -383,26 +387,39 @@ class CostModel:
             if not self._target:
                 return 1.0 + PRIOR_VERIFY_SLOPE * (tokens - 1)
             # more tokens never cost less: a size measured below a smaller one's cost (timing noise: on a
-            # shared 2-core VM one calibration put 5 tokens at 1.41x and 3 and 4 at 2x) counts at that cost
-            floor = max((v for n, v in self._target.items() if n < tokens), default=0.0)
-            if tokens in self._target:
-                return max(self._target[tokens], floor)
-            if len(self._target) >= 2:
-                lower = [n for n in self._target if n < tokens]
-                upper = [n for n in self._target if n > tokens]
-                if lower and upper:
-                    lo, hi = max(lower), min(upper)
-                    a, b = self._target[lo], self._target[hi]
-                    return max(floor, a + (b - a) * (tokens - lo) / (hi - lo))
-                xs, ys = zip(*self._target.items())
-                mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-                slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-                slope = max(0.0, slope)                      # timing noise must not make tokens free
-                edge = max(xs) if lower else min(xs)
-                return max(self._target[edge] + slope * (tokens - edge), 0.25 * min(ys), floor)
-            (near, value), = self._target.items()
-            base = value / (1.0 + PRIOR_VERIFY_SLOPE * (near - 1))
-            return base * (1.0 + PRIOR_VERIFY_SLOPE * (tokens - 1))
+            # shared 2-core VM one calibration put 5 tokens at 1.41x and 3 and 4 at 2x) counts at that cost.
+            # Where the two disagree the fresher timing wins: a size traffic timed lately is not floored by a
+            # stale one (a calibration's 2-token pass at 1.5x, run beside start-up, never verified by a tree and
+            # so never timed again, priced every tree at 1.5x: the twentieth session), and a stale size is no
+            # dearer than a larger fresh one
+            fresh = {n for n in self._target if not self._stale(n)}
+            mine = tokens in fresh
+            floor = max((v for n, v in self._target.items() if n < tokens and (n in fresh or not mine)), default=0.0)
+            floor_fresh = max((v for n, v in self._target.items() if n < tokens and n in fresh), default=0.0)
+            ceiling = min((v for n, v in self._target.items() if n > tokens and n in fresh and not mine),
+                          default=math.inf)
+            return max(min(max(self._raw_target_s(tokens), floor), ceiling), floor_fresh)
+
+    def _raw_target_s(self, tokens: int) -> float:
+        """`_target_s` before the floor and ceiling of the other sizes (called under the lock)."""
+        if tokens in self._target:
+            return self._target[tokens]
+        if len(self._target) >= 2:
+            lower = [n for n in self._target if n < tokens]
+            upper = [n for n in self._target if n > tokens]
+            if lower and upper:
+                lo, hi = max(lower), min(upper)
+                a, b = self._target[lo], self._target[hi]
+                return a + (b - a) * (tokens - lo) / (hi - lo)
+            xs, ys = zip(*self._target.items())
+            mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+            slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+            slope = max(0.0, slope)                      # timing noise must not make tokens free
+            edge = max(xs) if lower else min(xs)
+            return max(self._target[edge] + slope * (tokens - edge), 0.25 * min(ys))
+        (near, value), = self._target.items()
+        base = value / (1.0 + PRIOR_VERIFY_SLOPE * (near - 1))
+        return base * (1.0 + PRIOR_VERIFY_SLOPE * (tokens - 1))
 
     def draft_token_s(self, proposer: str) -> float:
         if proposer == "ngram":

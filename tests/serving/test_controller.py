@@ -409,6 +409,27 @@ def test_a_deeper_size_priced_too_dear_is_re_timed_and_then_chosen():
     assert d.target_s(5) == pytest.approx(dear[5], rel=0.05)
 
 
+def test_a_stale_calibrated_size_neither_floors_nor_undercuts_sizes_traffic_times():
+    """The twentieth session's loaded calibration priced a 2-token pass at 1.5x a one-token step. A Medusa tree
+    never verifies 2 tokens, so traffic never timed it again, and as more tokens never cost less it floored the
+    3-, 5- and 7-node trees at 1.5x while traffic timed them at 1.1x: 57% of steps drafted nothing. The fresher
+    timing now wins either way; with no traffic timings at all the floor holds as before."""
+    c = CostModel(weight=0.1)
+    for n, t in {1: 0.020, 2: 0.030, 3: 0.023, 5: 0.024, 7: 0.025}.items():
+        c.observe_target_if_unmeasured(n, t)
+    assert c.target_s(3) == pytest.approx(0.030) and c.target_s(7) == pytest.approx(0.030), "no traffic: the floor"
+    for _ in range(5):
+        for n, t in {1: 0.020, 3: 0.022, 5: 0.022, 7: 0.023}.items():
+            c.observe_target(n, t)
+    assert c.stale(2) and not c.stale(3)
+    assert c.target_s(3) == pytest.approx(0.022, rel=0.02) and c.target_s(7) == pytest.approx(0.023, rel=0.02)
+    assert c.target_s(2) == pytest.approx(c.target_s(3)), "a stale size is no dearer than a fresh larger one"
+    assert c.target_s(4) == pytest.approx(0.022, rel=0.02)      # between fresh neighbours
+    c.observe_target(2, 0.021)          # timed by traffic again: fresh, the mean of its seed and this timing,
+    assert not c.stale(2) and c.target_s(2) < 0.027                   # and among fresh sizes the floor holds
+    assert c.target_s(3) == pytest.approx(c.target_s(2))
+
+
 def test_a_frozen_cost_model_never_re_times_a_deeper_size():
     """A seeded sampled request plans on the frozen profile: its plan, and so its output, must not follow anything
     else, so it never drafts deeper than its plan to re-time a size."""
