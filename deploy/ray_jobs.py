@@ -84,6 +84,11 @@ SUBMIT_MODES = ("auto", "job", "task")
 # environment a job needs from the scheduler's (not secrets of the HTTP API: DRAFTSMITH_*_KEY stay here)
 _ENV_PREFIXES = ("DRAFTSMITH_", "MLFLOW_", "HF_", "TRANSFORMERS_", "REDIS_URL", "TOKENIZERS_PARALLELISM")
 _ENV_SECRETS = ("DRAFTSMITH_API_KEY", "DRAFTSMITH_ADMIN_KEY")
+# Ray's job API answers 500 "No available agent to submit job, please try again later" while the node's job agent
+# is still starting (seen on a busy 2-core CI host right after the cluster came up): a submission it refuses so is
+# retried for up to this many seconds before the job counts as failed
+SUBMIT_RETRY_S = 60.0
+_RETRY_LATER = ("No available agent", "try again later")
 _WORKING_DIR_EXCLUDES = [".venv", ".git", "data", "docs", "tests", "scripts", "**/__pycache__", "*.egg-info"]
 _LOST_MARKERS = ("NodeDiedError", "WorkerCrashedError", "OwnerDiedError", "ObjectLostError", "LocalRayletDiedError",
                  "RaySystemError", "ActorDiedError", "GCS may have", "Failed to connect to GCS",
@@ -484,6 +489,21 @@ def run_on_ray(cfg: dict, cluster: RayCluster, settings: RaySettings | None = No
     return out
 
 
+def submit_with_retry(submit: Callable[[], object], within_s: float | None = None, pause_s: float = 2.0,
+                      sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic):
+    """`submit()`, retried while Ray's job API says to try again later (its job agent still starting), for up to
+    `within_s` seconds (SUBMIT_RETRY_S); any other refusal, or one past the deadline, is raised."""
+    deadline = clock() + (SUBMIT_RETRY_S if within_s is None else within_s)
+    while True:
+        try:
+            return submit()
+        except Exception as e:  # noqa: BLE001 - the job API's errors are RuntimeErrors with the HTTP message
+            if not any(m in str(e) for m in _RETRY_LATER) or clock() + pause_s > deadline:
+                raise
+            log.warning("the Ray job API asks to try again later (%s); retrying in %.0f s", e, pause_s)
+            sleep(pause_s)
+
+
 def _submit_job(cfg: dict, cluster: RayCluster, st: RaySettings, job: _Job, python: str, gpus: float) -> None:
     from ray.job_submission import JobStatus, JobSubmissionClient
 
@@ -498,10 +518,10 @@ def _submit_job(cfg: dict, cluster: RayCluster, st: RaySettings, job: _Job, pyth
         runtime_env.update(working_dir=str(ROOT), excludes=_WORKING_DIR_EXCLUDES)
     entrypoint = shlex.join([python, "-m", "deploy.distill_job", "--config-json", json.dumps(cfg, default=str)])
     try:
-        client.submit_job(entrypoint=entrypoint, submission_id=sid, runtime_env=runtime_env,
-                          entrypoint_num_cpus=st.num_cpus, entrypoint_num_gpus=gpus or None,
-                          metadata={"draftsmith": "distill", "kind": str(cfg.get("kind", "draft")),
-                                    "parent_version": str(cfg.get("parent_version"))})
+        submit_with_retry(lambda: client.submit_job(
+            entrypoint=entrypoint, submission_id=sid, runtime_env=runtime_env, entrypoint_num_cpus=st.num_cpus,
+            entrypoint_num_gpus=gpus or None, metadata={"draftsmith": "distill", "kind": str(cfg.get("kind", "draft")),
+                                                        "parent_version": str(cfg.get("parent_version"))}))
     except Exception as e:  # noqa: BLE001
         raise job.fail("failed", f"the job API refused the job ({e})") from e
     states = {JobStatus.PENDING: "pending", JobStatus.RUNNING: "running", JobStatus.SUCCEEDED: "succeeded",

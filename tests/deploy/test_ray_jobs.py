@@ -60,6 +60,41 @@ def test_a_job_lowers_its_own_cpu_priority_as_asked(monkeypatch):
         assert ("not an integer" in out.stderr) == (value == "eleven")
 
 
+def test_a_submission_the_job_api_asks_to_retry_is_retried_until_its_deadline():
+    """Ray's job API answers 500 "No available agent to submit job, please try again later" while its agent starts
+    (two CI tests failed so on a busy host): such a refusal is retried within SUBMIT_RETRY_S, any other is not."""
+    from deploy.ray_jobs import submit_with_retry
+
+    later = RuntimeError("Request failed with status code 500: No available agent to submit job, please try again "
+                         "later..")
+    now, slept = [0.0], []
+
+    def sleep(s):
+        slept.append(s)
+        now[0] += s
+
+    def flaky(fails: int, error: Exception):
+        calls = []
+
+        def submit():
+            calls.append(1)
+            if len(calls) <= fails:
+                raise error
+            return "sid"
+        return submit, calls
+
+    submit, calls = flaky(3, later)
+    assert submit_with_retry(submit, 60, 2.0, sleep, lambda: now[0]) == "sid" and len(calls) == 4 and slept == [2.0] * 3
+    submit, calls = flaky(100, later)                              # still refused at the deadline: raised
+    with pytest.raises(RuntimeError, match="No available agent"):
+        submit_with_retry(submit, 10, 2.0, sleep, lambda: now[0])
+    assert len(calls) == 6                                         # at 0, 2, ..., 10 s
+    submit, calls = flaky(1, RuntimeError("Request failed with status code 400: bad runtime_env"))
+    with pytest.raises(RuntimeError, match="bad runtime_env"):    # any other refusal: at once
+        submit_with_retry(submit, 60, 2.0, sleep, lambda: now[0])
+    assert len(calls) == 1
+
+
 def test_finding_the_cluster_and_the_in_process_fallback(tmp_path, monkeypatch):
     from deploy.ray_jobs import (CLUSTER_FILE, DistillRunner, RayUnavailable, find_cluster,
                                  read_published_cluster, unpublish_cluster)
