@@ -36,7 +36,10 @@ Where the numbers come from:
 - `AcceptanceEstimate`: decayed counts of accepted / rejected draft positions (a rejected step is one
   failure; a fully accepted step none), shrunk towards a prior. Each request has one per proposer; its
   prior is the replica's estimate for that (draft version, proposer, greedy or sampled) from recent
-  traffic, which every request's steps update too.
+  traffic, which every request's steps update too. Beside the single alpha, per-depth counts give a curve of
+  conditional acceptances a_1..a_gamma (`AcceptanceEstimate.curve`; a depth without evidence takes the single
+  alpha), and plans price E = 1 + a_1 + a_1 a_2 + ... : Medusa heads accept a tree's first token far more often
+  than its later ones, which one alpha for all depths hid (it priced deep trees as paying where they did not).
 - Caution without evidence: a request whose prior has seen no traffic (a seeded request, whose prior must
   not depend on other requests; a new draft version) drafts only if drafting pays at its estimate minus
   CAUTION_Z standard errors; the number of tokens still follows the point estimate.
@@ -98,7 +101,7 @@ import math
 import os
 import threading
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Callable, Sequence
 
 MAX_GAMMA = 16
 PRIOR_DRAFT_RATIO = 0.1        # draft token / target step, before anything is measured
@@ -124,6 +127,8 @@ SPIKE_RATIO = 2.0
 # not the machine's load).
 LOAD_SHARE = 0.9      # DRAFTSMITH_LOAD_SHARE overrides it (a value in [0, 1); 0: per-size means alone)
 WARM_OBSERVATIONS = 5
+# Per-depth acceptance (AcceptanceEstimate.curve): the weight, in steps, of a depth's prior against its own counts.
+DEPTH_STRENGTH = 4.0
 RECENT_WEIGHT = 0.2
 
 
@@ -170,10 +175,19 @@ STOP_CONFIDENCE = 0.6
 PROFILE_GRID = 2 ** 0.25
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """E(alpha, k) = sum_{i=0..k} alpha^i: tokens emitted by a step drafting k tokens."""
+def expected_tokens(alpha: float | Sequence[float], k: int) -> float:
+    """Tokens emitted by a step drafting k tokens. `alpha` one acceptance for every depth: E(alpha, k) =
+    sum_{i=0..k} alpha^i; or per-depth conditional acceptances a_1, a_2, ... (`AcceptanceEstimate.curve`):
+    1 + a_1 + a_1 a_2 + ..., depths past the sequence's end taking its last value."""
     if k <= 0:
         return 1.0
+    if not isinstance(alpha, (int, float)):
+        curve = [min(max(float(a), 0.0), 1.0) for a in alpha] or [0.0]
+        e, reach = 1.0, 1.0
+        for d in range(k):
+            reach *= curve[min(d, len(curve) - 1)]
+            e += reach
+        return e
     a = min(max(float(alpha), 0.0), 1.0)
     if a >= 1.0:
         return float(k + 1)
@@ -492,6 +506,11 @@ class AcceptanceEstimate:
     accepted: float = 0.0
     rejected: float = 0.0
     observations: int = 0
+    # per depth d = i + 1: decayed counts of steps whose proposal reached depth d with every earlier token
+    # accepted, and of those whose token at depth d was accepted too (`curve`)
+    reached: list = field(default_factory=list)
+    passed: list = field(default_factory=list)
+    prior_curve: tuple = ()      # per-depth priors (a request's: its replica's curve); () = alpha at every depth
 
     @property
     def alpha(self) -> float:
@@ -509,6 +528,33 @@ class AcceptanceEstimate:
         self.accepted = self.decay * self.accepted + accepted
         self.rejected = self.decay * self.rejected + (1.0 if accepted < proposed else 0.0)
         self.observations += 1
+        depth = min(int(proposed), MAX_GAMMA)
+        if len(self.reached) < depth:
+            self.reached += [0.0] * (depth - len(self.reached))
+            self.passed += [0.0] * (depth - len(self.passed))
+        for i in range(len(self.reached)):
+            self.reached[i] *= self.decay
+            self.passed[i] *= self.decay
+        for i in range(min(int(accepted) + 1, depth)):
+            self.reached[i] += 1.0
+        for i in range(min(int(accepted), depth)):
+            self.passed[i] += 1.0
+
+    def curve(self, k: int) -> list[float]:
+        """Conditional acceptance at depths 1..k: the chance the token at depth d is accepted given the d - 1
+        before it were. Each depth's own counts, shrunk (weight DEPTH_STRENGTH) towards its prior: the
+        `prior_curve`, else the estimate's single alpha, so a depth without evidence is priced as before.
+        Trees of Medusa heads accept their first token far more often than later ones (0.6 then 0.1-0.35 on the
+        bootstrap's heads, docs/benchmarks.md, the twenty-first session), which one alpha for every depth
+        hides: it priced deep trees as paying where they did not."""
+        alpha = self.alpha
+        out = []
+        for i in range(max(0, int(k))):
+            p = self.prior_curve[i] if i < len(self.prior_curve) else alpha
+            r = self.reached[i] if i < len(self.reached) else 0.0
+            q = self.passed[i] if i < len(self.passed) else 0.0
+            out.append((q + DEPTH_STRENGTH * p) / (r + DEPTH_STRENGTH))
+        return out
 
 
 class ReplicaPriors:
@@ -529,6 +575,10 @@ class ReplicaPriors:
     def alpha(self, version: str, proposer: str, greedy: bool) -> float:
         with self._lock:
             return self._get((version, proposer, greedy)).alpha
+
+    def curve(self, version: str, proposer: str, greedy: bool, k: int) -> list[float]:
+        with self._lock:
+            return self._get((version, proposer, greedy)).curve(k)
 
     def observations(self, version: str, proposer: str, greedy: bool) -> int:
         """How many steps of recent traffic the prior for this key has seen (0: the default prior alone)."""
@@ -556,8 +606,9 @@ class Plan:
     probe: bool = False
 
 
-def best_k(alpha: float, max_k: int, step_s, min_gain: float = 0.0) -> tuple[int, float]:
-    """argmax over k in 0..max_k of E(alpha, k) / step_s(k); returns (k, tokens per second). Drafting
+def best_k(alpha: float | Sequence[float], max_k: int, step_s, min_gain: float = 0.0) -> tuple[int, float]:
+    """argmax over k in 0..max_k of E(alpha, k) / step_s(k) (`alpha`: one value, or a per-depth curve);
+    returns (k, tokens per second). Drafting
     (k > 0) must beat the plain step's rate by the factor 1 + min_gain."""
     rate0 = expected_tokens(alpha, 0) / step_s(0)
     best, rate = 0, rate0
@@ -619,18 +670,24 @@ class RequestController:
     def _estimate(self, proposer: str) -> AcceptanceEstimate:
         if proposer not in self.est:
             key = self.draft_key if proposer == "draft" else proposer
-            self.est[proposer] = AcceptanceEstimate(prior=self.priors.alpha(self.version, key, self.greedy))
+            self.est[proposer] = AcceptanceEstimate(
+                prior=self.priors.alpha(self.version, key, self.greedy),
+                prior_curve=tuple(self.priors.curve(self.version, key, self.greedy, self.gamma)))
             self.evidence[proposer] = self.priors.observations(self.version, key, self.greedy)
         return self.est[proposer]
 
     def alpha(self, proposer: str) -> float:
         return self._estimate(proposer).alpha
 
+    def curve(self, proposer: str) -> list[float]:
+        """Per-depth acceptance of `proposer` at depths 1..gamma (`AcceptanceEstimate.curve`): what plans price."""
+        return self._estimate(proposer).curve(self.gamma)
+
     def plan(self, ngram_available: int = 0) -> Plan:
         """The next step's proposer and draft length. `ngram_available`: how many tokens the n-gram lookup
         proposes now (0: no match)."""
         step_s = self.step_s
-        k, rate = best_k(self.alpha("draft"), self.gamma, step_s, self.min_gain)
+        k, rate = best_k(self.curve("draft"), self.gamma, step_s, self.min_gain)
         est = self._estimate("draft")
         if k and not self.evidence["draft"] and best_k(est.lower(CAUTION_Z), self.gamma, step_s, self.min_gain)[0] == 0:
             k, rate = 0, 1.0 / step_s(0)     # no traffic behind the prior: draft only where it pays pessimistically
@@ -638,7 +695,7 @@ class RequestController:
         if 0 < k < self.gamma and self._depth_probe(k):
             plan = Plan("draft", k + 1)
         if self.use_ngram and ngram_available:
-            kn, rate_n = best_k(self.alpha("ngram"), min(self.gamma, ngram_available),
+            kn, rate_n = best_k(self.curve("ngram"), min(self.gamma, ngram_available),
                                 lambda k: self.costs.step_s("ngram", k), self.min_gain)
             if kn and rate_n > rate:
                 plan = Plan("ngram", kn)
@@ -699,7 +756,7 @@ class RequestController:
         within DEPTH_PROBE_BUDGET."""
         if not self.shared or not self.costs.stale(self.verified(k + 1)):
             return False
-        alpha = self.alpha("draft")
+        alpha = self.curve("draft")
         rate = expected_tokens(alpha, k) / self.step_s(k)
         loss = max(0.0, 1.0 - expected_tokens(alpha, k + 1) / self.step_s(k + 1) / rate)
         return self.costs.depth_probe_due(max(DEPTH_PROBE_MIN_GAP, math.ceil(loss / DEPTH_PROBE_BUDGET - 1e-9)))
@@ -753,9 +810,9 @@ class RequestController:
 class RowOption:
     """What one request of a batch could do this step (input of `plan_batch`)."""
 
-    alpha_draft: float | None      # per-token acceptance of its draft proposer (None: no draft model)
+    alpha_draft: float | Sequence[float] | None   # acceptance of its draft proposer, one value or per depth (None: no draft model)
     draft_rows: int                # rows it adds to the batched draft forward when drafting (1, or beams)
-    alpha_ngram: float | None      # acceptance of the n-gram lookup (None: not offered)
+    alpha_ngram: float | Sequence[float] | None   # acceptance of the n-gram lookup (None: not offered)
     ngram_available: int           # tokens the lookup proposes now
     gamma: int                     # its upper bound
 

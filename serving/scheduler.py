@@ -527,9 +527,9 @@ class BatchScheduler:
             has_draft = spec.needs_draft and eng.draft_for(req)[0] is not None
             prop = proposer(spec, req.sampling)
             options.append(RowOption(
-                alpha_draft=ctrl.alpha("draft") if has_draft else None,
+                alpha_draft=ctrl.curve("draft") if has_draft else None,
                 draft_rows=spec.beams if prop == "beams" else 1,
-                alpha_ngram=ctrl.alpha("ngram") if ctrl.use_ngram else None,
+                alpha_ngram=ctrl.curve("ngram") if ctrl.use_ngram else None,
                 ngram_available=len(ngram), gamma=spec.gamma))
             shared.append(i)
         if shared:

@@ -48,6 +48,22 @@ def test_expected_tokens_matches_the_geometric_sum():
     assert expected_tokens(0.9, 0) == 1.0
 
 
+def test_expected_tokens_of_a_per_depth_curve():
+    assert expected_tokens([0.5, 0.5, 0.5], 3) == pytest.approx(expected_tokens(0.5, 3))
+    assert expected_tokens([0.6, 0.1], 2) == pytest.approx(1 + 0.6 + 0.06)
+    assert expected_tokens([0.6, 0.1], 4) == pytest.approx(1 + 0.6 + 0.06 + 0.006 + 0.0006)   # the last repeats
+    assert expected_tokens([0.6, 0.1], 0) == 1.0
+    est = AcceptanceEstimate(prior=0.5, decay=1.0)
+    assert est.curve(3) == [0.5, 0.5, 0.5]              # no evidence at any depth: the single alpha everywhere
+    for _ in range(200):                                 # the first token always accepted, the second never
+        est.update(3, 1)
+    a1, a2, a3 = est.curve(3)
+    assert a1 > 0.95 and a2 < 0.05
+    assert a3 == pytest.approx(est.alpha)                # never reached: priced at the single alpha
+    bounded = AcceptanceEstimate(prior=0.5, prior_curve=(0.9, 0.2))
+    assert bounded.curve(3) == pytest.approx([0.9, 0.2, 0.5])
+
+
 def test_best_k_follows_the_speedup_formula():
     step = lambda k: 1.0 + 0.1 * k          # c = 0.1, free verification
     assert best_k(0.05, 8, step)[0] == 0     # hopeless draft: a plain target step is best
@@ -417,6 +433,56 @@ def test_a_deeper_size_priced_too_dear_is_re_timed_and_then_chosen(monkeypatch):
     assert sum(p.k > 1 for p in plans) <= 3000 / cm.STALE_TIMINGS + 2, sum(p.k > 1 for p in plans)
     assert d.snapshot()["depth_probes"] == sum(p.k > 1 for p in plans) >= 1
     assert d.target_s(5) == pytest.approx(dear[5], rel=0.05)
+
+
+def depth_run(c: CostModel, truth: dict, steps: int, accept: list, rng: random.Random, gamma: int = 3):
+    """tree_run with a different acceptance at each depth (`accept[d - 1]`, given the earlier tokens were
+    accepted); returns (plans, tokens emitted, seconds at the `truth` costs)."""
+    priors, plans, ctrl, tokens, seconds = ReplicaPriors(prior=0.5), [], None, 0, 0.0
+    for i in range(steps):
+        if i % 64 == 0:
+            ctrl = RequestController(gamma=gamma, costs=c, priors=priors, version="v1", greedy=True,
+                                     catches_up=False, verify_tokens=lambda k: 2 * k + 1)
+        plan = ctrl.plan(0)
+        n = 0
+        while n < plan.k and rng.random() < accept[n]:
+            n += 1
+        t = truth[ctrl.verified(plan.k)]
+        c.observe_target(ctrl.verified(plan.k), t)
+        ctrl.observe(plan, n)
+        plans.append(plan)
+        tokens, seconds = tokens + n + 1, seconds + t
+    return plans, tokens, seconds
+
+
+def test_a_tree_whose_later_depths_are_seldom_accepted_drafts_one_deep(monkeypatch):
+    """Medusa heads accept the tree's first token far more often than later ones (0.6, then 0.1). One alpha for
+    every depth, fitted to such steps (about 0.4-0.6), prices the two- and three-deep trees as paying on a tree
+    whose deeper levels cost 10% and 20% more (the twentieth session's traffic mix drafted 2-3 deep for few more
+    accepted tokens; here 39% of the steps go two deep, each losing 5%). Per-depth estimates keep to the one-deep
+    tree, and the run emits more tokens a second."""
+    import serving.controller as cm
+
+    truth = {1: 0.020, 3: 0.020, 5: 0.022, 7: 0.024}
+    accept = [0.6, 0.1, 0.1]
+
+    def fresh() -> CostModel:
+        c = CostModel(weight=0.1)
+        for n, t in truth.items():
+            c.observe_target_if_unmeasured(n, t)
+        return c
+
+    plans, tokens, seconds = depth_run(fresh(), truth, 1500, accept, random.Random(0))
+    late = plans[-1000:]
+    assert sum(p.k == 1 for p in late) > 0.85 * len(late), [p.k for p in late][:60]
+    with monkeypatch.context() as m:                     # one alpha for every depth: deeper trees for nothing
+        m.setattr(cm, "DEPTH_STRENGTH", 1e12)
+        one, tokens1, seconds1 = depth_run(fresh(), truth, 1500, accept, random.Random(0))
+    assert sum(p.k >= 2 for p in one[-1000:]) > 0.3 * 1000
+    assert tokens / seconds > 1.01 * tokens1 / seconds1
+    # where the later depths are accepted as often as the first, the curve still drafts deep
+    deep, _, _ = depth_run(fresh(), truth, 1500, [0.8, 0.8, 0.8], random.Random(3))
+    assert sum(p.k == 3 for p in deep[-1000:]) > 0.85 * 1000
 
 
 def test_a_stale_calibrated_size_neither_floors_nor_undercuts_sizes_traffic_times():
