@@ -127,8 +127,12 @@ SPIKE_RATIO = 2.0
 # not the machine's load).
 LOAD_SHARE = 0.9      # DRAFTSMITH_LOAD_SHARE overrides it (a value in [0, 1); 0: per-size means alone)
 WARM_OBSERVATIONS = 5
-# Per-depth acceptance (AcceptanceEstimate.curve): the weight, in steps, of a depth's prior against its own counts.
-DEPTH_STRENGTH = 4.0
+# Per-depth acceptance (AcceptanceEstimate.curve): the weight, in steps, of a depth's prior (a request's: its replica's
+# curve) against its own counts. At 4, four rejected one-token trees in a row took a request's first-depth estimate
+# from 0.28 to 0.15, below what drafting needs, and with probes backing off a science answer whose heads were
+# accepted 0.3-0.38 of the time drafted on 2 of its 64 steps (the twenty-first session's trace); 8 halves such stops
+# on synthetic streams and reacts within a request where acceptance truly collapses (scripts/bench_controller_streams.py).
+DEPTH_STRENGTH = 8.0
 RECENT_WEIGHT = 0.2
 
 
