@@ -380,19 +380,7 @@ def test_a_lasting_slowdown_seen_at_one_size_moves_every_size_alike(monkeypatch)
 def tree_run(c: CostModel, truth: dict, steps: int, accept_p: float, rng: random.Random, gamma: int = 2) -> list:
     """Requests of 64 steps on a (2,1,1)-like tree (3, 5, 7 tokens verified at depth 1, 2, 3) on the replica's
     cost model `c`, each step timed at its `truth` cost as the served path times it; returns the plans."""
-    priors, plans, ctrl = ReplicaPriors(prior=accept_p), [], None
-    for i in range(steps):
-        if i % 64 == 0:
-            ctrl = RequestController(gamma=gamma, costs=c, priors=priors, version="v1", greedy=True,
-                                     catches_up=False, verify_tokens=lambda k: 2 * k + 1)
-        plan = ctrl.plan(0)
-        n = 0
-        while n < plan.k and rng.random() < accept_p:
-            n += 1
-        c.observe_target(ctrl.verified(plan.k), truth[ctrl.verified(plan.k)])
-        ctrl.observe(plan, n)
-        plans.append(plan)
-    return plans
+    return depth_run(c, truth, steps, [accept_p] * gamma, rng, gamma, prior=accept_p)[0]
 
 
 def test_a_deeper_size_priced_too_dear_is_re_timed_and_then_chosen(monkeypatch):
@@ -435,10 +423,11 @@ def test_a_deeper_size_priced_too_dear_is_re_timed_and_then_chosen(monkeypatch):
     assert d.target_s(5) == pytest.approx(dear[5], rel=0.05)
 
 
-def depth_run(c: CostModel, truth: dict, steps: int, accept: list, rng: random.Random, gamma: int = 3):
-    """tree_run with a different acceptance at each depth (`accept[d - 1]`, given the earlier tokens were
+def depth_run(c: CostModel, truth: dict, steps: int, accept: list, rng: random.Random, gamma: int = 3,
+              prior: float = 0.5):
+    """`tree_run` with a different acceptance at each depth (`accept[d - 1]`, given the earlier tokens were
     accepted); returns (plans, tokens emitted, seconds at the `truth` costs)."""
-    priors, plans, ctrl, tokens, seconds = ReplicaPriors(prior=0.5), [], None, 0, 0.0
+    priors, plans, ctrl, tokens, seconds = ReplicaPriors(prior=prior), [], None, 0, 0.0
     for i in range(steps):
         if i % 64 == 0:
             ctrl = RequestController(gamma=gamma, costs=c, priors=priors, version="v1", greedy=True,
