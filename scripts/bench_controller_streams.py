@@ -10,7 +10,10 @@ at depth d is accepted, given the earlier ones were, per request and step. Reque
 replica (its cost model and acceptance priors), as a replica's requests do. Per stream and per DEPTH_STRENGTH value
 (--strengths): tokens per second at the seeded costs (each step timed at its size's cost plus --draft-ms per
 drafted depth), the share of steps that drafted nothing, and drafted tokens per step; plain target decoding is
-the 1.00x. Writes streams.md / .json / .png into --out.
+the 1.00x. A second table replays streams of two traffic categories (odd and even requests) at the served
+strength, with the replica's acceptance prior pooled over both (unlabelled traffic) and kept per category (requests
+that carry `metadata.category`), each category's ratio to plain steps reported. Writes streams.md / .json / .png
+into --out.
 """
 from __future__ import annotations
 
@@ -37,8 +40,18 @@ STREAMS = {
     "bursts of 16 steps, 0.50 / 0.05": lambda r, s, d: (0.05 if (s // 16) % 2 else 0.50) if d == 0 else 0.20,
 }
 
+# streams of two categories: even requests are category 0, odd ones category 1
+CATEGORY_STREAMS = {
+    "deep 0.80/0.70 and shallow 0.35/0.05": lambda r, s, d: (0.80 if d == 0 else 0.70) if r % 2 == 0
+    else (0.35 if d == 0 else 0.05),
+    "deep 0.60/0.50 and hopeless 0.03": lambda r, s, d: (0.60 if d == 0 else 0.50) if r % 2 == 0 else 0.03,
+}
 
-def replay(stream, costs_s: dict, draft_s: float, requests: int, steps: int, seed: int) -> dict:
+
+def replay(stream, costs_s: dict, draft_s: float, requests: int, steps: int, seed: int,
+           labelled: bool = False) -> dict:
+    """`labelled`: each request carries its category (request index mod 2) and the replica keeps a prior per
+    category; otherwise one pooled prior."""
     rng = random.Random(seed)
     c = CostModel(weight=0.1)
     for n, t in costs_s.items():
@@ -48,21 +61,30 @@ def replay(stream, costs_s: dict, draft_s: float, requests: int, steps: int, see
     priors = ReplicaPriors(prior=0.5)
     tokens = seconds = drafted = 0.0
     plain = total = 0
+    per_cat = [[0.0, 0.0], [0.0, 0.0]]      # category -> [tokens, seconds]
     for r in range(requests):
         ctrl = RequestController(gamma=3, costs=c, priors=priors, version="v", greedy=True, draft_key="medusa",
-                                 catches_up=False, verify_tokens=lambda k: 2 * k + 1)
+                                 catches_up=False, verify_tokens=lambda k: 2 * k + 1,
+                                 category=f"c{r % 2}" if labelled else "")
         for s in range(steps):
             plan = ctrl.plan(0)
             a = 0
             while a < plan.k and rng.random() < stream(r, s, a):
                 a += 1
             ctrl.observe(plan, a)
+            t = costs_s[ctrl.verified(plan.k)] + draft_s * plan.k
             tokens += a + 1
-            seconds += costs_s[ctrl.verified(plan.k)] + draft_s * plan.k
+            seconds += t
+            per_cat[r % 2][0] += a + 1
+            per_cat[r % 2][1] += t
             drafted += plan.k
             plain += plan.k == 0
             total += 1
-    return {"tokens_per_s": tokens / seconds, "plain_share": plain / total, "drafted_per_step": drafted / total}
+    out = {"tokens_per_s": tokens / seconds, "plain_share": plain / total, "drafted_per_step": drafted / total}
+    for i, (n, t) in enumerate(per_cat):
+        if t:
+            out[f"category_{i}_tokens_per_s"] = n / t
+    return out
 
 
 def main(argv=None) -> int:
@@ -98,8 +120,23 @@ def main(argv=None) -> int:
                       f"{row['plain_share']:.0%} plain ({time.time() - t0:.0f} s)", flush=True)
     finally:
         cm.DEPTH_STRENGTH = saved
-    (out / "streams.json").write_text(json.dumps({"args": vars(args), "served_strength": saved, "rows": rows},
-                                                 indent=1))
+    cat_rows = []
+    for name, stream in CATEGORY_STREAMS.items():
+        for labelled in (False, True):
+            runs = [replay(stream, costs_s, args.draft_ms / 1000, args.requests, args.steps, seed, labelled)
+                    for seed in range(args.seeds)]
+            row = {"stream": name, "priors": "per category" if labelled else "pooled"}
+            for key in runs[0]:
+                row[key] = statistics.mean(run[key] for run in runs)
+            row["ratio_to_target"] = row["tokens_per_s"] / plain_rate
+            for i in (0, 1):
+                row[f"category_{i}_ratio"] = row.get(f"category_{i}_tokens_per_s", 0.0) / plain_rate
+            cat_rows.append(row)
+            print(f"[streams] {name}, {row['priors']} priors: {row['ratio_to_target']:.3f}x (categories "
+                  f"{row['category_0_ratio']:.3f}x / {row['category_1_ratio']:.3f}x, {time.time() - t0:.0f} s)",
+                  flush=True)
+    (out / "streams.json").write_text(json.dumps({"args": vars(args), "served_strength": saved, "rows": rows,
+                                                  "category_rows": cat_rows}, indent=1))
     lines = [f"Controller on synthetic streams: {args.requests} requests x {args.steps} steps x {args.seeds} seeds, "
              f"costs {args.costs_ms} ms (1/3/5/7 tokens) + {args.draft_ms} ms per drafted depth; ratio to plain "
              f"target steps; served DEPTH_STRENGTH {saved:g}", "",
@@ -109,6 +146,12 @@ def main(argv=None) -> int:
         cells = [next(r for r in rows if r["stream"] == name and r["strength"] == s) for s in args.strengths]
         lines.append(f"| {name} | " + " | ".join(f"{c['ratio_to_target']:.3f}x, {c['plain_share']:.0%}"
                                                  for c in cells) + " |")
+    lines += ["", f"Two categories (even / odd requests) at DEPTH_STRENGTH {saved:g}: the replica's acceptance prior "
+              "pooled (unlabelled traffic) or per category (metadata.category); ratio to plain target steps", "",
+              "| stream | priors | all | category 0 | category 1 | drafted per step |", "|---|---|---:|---:|---:|---:|"]
+    for r in cat_rows:
+        lines.append(f"| {r['stream']} | {r['priors']} | {r['ratio_to_target']:.3f}x | {r['category_0_ratio']:.3f}x | "
+                     f"{r['category_1_ratio']:.3f}x | {r['drafted_per_step']:.2f} |")
     (out / "streams.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     try:

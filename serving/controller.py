@@ -563,7 +563,14 @@ class AcceptanceEstimate:
 
 class ReplicaPriors:
     """Acceptance from recent traffic of one replica, per (draft version, proposer, greedy?): the prior of
-    every new request. A new draft version starts from the default prior."""
+    every new request. A new draft version starts from the default prior.
+
+    Labelled traffic (a request's `metadata.category`, its replay-buffer `source`) also gets an estimate of its
+    own per category, shrunk towards the pooled one: alpha with weight 2 steps, each depth with DEPTH_STRENGTH,
+    so a category without traffic yet starts from the pooled figures and one with traffic prices its own. Pooled
+    alone, a category whose trees the draft learnt to accept deep (SQL after online distillation) made every
+    other category's requests start from its deep curve: known traffic went from 1.9 to 3.0 drafted tokens per
+    step for no more accepted (docs/benchmarks.md, the twenty-first session)."""
 
     def __init__(self, prior: float = 0.5, decay: float = 0.98) -> None:
         self.default, self.decay = prior, decay
@@ -571,36 +578,51 @@ class ReplicaPriors:
         self._gaps: dict[tuple, int] = {}
         self._lock = threading.Lock()
 
-    def _get(self, key: tuple) -> AcceptanceEstimate:
+    def _get(self, key: tuple, k: int = MAX_GAMMA) -> AcceptanceEstimate:
+        """The estimate of `key` = (version, proposer, greedy, category); a category's has its priors set from
+        the pooled (category "") estimate of its version, proposer and greedy, at depths 1..k."""
         if key not in self._est:
             self._est[key] = AcceptanceEstimate(prior=self.default, strength=2.0, decay=self.decay)
-        return self._est[key]
+        est = self._est[key]
+        if key[3]:
+            pooled = self._get(key[:3] + ("",))
+            est.prior, est.prior_curve = pooled.alpha, tuple(pooled.curve(k))
+        return est
 
-    def alpha(self, version: str, proposer: str, greedy: bool) -> float:
+    def alpha(self, version: str, proposer: str, greedy: bool, category: str = "") -> float:
         with self._lock:
-            return self._get((version, proposer, greedy)).alpha
+            return self._get((version, proposer, greedy, category)).alpha
 
-    def curve(self, version: str, proposer: str, greedy: bool, k: int) -> list[float]:
+    def curve(self, version: str, proposer: str, greedy: bool, k: int, category: str = "") -> list[float]:
         with self._lock:
-            return self._get((version, proposer, greedy)).curve(k)
+            return self._get((version, proposer, greedy, category), k).curve(k)
 
-    def observations(self, version: str, proposer: str, greedy: bool) -> int:
-        """How many steps of recent traffic the prior for this key has seen (0: the default prior alone)."""
+    def observations(self, version: str, proposer: str, greedy: bool, category: str = "") -> int:
+        """How many steps of recent traffic the prior for this key has seen (0: the default prior alone); a
+        category's prior counts its pooled one's."""
         with self._lock:
-            return self._get((version, proposer, greedy)).observations
+            return self._get((version, proposer, greedy, "")).observations + (
+                self._get((version, proposer, greedy, category)).observations if category else 0)
 
-    def update(self, version: str, proposer: str, greedy: bool, proposed: int, accepted: int) -> None:
+    def update(self, version: str, proposer: str, greedy: bool, proposed: int, accepted: int,
+               category: str = "") -> None:
         with self._lock:
-            self._get((version, proposer, greedy)).update(proposed, accepted)
+            self._get((version, proposer, greedy, "")).update(proposed, accepted)
+            if category:
+                self._get((version, proposer, greedy, category)).update(proposed, accepted)
 
-    def probe_gap(self, version: str, proposer: str, greedy: bool, default: int) -> int:
-        """The probe gap the replica's latest request of this key ended with (RequestController: probing)."""
+    def probe_gap(self, version: str, proposer: str, greedy: bool, default: int, category: str = "") -> int:
+        """The probe gap the replica's latest request of this key ended with (RequestController: probing); a
+        category without one of its own takes the pooled one."""
         with self._lock:
-            return self._gaps.get((version, proposer, greedy), default)
+            pooled = self._gaps.get((version, proposer, greedy, ""), default)
+            return self._gaps.get((version, proposer, greedy, category), pooled)
 
-    def set_probe_gap(self, version: str, proposer: str, greedy: bool, gap: int) -> None:
+    def set_probe_gap(self, version: str, proposer: str, greedy: bool, gap: int, category: str = "") -> None:
         with self._lock:
-            self._gaps[(version, proposer, greedy)] = int(gap)
+            self._gaps[(version, proposer, greedy, category)] = int(gap)
+            if category:
+                self._gaps[(version, proposer, greedy, "")] = int(gap)
 
 
 @dataclass
@@ -635,6 +657,7 @@ class RequestController:
     version: str
     greedy: bool
     draft_key: str = "chain"          # cost key of the mode's proposer ("chain", "beams")
+    category: str = ""                # the request's traffic label: its replica prior's (ReplicaPriors); "" pooled
     use_ngram: bool = False
     min_gain: float = MIN_GAIN
     stop_below: float = 0.0           # chains end after a token the draft doubts (STOP_CONFIDENCE; 0: off)
@@ -656,7 +679,8 @@ class RequestController:
             raise ValueError(f"gamma must be in [1, {MAX_GAMMA}], got {self.gamma}")
         # probing state is the replica's (module docstring, "Probing"), except on a frozen cost model
         self.shared = self.costs.frozen_profile is None
-        self.probe_gap = (self.priors.probe_gap(self.version, self.draft_key, self.greedy, self.probe_gap0)
+        self.probe_gap = (self.priors.probe_gap(self.version, self.draft_key, self.greedy, self.probe_gap0,
+                                               self.category)
                           if self.shared else self.probe_gap0)
 
     def step_s(self, k: int) -> float:
@@ -669,15 +693,15 @@ class RequestController:
     def _set_gap(self, gap: int) -> None:
         self.probe_gap = gap
         if self.shared:
-            self.priors.set_probe_gap(self.version, self.draft_key, self.greedy, gap)
+            self.priors.set_probe_gap(self.version, self.draft_key, self.greedy, gap, self.category)
 
     def _estimate(self, proposer: str) -> AcceptanceEstimate:
         if proposer not in self.est:
             key = self.draft_key if proposer == "draft" else proposer
             self.est[proposer] = AcceptanceEstimate(
-                prior=self.priors.alpha(self.version, key, self.greedy),
-                prior_curve=tuple(self.priors.curve(self.version, key, self.greedy, self.gamma)))
-            self.evidence[proposer] = self.priors.observations(self.version, key, self.greedy)
+                prior=self.priors.alpha(self.version, key, self.greedy, self.category),
+                prior_curve=tuple(self.priors.curve(self.version, key, self.greedy, self.gamma, self.category)))
+            self.evidence[proposer] = self.priors.observations(self.version, key, self.greedy, self.category)
         return self.est[proposer]
 
     def alpha(self, proposer: str) -> float:
@@ -802,7 +826,7 @@ class RequestController:
             return
         self._estimate(plan.proposer).update(proposed, accepted)
         key = self.draft_key if plan.proposer == "draft" else plan.proposer
-        self.priors.update(self.version, key, self.greedy, proposed, accepted)
+        self.priors.update(self.version, key, self.greedy, proposed, accepted, self.category)
         if plan.proposer == "draft":
             if plan.probe:
                 self._set_gap(self.probe_gap0 if accepted else min(self.max_probe_gap, 2 * self.probe_gap,

@@ -637,10 +637,10 @@ class Engine:
                 costs = CostModel.frozen(profile) if profile is not None else CostModel()
                 priors = ReplicaPriors(prior=self.seeded_prior)
             if mode in ADAPTIVE_TREE_MODES:
-                req.controller = self._tree_controller(spec, sampling, costs, priors, version)
+                req.controller = self._tree_controller(spec, sampling, costs, priors, version, source or "")
             else:
                 req.controller = RequestController(
-                    gamma=spec.gamma, costs=costs, priors=priors, version=version,
+                    gamma=spec.gamma, costs=costs, priors=priors, version=version, category=source or "",
                     greedy=sampling.greedy, draft_key="beams" if beams else "chain", max_tokens=sampling.max_tokens,
                     use_ngram=mode in NGRAM_SWITCH_MODES, stop_below=0.0 if beams else self.stop_confidence)
         self.scheduler.submit(req)
@@ -656,7 +656,7 @@ class Engine:
             req.closed.set()      # a consumer that stops reading leaves the batch at the next round
 
     def _tree_controller(self, spec: SpecParams, sampling: SamplingParams, costs: CostModel, priors: ReplicaPriors,
-                         version: str) -> RequestController:
+                         version: str, category: str = "") -> RequestController:
         """The controller of an adaptive medusa request: before each step it picks the tree's depth k in
         0..min(gamma, heads) (0: a plain target step, which still leaves the hidden state the heads read next)
         from the heads' acceptance per depth and the measured cost of verifying that tree (its shape's nodes
@@ -666,7 +666,7 @@ class Engine:
         depth = max(1, min(spec.gamma, self.heads.config.num_heads))
         return RequestController(
             gamma=depth, costs=costs, priors=priors, version=version, greedy=sampling.greedy,
-            draft_key=spec.mode, max_tokens=sampling.max_tokens, catches_up=False,
+            draft_key=spec.mode, category=category, max_tokens=sampling.max_tokens, catches_up=False,
             verify_tokens=lambda k: 1 + tree_size(tree_branching(k, width, branch)))
 
     # ------------------------------------------------------------------ the seeded requests' cost profile

@@ -23,6 +23,15 @@ def test_streams_smoke_writes_its_table_and_drafts_where_drafting_pays(tmp_path)
         assert good["plain_share"] < 0.1 and good["ratio_to_target"] > 1.2
         assert hopeless["plain_share"] > 0.8 and 0.95 < hopeless["ratio_to_target"] < 1.01
     assert "| steady 0.30 then 0.10 |" in (out / "streams.md").read_text()
+    # two categories, at the served strength: priors pooled and per category
+    cats = {(r["stream"], r["priors"]): r for r in data["category_rows"]}
+    assert len(cats) == 4
+    for priors in ("pooled", "per category"):
+        row = cats[("deep 0.60/0.50 and hopeless 0.03", priors)]
+        assert row["category_0_ratio"] > 1.2            # the deep category drafts either way
+    # with its own prior, the hopeless category is not dragged into drafting by the deep one: near plain speed
+    assert cats[("deep 0.60/0.50 and hopeless 0.03", "per category")]["category_1_ratio"] > 0.95
+    assert "| per category |" in (out / "streams.md").read_text()
     assert (out / "streams.png").stat().st_size > 0
 
 

@@ -272,6 +272,30 @@ def test_replica_prior_carries_acceptance_to_new_requests():
     assert fresh.plan().k > 0                             # a new draft version starts from the default prior
 
 
+def test_a_categorys_prior_is_its_own_and_starts_from_the_pooled_one():
+    """Labelled traffic keeps a prior per category: one category whose trees are accepted deep does not make
+    another's new requests draft deep, and a category never seen starts from the pooled figures."""
+    priors = ReplicaPriors(prior=0.5)
+    c = costs()
+    for _ in range(60):
+        priors.update("v1", "chain", True, 4, 4, category="sql")       # deep: every token accepted
+        priors.update("v1", "chain", True, 4, 0, category="chat")      # the first token rejected
+    sql = RequestController(gamma=4, costs=c, priors=priors, version="v1", greedy=True, category="sql")
+    chat = RequestController(gamma=4, costs=c, priors=priors, version="v1", greedy=True, category="chat")
+    new = RequestController(gamma=4, costs=c, priors=priors, version="v1", greedy=True, category="new")
+    pooled = RequestController(gamma=4, costs=c, priors=priors, version="v1", greedy=True)
+    assert sql.curve("draft")[0] > 0.85 and chat.curve("draft")[0] < 0.15
+    assert sql.plan().k == 4 and chat.plan().k == 0
+    assert new.curve("draft") == pytest.approx(pooled.curve("draft"))    # no traffic of its own: the pooled prior
+    assert 0.3 < pooled.curve("draft")[0] < 0.7
+    assert new.evidence["draft"] == pooled.evidence["draft"] == 120      # the pooled traffic stands behind it
+    # a category's own traffic outweighs the pooled prior after a few steps: 8 rejected steps move a new
+    # category's first-depth acceptance most of the way
+    for _ in range(8):
+        priors.update("v1", "chain", True, 4, 0, category="new")
+    assert priors.curve("v1", "chain", True, 4, category="new")[0] < 0.6 * pooled.curve("draft")[0]
+
+
 def test_acceptance_estimate_and_cost_model_basics():
     est = AcceptanceEstimate(prior=0.5, strength=2.0, decay=1.0)
     est.update(4, 4)          # 4 successes, no failure
@@ -656,6 +680,31 @@ def test_a_hopeless_draft_stops_drafting(engines, monkeypatch):
     st = eng.generate_all(prompt, sampling, spec).stats
     draft_model_steps = st.steps - st.zero_draft_steps - st.ngram_steps
     assert draft_model_steps <= 0.3 * st.steps, st
+
+
+def test_a_labelled_request_teaches_its_categorys_prior(engines, monkeypatch):
+    """The request's traffic label (metadata.category, the engine's `source`) reaches its controller: its steps
+    count in its category's replica prior and in the pooled one, and an unlabelled request's only in the pooled."""
+    eng = engines["same"]                  # the draft is the target: every request drafts
+    fixed = costs()
+    fixed.observe_target = fixed.observe_draft = lambda *a: None
+    monkeypatch.setattr(eng, "costs", fixed)
+    priors = ReplicaPriors()
+    monkeypatch.setattr(eng, "priors", priors)
+    prompt = eng.tokenizer("zz top zq")["input_ids"]
+    sampling = SamplingParams(temperature=0.0, max_tokens=12)
+    spec = SpecParams(mode="speculative", gamma=4)
+    st = eng.generate_all(prompt, sampling, spec, source="sql").stats
+    drafted = st.steps - st.zero_draft_steps - st.ngram_steps
+    assert drafted > 0
+    pooled = priors.observations(st.draft_version, "chain", True)
+    assert pooled == drafted
+    assert priors.observations(st.draft_version, "chain", True, category="sql") == 2 * drafted
+    assert priors.observations(st.draft_version, "chain", True, category="chat") == drafted   # pooled alone
+    eng.generate_all(prompt, sampling, spec)
+    assert priors.observations(st.draft_version, "chain", True) > pooled
+    assert priors.observations(st.draft_version, "chain", True, category="sql") - \
+        priors.observations(st.draft_version, "chain", True) == drafted
 
 
 def joint_second_token(model, prompt, sampling):
