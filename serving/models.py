@@ -17,6 +17,7 @@ sampling handles exactly (such tokens are simply never proposed).
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import logging
 import os
@@ -242,23 +243,34 @@ def release_openmp_threads() -> bool:
         return False
 
 
-# Row counts up to which SkinnyLinear computes W @ x^T (measured to 64 on an AVX2 host, docs/benchmarks.md).
+# Row counts up to which SkinnyLinear may compute W @ x^T (measured to 64 on an AVX2 host, docs/benchmarks.md).
 SKINNY_MAX_ROWS = 64
+# Row counts at which `choose_skinny_rows` times both products; a count between two takes the lower one's choice.
+SKINNY_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+SKINNY_COLD_BYTES, SKINNY_COPIES = 96 << 20, 64   # weight copies timed in turn, past a server CPU's caches
+SKINNY_MARGIN = 0.75         # W @ x^T only where it takes < 0.75x nn.Linear's time (alone it looks better than in a model)
+_ALL_ROWS = (True,) * (SKINNY_MAX_ROWS + 1)
+_skinny_choices: dict = {}   # (out, in, dtype, threads) -> per row count 0..SKINNY_MAX_ROWS: W @ x^T or not
 
 
 class SkinnyLinear(torch.nn.Linear):
-    """nn.Linear whose product over few rows is computed as W @ x^T, the weight as the left operand.
+    """nn.Linear whose product over few rows may be computed as W @ x^T, the weight as the left operand.
 
-    On a CPU in fp32, torch hands x @ W^T to MKL's sgemm; with 2-64 rows of x (a verification of a few
-    tokens, a few beams, a small batch) that call streams the weight through memory about twice as often
-    as a one-row call does, so on a memory-bound 2-core host a 2-token target pass cost 1.68x a 1-token one
-    and 5 tokens 1.75x. The same product with the weight on the left reads it once: 2 tokens 1.03x, 4 tokens
-    1.05x, 5 tokens 1.25x (`docs/benchmarks.md`, "The fifteenth session"). The result is the same up to
-    fp32 rounding (max |diff| 5e-5 on the target's logits). More rows, or autocast, use nn.Linear's own path."""
+    On a CPU in fp32, torch hands x @ W^T to MKL's sgemm; on an AMD host with AVX2 (the fifteenth session), with
+    2-64 rows of x (a verification of a few tokens, a few beams, a small batch) that call streamed the weight
+    through memory about twice as often as a one-row call, so a 2-token target pass cost 1.68x a 1-token one and
+    5 tokens 1.75x. The same product with the weight on the left read it once: 2 tokens 1.03x, 5 tokens 1.25x.
+    On an Intel Xeon with AVX-512 (the twenty-second session) it is the other way round: W @ x^T over 2-3 rows
+    takes 2.5x sgemm's x @ W^T, and a 2-token pass cost 1.78x a 1-token one with every layer on the left, 0.93x
+    with none. So which product each row count takes is measured per layer shape when a model is loaded
+    (`choose_skinny_rows`; `skinny_rows`, per row count 0..SKINNY_MAX_ROWS). The result is the same up to fp32
+    rounding (max |diff| 5e-5 on the target's logits). More rows, or autocast, use nn.Linear's own path."""
+
+    skinny_rows: tuple = _ALL_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if not (0 < rows <= SKINNY_MAX_ROWS) or x.dtype != self.weight.dtype:
+        if not (0 < rows <= SKINNY_MAX_ROWS) or x.dtype != self.weight.dtype or not self.skinny_rows[rows]:
             return super().forward(x)
         y = torch.mm(self.weight, x.reshape(rows, x.shape[-1]).t()).t().contiguous()
         if self.bias is not None:
@@ -266,21 +278,69 @@ class SkinnyLinear(torch.nn.Linear):
         return y.reshape(*x.shape[:-1], self.weight.shape[0])
 
 
-def use_skinny_linears(model: torch.nn.Module) -> int:
+def _median_ms(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return 1000 * times[len(times) // 2]
+
+
+def choose_skinny_rows(weight: torch.Tensor, repeats: int = 5) -> tuple:
+    """Per row count 0..SKINNY_MAX_ROWS, whether W @ x^T takes under SKINNY_MARGIN of nn.Linear's x @ W^T time for this
+    weight on this host: both timed at each of SKINNY_BUCKETS rows (median of `repeats` after a warm-up, the two
+    interleaved, each call on the next of enough copies of the weight that it comes from memory, not a cache, as
+    in a model's pass; a hot weight favoured W @ x^T at 16-64 rows that lost in the model), a count between buckets taking the lower bucket's choice. Cached per (shape, dtype, threads)."""
+    key = (tuple(weight.shape), weight.dtype, torch.get_num_threads())
+    if key in _skinny_choices:
+        return _skinny_choices[key]
+    w = weight.detach()
+    choice = {}
+    with torch.no_grad():
+        # in a model each layer's weight comes cold from memory: time over enough copies to overflow the caches
+        copies = max(1, min(SKINNY_COPIES, -(-SKINNY_COLD_BYTES // max(1, w.numel() * w.element_size()))))
+        ws = itertools.cycle([w] + [w.clone() for _ in range(copies - 1)])
+        for rows in SKINNY_BUCKETS:
+            x = torch.randn(rows, w.shape[1], dtype=w.dtype, device=w.device)
+            left = lambda: torch.mm(next(ws), x.t())                                   # noqa: E731
+            right = lambda: torch.nn.functional.linear(x, next(ws))                  # noqa: E731
+            left(), right()
+            t_left = t_right = 0.0
+            for _ in range(2):                # interleaved halves: a slow moment hits both products
+                t_left += _median_ms(left, repeats)
+                t_right += _median_ms(right, repeats)
+            choice[rows] = t_left < SKINNY_MARGIN * t_right
+    table, current = [False], False
+    for rows in range(1, SKINNY_MAX_ROWS + 1):
+        current = choice.get(rows, current)
+        table.append(current)
+    _skinny_choices[key] = tuple(table)
+    return _skinny_choices[key]
+
+
+def use_skinny_linears(model: torch.nn.Module, measure: bool | None = None) -> int:
     """Make every plain nn.Linear of `model` a SkinnyLinear (same parameters, same state dict); returns how
-    many. Meant for fp32 on a CPU, where it was measured (`wants_skinny_linears`)."""
+    many. Meant for fp32 on a CPU (`wants_skinny_linears`). `measure` (default: unless DRAFTSMITH_SKINNY_LINEAR
+    is 1, which puts every row count on W @ x^T): time each layer shape's two products on this host and give
+    each row count the faster (`choose_skinny_rows`)."""
+    if measure is None:
+        measure = os.environ.get("DRAFTSMITH_SKINNY_LINEAR", "auto").strip() != "1"
     n = 0
     for mod in model.modules():
         if type(mod) is torch.nn.Linear:
             mod.__class__ = SkinnyLinear
             n += 1
+        if isinstance(mod, SkinnyLinear):
+            mod.skinny_rows = choose_skinny_rows(mod.weight) if measure else _ALL_ROWS
     return n
 
 
 def wants_skinny_linears(device, dtype: torch.dtype) -> bool:
     """fp32 on a CPU, unless DRAFTSMITH_SKINNY_LINEAR=0 (bf16 goes to oneDNN, where 1-6 token passes already
     cost within 3% of each other on the AMX host; GPUs have their own kernels)."""
-    if os.environ.get("DRAFTSMITH_SKINNY_LINEAR", "1").strip() == "0":
+    if os.environ.get("DRAFTSMITH_SKINNY_LINEAR", "auto").strip() == "0":
         return False
     return str(device).startswith("cpu") and dtype == torch.float32
 

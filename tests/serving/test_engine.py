@@ -306,7 +306,7 @@ def test_skinny_linear_matches_linear(monkeypatch):
     ref = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.ReLU(), torch.nn.Linear(40, 7, bias=False))
     fast = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.ReLU(), torch.nn.Linear(40, 7, bias=False))
     fast.load_state_dict(ref.state_dict())
-    assert use_skinny_linears(fast) == 2 and all(isinstance(m, SkinnyLinear) for m in (fast[0], fast[2]))
+    assert use_skinny_linears(fast, measure=False) == 2 and all(isinstance(m, SkinnyLinear) for m in (fast[0], fast[2]))
     assert list(fast.state_dict()) == list(ref.state_dict())
     calls = []
     monkeypatch.setattr(torch, "mm", lambda a, b, _mm=torch.mm: calls.append(a.shape) or _mm(a, b))
@@ -330,6 +330,50 @@ def test_skinny_linear_matches_linear(monkeypatch):
     assert not wants_skinny_linears("cuda:0", torch.float32)
     monkeypatch.setenv("DRAFTSMITH_SKINNY_LINEAR", "0")
     assert not wants_skinny_linears("cpu", torch.float32)
+
+
+def test_skinny_linear_takes_the_product_this_host_times_faster(monkeypatch):
+    """Which product SkinnyLinear takes per row count is measured per layer shape at load: W @ x^T where it is
+    faster (an AMD host with AVX2), nn.Linear's x @ W^T where that is (an Intel host with AVX-512, where W @ x^T
+    over 2-3 rows took 2.5x). Here each product in turn is slowed and the choice follows."""
+    import time as _time
+
+    import serving.models as models
+
+    def slowed(fn):
+        return lambda *a, **k: (_time.sleep(0.002), fn(*a, **k))[1]
+
+    def fresh():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.ReLU(), torch.nn.Linear(40, 7, bias=False))
+
+    monkeypatch.setattr(models, "_skinny_choices", {})
+    with monkeypatch.context() as m:
+        m.setattr(torch, "mm", slowed(torch.mm))
+        slow_left = fresh()
+        models.use_skinny_linears(slow_left)
+    assert not any(slow_left[0].skinny_rows) and not any(slow_left[2].skinny_rows)
+    monkeypatch.setattr(models, "_skinny_choices", {})
+    with monkeypatch.context() as m:
+        m.setattr(torch.nn.functional, "linear", slowed(torch.nn.functional.linear))
+        slow_right = fresh()
+        models.use_skinny_linears(slow_right)
+    table = slow_right[0].skinny_rows
+    assert len(table) == models.SKINNY_MAX_ROWS + 1 and not table[0] and all(table[1:])
+    # cached per shape: a second model of the same shapes is not timed again
+    assert len(models._skinny_choices) == 2
+    calls = []
+    monkeypatch.setattr(models, "_median_ms", lambda *a: calls.append(1) or 1.0)
+    models.use_skinny_linears(fresh())
+    assert calls == []
+    # DRAFTSMITH_SKINNY_LINEAR=1 puts every row count on W @ x^T without timing anything
+    monkeypatch.setenv("DRAFTSMITH_SKINNY_LINEAR", "1")
+    forced = torch.nn.Sequential(torch.nn.Linear(5, 9))
+    models.use_skinny_linears(forced)
+    assert calls == [] and all(forced[0].skinny_rows)
+    # the values do not depend on the choice
+    x = torch.randn(3, 24)
+    assert torch.allclose(slow_left(x), slow_right(x), atol=1e-5)
 
 
 def _os_threads() -> int:
