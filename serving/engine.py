@@ -96,6 +96,7 @@ from serving.models import (
     read_output_token_ids,
     release_openmp_threads,
     resolve_model_path,
+    skinny_policy,
     use_skinny_linears,
     wants_skinny_linears,
 )
@@ -789,7 +790,8 @@ class Engine:
         return max(0.0, med[n] - med[1]) / (n - 1) if med else None
 
     def _profile_path(self, sig: tuple) -> Path | None:
-        """The file of the profile for this machine, target, draft shape, device, dtype and thread count."""
+        """The file of the profile for this machine, target, draft shape, device, dtype, thread count and, in fp32
+        on a CPU, SkinnyLinear's policy (`skinny_policy`)."""
         if not self.profile_dir:
             return None
         if self.target_device.type == "cuda":
@@ -798,9 +800,12 @@ class Engine:
             hw = next((line.split(":", 1)[1].strip() for line in _read_lines("/proc/cpuinfo")
                        if line.startswith("model name")), os.uname().machine)
         cfg = self.target.model.config
+        dtype = next(self.target.model.parameters()).dtype
+        # the few-row products' policy, where it applies: a profile measured under another does not hold
+        products = [skinny_policy()] if wants_skinny_linears(self.target_device, dtype) else []
         key = json.dumps([self.target_name, type(self.target.model).__name__, getattr(cfg, "num_hidden_layers", None),
-                          getattr(cfg, "hidden_size", None), str(next(self.target.model.parameters()).dtype),
-                          list(sig), self.target_device.type, hw, torch.get_num_threads()])
+                          getattr(cfg, "hidden_size", None), str(dtype), list(sig), self.target_device.type, hw,
+                          torch.get_num_threads()] + products)
         return Path(self.profile_dir) / f"profile-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
     def _kept_profile(self, sig: tuple) -> dict | None:

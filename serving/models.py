@@ -337,6 +337,14 @@ def use_skinny_linears(model: torch.nn.Module, measure: bool | None = None) -> i
     return n
 
 
+def skinny_policy() -> str:
+    """What decides SkinnyLinear's products in this process (a cost profile measured under one policy does not
+    hold under another): "off", "left" (W @ x^T at every size) or "measured-2" (`choose_skinny_rows`, this
+    version of it)."""
+    mode = os.environ.get("DRAFTSMITH_SKINNY_LINEAR", "auto").strip()
+    return {"0": "off", "1": "left"}.get(mode, "measured-2")
+
+
 def wants_skinny_linears(device, dtype: torch.dtype) -> bool:
     """fp32 on a CPU, unless DRAFTSMITH_SKINNY_LINEAR=0 (bf16 goes to oneDNN, where 1-6 token passes already
     cost within 3% of each other on the AMX host; GPUs have their own kernels)."""

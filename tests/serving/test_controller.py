@@ -1159,6 +1159,13 @@ def test_a_kept_profile_is_shared_by_the_next_start_and_a_damaged_one_is_measure
     measured = []
     monkeypatch.setattr(second, "generate_all", lambda *a, **k: measured.append(a))
     assert second.calibrate() == prof and measured == []          # read, not measured
+    # a profile measured under another few-row product policy (serving/models.py skinny_policy) is not this one's
+    sig = first._draft_signature()
+    served = first._profile_path(sig)
+    monkeypatch.setenv("DRAFTSMITH_SKINNY_LINEAR", "1")
+    assert first._profile_path(sig) != served
+    monkeypatch.delenv("DRAFTSMITH_SKINNY_LINEAR")
+    assert first._profile_path(sig) == served
     (path,) = tmp_path.glob("profile-*.json")
     path.write_text("{not json")
     third = make_engine(target, draft)
