@@ -248,7 +248,8 @@ SKINNY_MAX_ROWS = 64
 # Row counts at which `choose_skinny_rows` times both products; a count between two takes the lower one's choice.
 SKINNY_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 SKINNY_COLD_BYTES, SKINNY_COPIES = 96 << 20, 64   # weight copies timed in turn, past a server CPU's caches
-SKINNY_MARGIN = 0.75         # W @ x^T only where it takes < 0.75x nn.Linear's time (alone it looks better than in a model)
+# W @ x^T only where it takes < 0.75x nn.Linear's time: timed alone, a layer favours it more than the whole model does
+SKINNY_MARGIN = 0.75
 _ALL_ROWS = (True,) * (SKINNY_MAX_ROWS + 1)
 _skinny_choices: dict = {}   # (out, in, dtype, threads) -> per row count 0..SKINNY_MAX_ROWS: W @ x^T or not
 
@@ -289,10 +290,11 @@ def _median_ms(fn, repeats: int) -> float:
 
 
 def choose_skinny_rows(weight: torch.Tensor, repeats: int = 5) -> tuple:
-    """Per row count 0..SKINNY_MAX_ROWS, whether W @ x^T takes under SKINNY_MARGIN of nn.Linear's x @ W^T time for this
-    weight on this host: both timed at each of SKINNY_BUCKETS rows (median of `repeats` after a warm-up, the two
-    interleaved, each call on the next of enough copies of the weight that it comes from memory, not a cache, as
-    in a model's pass; a hot weight favoured W @ x^T at 16-64 rows that lost in the model), a count between buckets taking the lower bucket's choice. Cached per (shape, dtype, threads)."""
+    """Per row count 0..SKINNY_MAX_ROWS, whether W @ x^T takes under SKINNY_MARGIN of nn.Linear's x @ W^T time
+    for this weight on this host. Both are timed at each of SKINNY_BUCKETS rows (median of `repeats` after a
+    warm-up, the two interleaved), each call on the next of enough copies of the weight that it comes from
+    memory rather than a cache, as in a model's pass (a hot weight favoured W @ x^T more often than the model
+    did); a count between buckets takes the lower bucket's choice. Cached per (shape, dtype, threads)."""
     key = (tuple(weight.shape), weight.dtype, torch.get_num_threads())
     if key in _skinny_choices:
         return _skinny_choices[key]
