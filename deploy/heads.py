@@ -57,6 +57,7 @@ class HeadsEvidence:
     kind: str = "medusa"
     category_floor: int = 10
     _target_model: object = field(default=None, repr=False)
+    _hidden_cache: object = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.kind not in HEADS_KINDS:
@@ -68,8 +69,11 @@ class HeadsEvidence:
     def _model(self):
         if self._target_model is None:
             from serving.models import default_dtype, load_causal_lm, resolve_model_path
+            from training.hidden_cache import hidden_cache_for
 
-            self._target_model = load_causal_lm(resolve_model_path(self.target), "cpu", default_dtype("cpu"))
+            path, dtype = resolve_model_path(self.target), default_dtype("cpu")
+            self._target_model = load_causal_lm(path, "cpu", dtype)
+            self._hidden_cache = hidden_cache_for(path, dtype)     # the jobs' cache: the same held-out requests
         return self._target_model
 
     def heldout_requests(self) -> int:
@@ -92,7 +96,7 @@ class HeadsEvidence:
         scores = {}
         score = score_eagle if self.kind == "eagle" else score_heads
         for name, path in (("champion", champion_path), ("candidate", candidate_path)):
-            scores[name], hidden = score(target, Path(path), examples, hidden)
+            scores[name], hidden = score(target, Path(path), examples, hidden, cache=self._hidden_cache)
         ids = [e["request_id"] for e in examples if e["request_id"] in scores["champion"]]
         ch, ca = scores["champion"], scores["candidate"]
         cats = {e["request_id"]: e["source"] for e in examples}
@@ -103,9 +107,11 @@ class HeadsEvidence:
                                                                                       "last_id", "heldout_fraction")})
 
 
-def score_heads(target, heads_dir: Path, examples: list[dict], hidden=None) -> tuple[dict[str, dict], list]:
+def score_heads(target, heads_dir: Path, examples: list[dict], hidden=None, *,
+                cache=None) -> tuple[dict[str, dict], list]:
     """({request id: {"acceptance", "positions"}}, the hidden rows) of the heads folder on `examples`
-    (module docstring); `hidden` re-uses the rows of an earlier call on the same examples."""
+    (module docstring); `hidden` re-uses the rows of an earlier call on the same examples, `cache`
+    (training/hidden_cache.py) the states of earlier gates and jobs."""
     import torch
 
     from serving.decoding.medusa import MedusaHeads
@@ -113,7 +119,7 @@ def score_heads(target, heads_dir: Path, examples: list[dict], hidden=None) -> t
 
     heads = MedusaHeads.load(heads_dir, target).eval()
     if hidden is None:
-        hidden = target_hidden_rows(target, examples, progress=log.debug)
+        hidden = target_hidden_rows(target, examples, cache=cache, progress=log.debug)
     vocab_index = kept_index(target, heads.output_token_ids)
     K = heads.config.num_heads
     out = {}
@@ -136,16 +142,17 @@ def score_heads(target, heads_dir: Path, examples: list[dict], hidden=None) -> t
     return out, hidden
 
 
-def score_eagle(target, head_dir: Path, examples: list[dict], feats=None) -> tuple[dict[str, dict], list]:
+def score_eagle(target, head_dir: Path, examples: list[dict], feats=None, *,
+                cache=None) -> tuple[dict[str, dict], list]:
     """({request id: {"acceptance", "positions"}}, the target's features) of the EAGLE head folder on
     `examples`: acceptance = teacher-forced first-token agreement (module docstring); `feats` re-uses the
-    features of an earlier call on the same examples."""
+    features of an earlier call on the same examples, `cache` as `score_heads`."""
     from serving.decoding.eagle import EagleHead
     from training.heads import eagle_agreement, kept_index, target_hidden_states
 
     head = EagleHead.load(head_dir, target).eval()
     if feats is None:
-        feats = target_hidden_states(target, examples, progress=log.debug)
+        feats = target_hidden_states(target, examples, cache=cache, progress=log.debug)
     vocab_index = kept_index(target, head.output_token_ids)
     out = {}
     for e, f in zip(examples, feats):

@@ -367,11 +367,17 @@ def targets(records: list[dict], args) -> dict:
     return out
 
 
+# what each version's job reported (its candidate's metrics): wall seconds, hidden-state seconds, epochs, ...
+JOB_FIGURES = ("seconds", "hidden_state_seconds", "epochs", "best_epoch", "stopped_early", "hidden_cache_hits",
+               "hidden_cache_misses")
+
+
 def registry_state(env: dict, args) -> tuple[list[dict], list[dict]]:
     """(every version with its kind, parent, adapter chain depth and gate figures; the registry's history)
     of the registry the served default drafts from (the heads' with --medusa-heads, else the draft's),
     read through the project's Registry in a subprocess (the run's data dir and store)."""
     code = ("import json,sys; from deploy.registry import Registry, heads_registry\n"
+            f"JOB_FIGURES = {JOB_FIGURES!r}\n"
             "r = heads_registry(sys.argv[1] or None, 'medusa') if sys.argv[2] else Registry(sys.argv[1] or None)\n"
             "vs = {v.version: v for v in r.versions()}\n"
             "def depth(v):\n"
@@ -381,7 +387,8 @@ def registry_state(env: dict, args) -> tuple[list[dict], list[dict]]:
             "    return d\n"
             "print(json.dumps([{'version': v.version, 'kind': v.kind, 'parent': v.parent_version, 'aliases': v.aliases,"
             " 'depth': depth(v.version), 'gate': v.tags.get('draftsmith.gate.verdict'),"
-            " 'gate_acceptance': v.metrics.get('gate_candidate_acceptance'), 'gate_delta': v.metrics.get('gate_delta')}"
+            " 'gate_acceptance': v.metrics.get('gate_candidate_acceptance'), 'gate_delta': v.metrics.get('gate_delta'),"
+            " 'job': {k: v.metrics.get(k) for k in JOB_FIGURES}}"
             " for v in vs.values()]))\n"
             "print(json.dumps(r.history()))\n")
     res = subprocess.run([sys.executable, "-c", code, args.target or "", "1" if args.heads else ""], env=env, cwd=ROOT,
@@ -514,11 +521,19 @@ def write_summary(out: Path, records: list[dict], errors: list[dict], events, ve
         f"| failed requests | {len(errors)} | 0 {'met' if not errors else 'MISSED'} |",
         f"| max adapter chain depth | {max_depth} | <= K |",
         "", "Registry events (s since traffic started): " + "; ".join(f"{t:.0f} s {e}" for t, e in events),
-        "", "| version | kind | parent | depth | aliases | gate |", "|---|---|---|---:|---|---|"]
+        "", "| version | kind | parent | depth | aliases | gate | gate acceptance | gate delta | job s | "
+        "hidden states s | epochs (best) | states read / computed |",
+        "|---|---|---|---:|---|---|---:|---:|---:|---:|---|---|"]
     for v in versions:
+        job = v.get("job") or {}
+        ep = f"{job['epochs']:.0f} ({job.get('best_epoch') or 0:.0f}){', stopped' if job.get('stopped_early') else ''}" \
+            if job.get("epochs") is not None else "-"
+        hits = f"{job['hidden_cache_hits']:.0f} / {job.get('hidden_cache_misses') or 0:.0f}" \
+            if job.get("hidden_cache_hits") is not None else "-"
         lines.append(f"| {v['version']} | {v['kind']} | {v['parent'] or '-'} | {v['depth']} | "
                      f"{','.join(v['aliases']) or '-'} | {v['gate'] or '-'} | {fmt(v.get('gate_acceptance'))} | "
-                     f"{fmt(v.get('gate_delta'))} |")
+                     f"{fmt(v.get('gate_delta'))} | {fmt(job.get('seconds'), 0)} | "
+                     f"{fmt(job.get('hidden_state_seconds'), 1)} | {ep} | {hits} |")
     lines += ["", f"## Per {args.early_s:.0f}-s window", "",
               "| category | window (s) | requests | tokens/s per request | ms per step | drafted per step | "
               "accepted per step | plain steps |", "|---|---|---:|---:|---:|---:|---:|---:|"]

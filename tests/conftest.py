@@ -11,6 +11,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # replicas that tests start (in-process or as `draftsmith serve`) keep their measured cost profiles here, not
 # in the user's cache (serving/engine.py Engine.calibrate)
 os.environ.setdefault("DRAFTSMITH_PROFILE_DIR", tempfile.mkdtemp(prefix="draftsmith-test-profiles-"))
+# ... and heads jobs and gates keep the target's hidden states here (training/hidden_cache.py)
+os.environ.setdefault("DRAFTSMITH_HIDDEN_CACHE_DIR", tempfile.mkdtemp(prefix="draftsmith-test-hidden-"))
 
 # Tiny-model forwards are dominated by thread hand-offs: on a shared 2-core machine two torch threads
 # per process made them up to 30x slower than one. Every test process runs torch on one thread.

@@ -44,16 +44,25 @@ def kept_index(target, ids) -> torch.Tensor:
     return index
 
 
-def target_hidden_states(target, examples: list[dict], *, batch_size: int = 16, select=None,
+def target_hidden_states(target, examples: list[dict], *, batch_size: int = 16, select=None, cache=None,
                          progress=print) -> list[torch.Tensor]:
     """Per example, the target's last hidden states (fp32 [len(tokens), d]) from one teacher-forced pass per
-    batch (right-padded), or `select(example, states)` of them."""
+    batch (right-padded), or `select(example, states)` of them. With `cache` (training/hidden_cache.py) a
+    sequence whose states are stored is read instead of recomputed, and the computed ones are stored."""
     out: list[torch.Tensor | None] = [None] * len(examples)
-    order = sorted(range(len(examples)), key=lambda i: len(examples[i]["tokens"]))
+    todo = []
+    for i, e in enumerate(examples):
+        h = cache.get(e["tokens"]) if cache is not None else None
+        if h is None:
+            todo.append(i)
+        else:
+            out[i] = h.float() if select is None else select(e, h.float())
+    order = sorted(todo, key=lambda i: len(examples[i]["tokens"]))
     decoder = target.get_decoder()
     device = next(target.parameters()).device
     t0 = time.time()
     done_tokens = 0
+    cached = f" ({len(examples) - len(todo)} of {len(examples)} read from the cache)" if cache is not None else ""
     for s in range(0, len(order), batch_size):
         idx = order[s: s + batch_size]
         L = max(len(examples[i]["tokens"]) for i in idx)
@@ -64,14 +73,19 @@ def target_hidden_states(target, examples: list[dict], *, batch_size: int = 16, 
             ids[b, :n] = torch.tensor(examples[i]["tokens"])
             attn[b, :n] = 1
         with torch.no_grad():
-            h = decoder(input_ids=ids.to(device), attention_mask=attn.to(device)).last_hidden_state.float().cpu()
+            h = decoder(input_ids=ids.to(device), attention_mask=attn.to(device)).last_hidden_state.cpu()
         for b, i in enumerate(idx):
-            states = h[b, : len(examples[i]["tokens"])].clone()
+            raw = h[b, : len(examples[i]["tokens"])]
+            if cache is not None:
+                cache.put(examples[i]["tokens"], raw.clone())
+            states = raw.float().clone()
             out[i] = states if select is None else select(examples[i], states)
             done_tokens += len(examples[i]["tokens"])
         if (s // batch_size) % 20 == 0:
-            progress(f"[heads] target hidden states: {min(s + batch_size, len(order))}/{len(order)} sequences, "
-                     f"{done_tokens / max(1e-9, time.time() - t0):.0f} tokens/s")
+            progress(f"[heads] target hidden states: {min(s + batch_size, len(order))}/{len(order)} sequences "
+                     f"computed{cached}, {done_tokens / max(1e-9, time.time() - t0):.0f} tokens/s")
+    if not order and cache is not None:
+        progress(f"[heads] target hidden states: all {len(examples)} sequences read from the cache")
     return out  # type: ignore[return-value]
 
 
@@ -85,10 +99,12 @@ def _medusa_rows(e: dict, states: torch.Tensor) -> torch.Tensor:
     return rows
 
 
-def target_hidden_rows(target, examples: list[dict], *, batch_size: int = 16, progress=print) -> list[torch.Tensor]:
+def target_hidden_rows(target, examples: list[dict], *, batch_size: int = 16, cache=None,
+                       progress=print) -> list[torch.Tensor]:
     """Per example, the target's last hidden states at positions P - 2 .. P + A - 2 (fp32 [A + 1, d], the
-    first row is missing (zeros) when P < 2): the Medusa heads' rows."""
-    return target_hidden_states(target, examples, batch_size=batch_size, select=_medusa_rows, progress=progress)
+    first row is missing (zeros) when P < 2): the Medusa heads' rows. `cache` as `target_hidden_states`."""
+    return target_hidden_states(target, examples, batch_size=batch_size, select=_medusa_rows, cache=cache,
+                                progress=progress)
 
 
 class HeadData:
@@ -176,17 +192,29 @@ def chain_acceptance(heads: MedusaHeads, data: HeadData, batch: int = 2048) -> l
 
 
 class BestEpoch:
-    """Keeps the weights of the epoch with the best held-out score (restored at the end of training)."""
+    """Keeps the weights of the epoch with the best held-out score (restored at the end of training), and
+    says when training has stopped paying: `converged` once `patience` epochs in a row have not beaten the
+    best score by more than `min_gain` (never with patience None)."""
 
-    def __init__(self) -> None:
+    def __init__(self, patience: int | None = None, min_gain: float = 0.0) -> None:
+        if patience is not None and (isinstance(patience, bool) or not isinstance(patience, int) or patience < 1):
+            raise ValueError(f"patience must be an integer >= 1 or None, got {patience!r}")
+        if not min_gain >= 0:
+            raise ValueError(f"min_gain must be >= 0, got {min_gain!r}")
         self.score, self.epoch, self.state = -1.0, 0, None
+        self.patience, self.min_gain, self.stale = patience, float(min_gain), 0
 
     def update(self, score: float, epoch: int, module: torch.nn.Module) -> bool:
+        self.stale = 0 if score > self.score + self.min_gain else self.stale + 1
         if score <= self.score:
             return False
         self.score, self.epoch = score, epoch
         self.state = {k: v.detach().clone() for k, v in module.state_dict().items()}
         return True
+
+    @property
+    def converged(self) -> bool:
+        return self.patience is not None and self.stale >= self.patience
 
     def restore(self, module: torch.nn.Module) -> None:
         if self.state is not None:
@@ -202,10 +230,13 @@ def _optimizer_step(opt, loss, params, clip: float | None = None) -> None:
 
 
 def train_heads(heads: MedusaHeads, train: HeadData, held: HeadData, *, deadline: float, batch_size: int = 256,
-                lr: float = 1e-3, max_epochs: int = 50, progress=print) -> dict:
+                lr: float = 1e-3, max_epochs: int = 50, patience: int | None = None, min_gain: float = 0.0,
+                progress=print) -> dict:
     """AdamW on the heads' own weights until `deadline` (time.time()) or `max_epochs`; the heads end with the
     weights of the epoch of best held-out agreement (weighted like the loss): the first run on the bootstrap's
-    data peaked at epoch 4 of 14 (head 1: 0.445, then 0.439-0.44 while the training loss kept falling)."""
+    data peaked at epoch 4 of 14 (head 1: 0.445, then 0.439-0.44 while the training loss kept falling).
+    With `patience`, training also stops once that many epochs in a row gained no more than `min_gain` of the
+    weighted held-out agreement (`BestEpoch.converged`; an online job's default, training/heads_job.py)."""
     params = [p for p in heads.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     K = heads.config.num_heads
@@ -213,7 +244,7 @@ def train_heads(heads: MedusaHeads, train: HeadData, held: HeadData, *, deadline
     steps = 0
     t0 = time.time()
     epoch = 0
-    best = BestEpoch()
+    best = BestEpoch(patience, min_gain)
     heads.train()
     while epoch < max_epochs and time.time() < deadline:
         perm = torch.randperm(len(train))
@@ -236,12 +267,15 @@ def train_heads(heads: MedusaHeads, train: HeadData, held: HeadData, *, deadline
                 break
         epoch += 1
         agree = head_agreement(heads, held)
-        improved = best.update(sum(w * a for w, a in zip(weights, agree)), epoch, heads)
+        improved = best.update(sum(w * a for w, a in zip(weights, agree)) / sum(weights), epoch, heads)
         progress(f"[heads] epoch {epoch} done after {time.time() - t0:.0f} s; held-out agreement per head "
                  f"{agree}{' (best so far)' if improved else ''}")
+        if best.converged:
+            progress(f"[heads] stopped: {best.stale} epochs without a gain over {min_gain:g} (best: epoch {best.epoch})")
+            break
     best.restore(heads)
     return {"steps": steps, "epochs": epoch, "best_epoch": best.epoch, "train_seconds": round(time.time() - t0, 1),
-            "train_head_agreement": head_agreement(heads, train),
+            "converged": best.converged, "train_head_agreement": head_agreement(heads, train),
             "heldout_head_agreement": head_agreement(heads, held),
             "heldout_chain_acceptance": chain_acceptance(heads, held)}
 
@@ -344,12 +378,13 @@ def eagle_agreement(head, examples, feats, vocab_index, batch_size: int = 16) ->
 def train_eagle(head, train_ex: list[dict], train_f: list[torch.Tensor], held_ex: list[dict],
                 held_f: list[torch.Tensor], vocab_index: torch.Tensor, *, deadline: float, batch_size: int = 8,
                 lr: float = 5e-4, feature_weight: float = 1.0, noise: float = 0.1, max_epochs: int = 50,
-                tag: str = "eagle", progress=print) -> dict:
+                patience: int | None = None, min_gain: float = 0.0, tag: str = "eagle", progress=print) -> dict:
     """Train an EagleHead on teacher examples and their target features until `deadline` (a time.time()
     value) or `max_epochs`, at least one batch: loss = distill_loss on the next-next token (answer
     positions) + `feature_weight` * smooth-L1 between predicted and true next features (all positions),
     inputs with uniform noise of +-`noise` x their RMS (EAGLE's augmentation against its own prediction
-    errors). Keeps the epoch of best held-out agreement (restored in `head`); returns the figures."""
+    errors). Keeps the epoch of best held-out agreement (restored in `head`), stopping early as
+    `train_heads` does with `patience`; returns the figures."""
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     before = eagle_agreement(head, held_ex, held_f, vocab_index)
@@ -357,7 +392,7 @@ def train_eagle(head, train_ex: list[dict], train_f: list[torch.Tensor], held_ex
              f"parameters, vocabulary {len(head.output_token_ids)}; before training: held-out agreement {before}")
     order = sorted(range(len(train_ex)), key=lambda i: len(train_ex[i]["tokens"]))
     batches = [order[i: i + batch_size] for i in range(0, len(order), batch_size)]   # similar lengths together
-    best, steps, epoch = BestEpoch(), 0, 0
+    best, steps, epoch = BestEpoch(patience, min_gain), 0, 0
     best.update(before, 0, head)                      # a job that cannot improve keeps what it started from
     t0 = time.time()
     head.train()
@@ -385,9 +420,13 @@ def train_eagle(head, train_ex: list[dict], train_f: list[torch.Tensor], held_ex
         improved = best.update(agree, epoch, head)
         progress(f"[{tag}] epoch {epoch} done after {time.time() - t0:.0f} s; held-out agreement {agree}"
                  f"{' (best so far)' if improved else ''}")
+        if best.converged:
+            progress(f"[{tag}] stopped: {best.stale} epochs without a gain over {min_gain:g} (best: epoch {best.epoch})")
+            break
     best.restore(head)
     head.eval()
-    return {"steps": steps, "epochs": epoch, "best_epoch": best.epoch, "heldout_agreement_before": before,
+    return {"steps": steps, "epochs": epoch, "best_epoch": best.epoch, "converged": best.converged,
+            "heldout_agreement_before": before,
             "heldout_agreement": best.score}
 
 

@@ -15,7 +15,9 @@ answer token (cut at the first position no step scored). The heads also need the
 state at each position, which the buffer does not hold: the job recomputes it with ONE teacher-forced
 target pass per request (training/heads.py `target_hidden_rows`, measured at bootstrap: about 62 s per
 100k tokens on 2 CPU threads, while storing the 576-wide states of every position would add 1.2 KB per
-token to the buffer, about 5x its step records).
+token to the buffer, about 5x its step records). Successive jobs read overlapping windows, so the states
+of a sequence once computed are kept on disk (training/hidden_cache.py, bounded, shared with the gate)
+and read back by later jobs instead of recomputed.
 
 **What is trained.** Medusa (kind "medusa"): the heads' own weights (residual blocks; the output rows stay
 the target's frozen rows on the parent's kept vocabulary): about 1M parameters, as small as a LoRA adapter on
@@ -26,6 +28,11 @@ at the default target, still small enough to store whole; a LoRA on one layer wo
 time), trained from the parent head with `train_eagle` on the same examples and the target's features
 at every position (one teacher-forced pass per request, as for Medusa); the epoch of best held-out
 first-token agreement is kept, the parent's own score included, so a job never hands on a worse head.
+Both stop early once `patience` epochs in a row (default 2; 0 trains to the budget) gain no more than
+`min_gain` (0.002) of held-out agreement over the best epoch: replayed on the 65 logged jobs of the
+earlier online runs, that ends training 38% sooner and keeps a best epoch 0.0045 under the full run's on
+average, under what a held-out sample of about 1,000 positions resolves (docs/benchmarks.md, "The
+twenty-third session"). A job beside serving slows serving for as long as it runs.
 
 **Which records.** Read-only (no consumer group, so the draft's distillation jobs keep every record): the
 newest `max_records` training steps and the newest `eval_records` held-out steps (`training.data.is_heldout`,
@@ -61,7 +68,7 @@ DEFAULTS = {"max_records": 4000, "eval_records": 1000, "heldout_fraction": 0.1, 
             "batch_size": 256, "max_epochs": 20, "min_train_rows": 64, "min_heldout_rows": 16,
             "buffer_prefix": "draftsmith:buf", "redis_url": None, "target": None, "parent_heads": None,
             "parent_version": None, "target_sha256": None, "out_dir": None, "seed": 0, "kind": "medusa",
-            "replay_ratio": 1.0}
+            "replay_ratio": 1.0, "patience": 2, "min_gain": 0.002}
 EAGLE_DEFAULTS = {"lr": 2e-4, "batch_size": 8}   # an EAGLE batch is sequences (Medusa's is rows); a gentler step
 KINDS = ("medusa", "eagle")                      # serving/config.py HEADS_MODES (training may not import it)
 
@@ -150,6 +157,11 @@ def _config(cfg: dict) -> dict:
     for key in ("max_records", "eval_records", "batch_size", "max_epochs"):
         if isinstance(out[key], bool) or not isinstance(out[key], int) or out[key] < 1:
             raise ValueError(f"{key} must be an integer >= 1, got {out[key]!r}")
+    if isinstance(out["patience"], bool) or not isinstance(out["patience"], int) or out["patience"] < 0:
+        raise ValueError(f"patience must be an integer >= 0 (0: train to the budget), got {out['patience']!r}")
+    g = out["min_gain"]
+    if isinstance(g, bool) or not isinstance(g, (int, float)) or not (0.0 <= g < 1.0):
+        raise ValueError(f"min_gain must be a number in [0, 1), got {g!r}")
     if not (0.0 < float(out["heldout_fraction"]) < 1.0):
         raise ValueError(f"heldout_fraction must be in (0, 1), got {out['heldout_fraction']!r}")
     if not (float(out["budget_s"]) > 0 and float(out["lr"]) > 0):
@@ -180,6 +192,7 @@ def run_heads_distillation(cfg: dict, progress: Callable[[str], None] = print) -
     import torch
 
     from serving.models import default_dtype, load_causal_lm, resolve_model_path
+    from training.hidden_cache import hidden_cache_for
 
     c = _config(cfg)
     t0 = time.time()
@@ -195,19 +208,23 @@ def run_heads_distillation(cfg: dict, progress: Callable[[str], None] = print) -
     n_window = len(train_ex)
     train_ex = train_ex + replay_ex
     tpath = resolve_model_path(c["target"])
-    target = load_causal_lm(tpath, "cpu", default_dtype("cpu"))      # the hidden states serving sees
+    dtype = default_dtype("cpu")
+    target = load_causal_lm(tpath, "cpu", dtype)                     # the hidden states serving sees
+    c["_hidden_cache"] = hidden_cache_for(tpath, dtype)
     train_fn = _train_eagle if c["kind"] == "eagle" else _train_medusa
     heads, metrics = train_fn(c, target, train_ex, held_ex, progress)
     measure = metrics.pop("_measure")
     metrics.update(heldout_records=held_window["steps"], seconds=round(time.time() - t0, 1),
                    replay_requests=len(replay_ex), replay_steps=replay_window["steps"])
+    if c["_hidden_cache"] is not None:
+        metrics.update(hidden_cache_hits=c["_hidden_cache"].hits, hidden_cache_misses=c["_hidden_cache"].misses)
     out = Path(c["out_dir"]) if c["out_dir"] else _default_out_dir(c["parent_version"], c["kind"])
     heads.save(out, built_by="training.heads_job", parent_heads=str(c["parent_heads"]))
     meta = {"kind": c["kind"], "parent_version": c["parent_version"], "target": c["target"] or str(tpath),
             "target_sha256": c["target_sha256"], "metrics": metrics,
             "train_config": {k: c[k] for k in ("kind", "max_records", "eval_records", "budget_s", "lr",
                                                 "batch_size", "max_epochs", "heldout_fraction", "seed",
-                                                "replay_ratio")},
+                                                "replay_ratio", "patience", "min_gain")},
             # last_id: the newest step the job looked at, training or held out (a schedule's cursor)
             "data_window": {**{k: train_window[k] for k in ("stream", "first_id", "steps")},
                             "last_id": _newest_id(train_window["last_id"], held_window["last_id"]),
@@ -259,10 +276,11 @@ def _train_medusa(c: dict, target, train_ex: list[dict], held_ex: list[dict], pr
     vocab_index = kept_index(target, heads.output_token_ids)
     K = heads.config.num_heads
     th = time.time()
-    train = HeadData(train_ex, target_hidden_rows(target, train_ex, progress=progress), K, vocab_index) \
-        if train_ex else None
-    held = HeadData(held_ex, target_hidden_rows(target, held_ex, progress=progress), K, vocab_index) \
-        if held_ex else None
+    cache = c["_hidden_cache"]
+    train = HeadData(train_ex, target_hidden_rows(target, train_ex, cache=cache, progress=progress), K,
+                     vocab_index) if train_ex else None
+    held = HeadData(held_ex, target_hidden_rows(target, held_ex, cache=cache, progress=progress), K,
+                    vocab_index) if held_ex else None
     n_train, n_held = (len(train) if train else 0), (len(held) if held else 0)
     _check_rows(c, n_train, n_held)
     hidden_s = time.time() - th
@@ -270,7 +288,8 @@ def _train_medusa(c: dict, target, train_ex: list[dict], held_ex: list[dict], pr
     progress(f"[heads-job] {n_train} training rows, {n_held} held-out rows (hidden states {hidden_s:.1f} s); "
              f"before: held-out agreement per head {before_agree}, chain acceptance {before_chain}")
     figures = train_heads(heads, train, held, deadline=time.time() + float(c["budget_s"]),
-                          batch_size=c["batch_size"], lr=float(c["lr"]), max_epochs=c["max_epochs"], progress=progress)
+                          batch_size=c["batch_size"], lr=float(c["lr"]), max_epochs=c["max_epochs"],
+                          patience=c["patience"] or None, min_gain=float(c["min_gain"]), progress=progress)
     after_chain = figures["heldout_chain_acceptance"]
     metrics = {"heldout_chain_acceptance_before": sum(before_chain) / K,
                "heldout_chain_acceptance_after": sum(after_chain) / K,
@@ -278,7 +297,7 @@ def _train_medusa(c: dict, target, train_ex: list[dict], held_ex: list[dict], pr
                "heldout_head1_agreement_after": figures["heldout_head_agreement"][0],
                "training_rows": n_train, "heldout_rows": n_held, "train_steps": figures["steps"],
                "epochs": figures["epochs"], "best_epoch": figures["best_epoch"] or 0,
-               "hidden_state_seconds": round(hidden_s, 1),
+               "stopped_early": float(figures["converged"]), "hidden_state_seconds": round(hidden_s, 1),
                "_measure": f"chain acceptance (accepted / proposed, greedy chain of {K})"}
     # the registry and the gate read "offline_acceptance_*": here accepted / proposed of a greedy chain of K heads
     metrics["offline_acceptance_before"] = metrics["heldout_chain_acceptance_before"]
@@ -298,18 +317,19 @@ def _train_eagle(c: dict, target, train_ex: list[dict], held_ex: list[dict], pro
     n_held = sum(max(0, len(e["topk_ids"]) - max(0, 2 - e["prompt_len"])) for e in held_ex)
     _check_rows(c, n_train, n_held)
     th = time.time()
-    train_f = target_hidden_states(target, train_ex, progress=progress)
-    held_f = target_hidden_states(target, held_ex, progress=progress)
+    train_f = target_hidden_states(target, train_ex, cache=c["_hidden_cache"], progress=progress)
+    held_f = target_hidden_states(target, held_ex, cache=c["_hidden_cache"], progress=progress)
     hidden_s = time.time() - th
     progress(f"[heads-job] {n_train} training rows, {n_held} held-out rows (hidden states {hidden_s:.1f} s)")
     figures = train_eagle(head, train_ex, train_f, held_ex, held_f, vocab_index,
                           deadline=time.time() + float(c["budget_s"]), batch_size=c["batch_size"], lr=float(c["lr"]),
-                          max_epochs=c["max_epochs"], tag="heads-job", progress=progress)
+                          max_epochs=c["max_epochs"], patience=c["patience"] or None, min_gain=float(c["min_gain"]),
+                          tag="heads-job", progress=progress)
     metrics = {"heldout_agreement_before": figures["heldout_agreement_before"],
                "heldout_agreement_after": figures["heldout_agreement"],
                "training_rows": n_train, "heldout_rows": n_held, "train_steps": figures["steps"],
                "epochs": figures["epochs"], "best_epoch": figures["best_epoch"] or 0,
-               "hidden_state_seconds": round(hidden_s, 1),
+               "stopped_early": float(figures["converged"]), "hidden_state_seconds": round(hidden_s, 1),
                "_measure": "held-out first-token agreement (the head's top-1 = the target's, teacher-forced)"}
     # the registry and the gate read "offline_acceptance_*": here the head's teacher-forced first-token agreement
     metrics["offline_acceptance_before"] = metrics["heldout_agreement_before"]

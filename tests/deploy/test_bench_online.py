@@ -105,6 +105,10 @@ def test_bench_online_smoke_with_heads(tmp_path):
     assert {r["mode"] for r in records} == {"medusa"}, "the served default drafts with the heads"
     assert records[0]["draft_version"] == "medusa-v1" and sum(r["draft_tokens"] for r in records) > 0
     assert summary["versions"][0]["version"] == "1" and summary["max_chain_depth"] == 0     # full-weight heads
+    # each job's own figures (its candidate's metrics) beside its version: wall and hidden-state seconds, epochs
+    jobbed = [v for v in summary["versions"] if v["version"] != "1" and (v.get("job") or {}).get("seconds")]
+    assert len(jobbed) == len(summary["versions"]) - 1, summary["versions"]    # every registered job's version
+    assert all(v["job"]["epochs"] >= 1 and v["job"]["hidden_state_seconds"] >= 0 for v in jobbed), summary["versions"]
     distill_log = (out / "distill.log").read_text()
     assert "the served default drafts with the Medusa heads" in distill_log, distill_log[-2000:]
     assert "[heads-schedule]" in distill_log and "submitting job draftsmith-medusa-v1-" in distill_log, \

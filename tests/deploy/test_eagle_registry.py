@@ -137,7 +137,7 @@ def test_eagle_job_trains_on_served_records_and_the_gate_judges_it(regs, eagle, 
         eagle.promote(v1)
         job = {"redis_url": redis_url, "buffer_prefix": prefix, "heldout_fraction": 0.25, "budget_s": 10.0,
                "lr": 3e-3, "batch_size": 4, "min_train_rows": 32, "min_heldout_rows": 8,
-               "out_dir": str(tmp_path / "cand")}
+               "out_dir": str(tmp_path / "cand"), "patience": 0}       # train to the budget: it must learn
         evidence = HeadsEvidence(str(pair[0]), redis_url=redis_url, buffer_prefix=prefix, heldout_fraction=0.25,
                                  kind="eagle")
         policy = GatePolicy(min_requests=4, category_min_requests=4, bootstrap=500)

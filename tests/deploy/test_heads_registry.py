@@ -159,8 +159,10 @@ def test_heads_job_trains_on_served_records_and_the_gate_judges_it(regs, pair, t
     prefix = f"{PREFIX}:{time.time_ns()}"
     try:
         v1 = served_buffer_and_champion(heads, pair, target_model, tmp_path, redis_url, prefix, 16, 8, 24)
+        # patience 0: train to the budget (near-zero heads on a tiny held-out sample can stall for 2 epochs)
         job = {"redis_url": redis_url, "buffer_prefix": prefix, "heldout_fraction": 0.25, "budget_s": 8.0,
-               "lr": 3e-3, "min_train_rows": 32, "min_heldout_rows": 8, "out_dir": str(tmp_path / "cand")}
+               "lr": 3e-3, "min_train_rows": 32, "min_heldout_rows": 8, "out_dir": str(tmp_path / "cand"),
+               "patience": 0}
         evidence = HeadsEvidence(str(pair[0]), redis_url=redis_url, buffer_prefix=prefix, heldout_fraction=0.25)
         policy = GatePolicy(min_requests=4, category_min_requests=4, bootstrap=500)
         version, verdict = run_heads_cycle(heads, str(pair[0]), job, policy=policy, evidence=evidence,
@@ -183,10 +185,14 @@ def test_heads_job_trains_on_served_records_and_the_gate_judges_it(regs, pair, t
         drop_prefix(redis_url, prefix)
 
 
-def test_heads_job_replays_older_requests_beside_its_window_when_asked(pair, target_model, tmp_path, redis_url):
+def test_heads_job_replays_older_requests_beside_its_window_when_asked(pair, target_model, tmp_path, redis_url,
+                                                                     monkeypatch):
     """After a shift the window holds only the new requests; replay_ratio r adds r x (window steps) of the
-    older training steps (the earlier traffic), never a request twice, and the candidate records both windows."""
+    older training steps (the earlier traffic), never a request twice, and the candidate records both windows.
+    The second job reads the hidden states of the requests the first one saw from the cache."""
     import json
+
+    monkeypatch.setenv("DRAFTSMITH_HIDDEN_CACHE_DIR", str(tmp_path / "hidden-cache"))
 
     from buffer.redis_store import BufferConfig, connect
     from training.heads_job import _config, _replay, read_examples, run_heads_distillation
@@ -225,8 +231,19 @@ def test_heads_job_replays_older_requests_beside_its_window_when_asked(pair, tar
         assert metas[2.0]["data_window"]["replay"]["requests"] == len(old)
         assert metas[2.0]["train_config"]["replay_ratio"] == 2.0
         assert metas[2.0]["metrics"]["training_rows"] > metas[0.0]["metrics"]["training_rows"]
+        # the first job computed the states (identical served sequences excepted); the second read back every
+        # sequence the first one saw and computed at most the replayed (older) requests' states
+        first, second = metas[0.0]["metrics"], metas[2.0]["metrics"]
+        seen = first["hidden_cache_hits"] + first["hidden_cache_misses"]
+        assert first["hidden_cache_misses"] >= 1 and seen >= len(new)
+        assert second["hidden_cache_hits"] >= seen and second["hidden_cache_misses"] <= len(old)
+        assert metas[2.0]["train_config"]["patience"] == 2 and metas[2.0]["train_config"]["min_gain"] == 0.002
         with pytest.raises(ValueError, match="replay_ratio"):
             _config({**base, "replay_ratio": -1})
+        with pytest.raises(ValueError, match="patience"):
+            _config({**base, "patience": -1})
+        with pytest.raises(ValueError, match="min_gain"):
+            _config({**base, "min_gain": 1.5})
     finally:
         client.close()
         drop_prefix(redis_url, prefix)
@@ -443,8 +460,9 @@ def test_heads_schedule_with_a_canary_share_waits_for_the_judge(regs, pair, targ
     prefix = f"{PREFIX}:{time.time_ns()}"
     try:
         v1 = served_buffer_and_champion(heads, pair, target_model, tmp_path, redis_url, prefix, 16, 8, 24)
+        # patience 0: the candidate must learn enough to pass (tiny near-zero heads can stall for 2 epochs)
         job = {"redis_url": redis_url, "buffer_prefix": prefix, "heldout_fraction": 0.25, "budget_s": 8.0,
-               "lr": 3e-3, "min_train_rows": 32, "min_heldout_rows": 8}
+               "lr": 3e-3, "min_train_rows": 32, "min_heldout_rows": 8, "patience": 0}
         judge = CanaryJudge(heads, CanaryPolicy(min_duration_s=0.0, timeout_s=1.5), progress=lambda m: None)
         stop, lines = threading.Event(), []
 
