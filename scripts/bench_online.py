@@ -525,7 +525,7 @@ def write_summary(out: Path, records: list[dict], errors: list[dict], events, ve
         "hidden states s | epochs (best) | states read / computed |",
         "|---|---|---|---:|---|---|---:|---:|---:|---:|---|---|"]
     for v in versions:
-        job = v.get("job") or {}
+        job = (v.get("job") or {}) if v["parent"] else {}     # version 1 came from the bootstrap, not a job
         ep = f"{job['epochs']:.0f} ({job.get('best_epoch') or 0:.0f}){', stopped' if job.get('stopped_early') else ''}" \
             if job.get("epochs") is not None else "-"
         hits = f"{job['hidden_cache_hits']:.0f} / {job.get('hidden_cache_misses') or 0:.0f}" \
