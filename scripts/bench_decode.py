@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from serving.config import SamplingParams, SpecParams  # noqa: E402
+from serving.config import MODES, SamplingParams, SpecParams  # noqa: E402
 from serving.engine import Engine  # noqa: E402
 from serving.models import read_output_token_ids  # noqa: E402
 from training.prompts import chat_prompt_ids, load_prompts  # noqa: E402
@@ -279,6 +279,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     global KEEP_PREFIX_CACHE
     KEEP_PREFIX_CACHE = args.keep_prefix_cache
+    unknown = [m for m in args.modes.split(",") if m != "hf_assisted" and m.partition("+")[0] not in MODES]
+    if unknown:
+        ap.error(f"unknown mode(s) {', '.join(unknown)} in --modes; choose from {', '.join(MODES)}, hf_assisted "
+                 "(the served default drafts with the heads: mode medusa, adaptive)")
     if any(m.startswith("medusa") for m in args.modes.split(",")) and not args.medusa_heads:
         ap.error("mode 'medusa' needs --medusa-heads PATH (heads from `python -m training.heads`)")
     if any(m.strip().startswith("eagle") for m in args.modes.split(",")) and not args.eagle_head:
