@@ -210,14 +210,14 @@ def run_heads_distillation(cfg: dict, progress: Callable[[str], None] = print) -
     tpath = resolve_model_path(c["target"])
     dtype = default_dtype("cpu")
     target = load_causal_lm(tpath, "cpu", dtype)                     # the hidden states serving sees
-    c["_hidden_cache"] = hidden_cache_for(tpath, dtype)
+    cache = hidden_cache_for(tpath, dtype)          # states kept between jobs and gates (training/hidden_cache.py)
     train_fn = _train_eagle if c["kind"] == "eagle" else _train_medusa
-    heads, metrics = train_fn(c, target, train_ex, held_ex, progress)
+    heads, metrics = train_fn(c, target, train_ex, held_ex, progress, cache)
     measure = metrics.pop("_measure")
     metrics.update(heldout_records=held_window["steps"], seconds=round(time.time() - t0, 1),
                    replay_requests=len(replay_ex), replay_steps=replay_window["steps"])
-    if c["_hidden_cache"] is not None:
-        metrics.update(hidden_cache_hits=c["_hidden_cache"].hits, hidden_cache_misses=c["_hidden_cache"].misses)
+    if cache is not None:
+        metrics.update(hidden_cache_hits=cache.hits, hidden_cache_misses=cache.misses)
     out = Path(c["out_dir"]) if c["out_dir"] else _default_out_dir(c["parent_version"], c["kind"])
     heads.save(out, built_by="training.heads_job", parent_heads=str(c["parent_heads"]))
     meta = {"kind": c["kind"], "parent_version": c["parent_version"], "target": c["target"] or str(tpath),
@@ -266,8 +266,9 @@ def _check_rows(c: dict, n_train: int, n_held: int) -> None:
                             f"job needs at least {c['min_train_rows']} and {c['min_heldout_rows']}")
 
 
-def _train_medusa(c: dict, target, train_ex: list[dict], held_ex: list[dict], progress):
-    """Medusa heads from the parent on the examples (module docstring); (heads, metrics)."""
+def _train_medusa(c: dict, target, train_ex: list[dict], held_ex: list[dict], progress, cache=None):
+    """Medusa heads from the parent on the examples (module docstring); (heads, metrics). `cache`: the
+    target's hidden states kept between jobs (training/hidden_cache.py), or None."""
     from serving.decoding.medusa import MedusaHeads
     from training.heads import (HeadData, chain_acceptance, head_agreement, kept_index, target_hidden_rows,
                                 train_heads)
@@ -276,7 +277,6 @@ def _train_medusa(c: dict, target, train_ex: list[dict], held_ex: list[dict], pr
     vocab_index = kept_index(target, heads.output_token_ids)
     K = heads.config.num_heads
     th = time.time()
-    cache = c["_hidden_cache"]
     train = HeadData(train_ex, target_hidden_rows(target, train_ex, cache=cache, progress=progress), K,
                      vocab_index) if train_ex else None
     held = HeadData(held_ex, target_hidden_rows(target, held_ex, cache=cache, progress=progress), K,
@@ -305,8 +305,9 @@ def _train_medusa(c: dict, target, train_ex: list[dict], held_ex: list[dict], pr
     return heads, metrics
 
 
-def _train_eagle(c: dict, target, train_ex: list[dict], held_ex: list[dict], progress):
-    """An EAGLE head from the parent on the examples (module docstring); (head, metrics)."""
+def _train_eagle(c: dict, target, train_ex: list[dict], held_ex: list[dict], progress, cache=None):
+    """An EAGLE head from the parent on the examples (module docstring); (head, metrics). `cache` as
+    `_train_medusa`."""
     from serving.decoding.eagle import EagleHead
     from training.heads import kept_index, target_hidden_states, train_eagle
 
@@ -317,8 +318,8 @@ def _train_eagle(c: dict, target, train_ex: list[dict], held_ex: list[dict], pro
     n_held = sum(max(0, len(e["topk_ids"]) - max(0, 2 - e["prompt_len"])) for e in held_ex)
     _check_rows(c, n_train, n_held)
     th = time.time()
-    train_f = target_hidden_states(target, train_ex, cache=c["_hidden_cache"], progress=progress)
-    held_f = target_hidden_states(target, held_ex, cache=c["_hidden_cache"], progress=progress)
+    train_f = target_hidden_states(target, train_ex, cache=cache, progress=progress)
+    held_f = target_hidden_states(target, held_ex, cache=cache, progress=progress)
     hidden_s = time.time() - th
     progress(f"[heads-job] {n_train} training rows, {n_held} held-out rows (hidden states {hidden_s:.1f} s)")
     figures = train_eagle(head, train_ex, train_f, held_ex, held_f, vocab_index,

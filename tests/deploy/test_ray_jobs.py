@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from deploy.ray_jobs import SUBMIT_RETRY_S
 from deploy.registry import CHAMPION, Registry
 from deploy.scheduler import DistillScheduler, JobLock, read_job_status, read_status
 from tests.deploy_helpers import fresh_store, make_base_draft, synthetic_evidence, template_db
@@ -533,7 +534,7 @@ def test_a_job_lost_with_its_node_leaves_its_records_pending(cluster, registry, 
     t = threading.Thread(target=lambda: result.setdefault("out", sched.run_job()))
     t.start()
     trained = _training_ids(buffer)
-    deadline = time.time() + 120
+    deadline = time.time() + 120 + SUBMIT_RETRY_S                      # a submission may wait for the job agent
     while not trained <= _pending(buffer, group):                      # the job has read its window
         assert t.is_alive() and time.time() < deadline, result
         time.sleep(0.3)

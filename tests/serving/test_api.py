@@ -356,8 +356,18 @@ def test_request_timeout_answers_408_and_frees_the_slot(pair):
             assert time.monotonic() - t0 < 5
             events = sse_events(c.post("/v1/completions", json={**LONG, "stream": True}))
             assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "request_timeout"
-            ok = c.post("/v1/completions", json={"prompt": "b", "max_tokens": 2})
-            assert ok.status_code == 200            # the slot came back after the timeouts
+            deadline = time.monotonic() + 10           # the timed-out requests leave the batch at its next round
+            while (srv.service.running or srv.service.waiting) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert srv.service.running == 0 and srv.service.waiting == 0     # the slot came back
+            # the same 0.5-s limit applies to this request: on a loaded host a 2-token answer can outlive it, so
+            # a 408 here says the host is slow, not that the slot leaked; the service must answer 200 soon
+            codes = []
+            for _ in range(5):
+                codes.append(c.post("/v1/completions", json={"prompt": "b", "max_tokens": 2}).status_code)
+                if codes[-1] == 200:
+                    break
+            assert codes[-1] == 200 and set(codes) <= {200, 408}, codes
     finally:
         srv.stop()
 
