@@ -84,7 +84,9 @@ def make_spec(label: str, args):
     `tree+typical` / `medusa+typical` / `eagle+typical` (or `+mjsd`): that mode with Medusa's typical acceptance on the tree;
     `default+nostop` / `speculative+nostop`: adaptive chains without the draft-confidence stop;
     `medusa+fp32heads` / `eagle+fp32heads`: that mode with its heads in fp32 (the engine runs them in the
-    target's dtype; the row measures what that buys on a bf16 machine)."""
+    target's dtype; the row measures what that buys on a bf16 machine);
+    `default+floor=X` / `medusa+floor=X`: that mode with the heads' tree pruned at node_floor X (0: the full
+    shape; serving/decoding/medusa.py)."""
     from serving.config import (ADAPTIVE_TREE_MODES, AUTO_MODE, DRAFT_FREE_MODES, SpecParams, served_knobs,
                                 served_mode)
 
@@ -97,7 +99,13 @@ def make_spec(label: str, args):
     kw = dict(mode=mode, gamma=args.gamma, beams=args.beams, tau=args.tau)
     if base == "default":
         kw["extra"] = served_knobs(mode)
-    if variant and variant not in ("nostop", "fp32heads"):     # knobs of the engine, not of the request
+    if variant.startswith("floor="):
+        try:
+            floor = float(variant[len("floor="):])
+        except ValueError:
+            raise ValueError(f"row {label}+{variant}: floor= takes a number in [0, 1)") from None
+        kw["extra"] = {**kw.get("extra", {}), "node_floor": floor}
+    elif variant and variant not in ("nostop", "fp32heads"):     # knobs of the engine, not of the request
         kw["extra"] = {"rule": variant}
     if mode not in DRAFT_FREE_MODES or mode in ADAPTIVE_TREE_MODES:
         kw["adaptive"] = not fixed

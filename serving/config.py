@@ -69,7 +69,9 @@ def served_knobs(mode: str) -> dict:
 #   staged    the same n-gram knobs, for the proposer that feeds the draft model
 #   tree      width: top-k children of the root, branch: top-k children of each depth-1 node, one child
 #             deeper, depth gamma; verified in one target pass with a tree mask (serving/decoding/tree.py)
-#   medusa    the same width / branch, the tree read off the Medusa heads (depth min(gamma, heads))
+#   medusa    the same width / branch, the tree read off the Medusa heads (depth min(gamma, heads)); node_floor
+#             in [0, 1): a node whose path probability under the heads is below it is left out of the tree, with
+#             its subtree (the root's first child always stays; 0: the full shape; serving/decoding/medusa.py)
 #   eagle     the same width / branch, the tree grown by the EAGLE-style head (depth gamma: one head forward
 #             per depth, each depth reading the features the head predicted for the depth above)
 #   tree, medusa, eagle also: rule "exact" (greedy at T=0, the lossless deterministic-children rule otherwise) or
@@ -77,6 +79,9 @@ def served_knobs(mode: str) -> dict:
 #             posterior_alpha as for mode typical) or "mjsd" (MJSD's joint test on every tree path at T > 0,
 #             lossy: the deepest node with min(1, p/q) > tau, knob tau as mode mjsd's, default DEFAULT_TAU)
 DEFAULT_TAU = 0.1   # MJSD's joint-ratio threshold (the paper's tau): mode mjsd's SpecParams.tau, rule mjsd's tau
+# Mode medusa's node_floor: 0 keeps the full (width, branch) shape; the served value is measured by
+# scripts/bench_tree_floor.py (docs/benchmarks.md, the twenty-fourth session)
+MEDUSA_NODE_FLOOR = 0.05
 MODE_KNOBS: dict[str, dict[str, float | int | str]] = {
     "typical": {"posterior_threshold": 0.09, "posterior_alpha": 0.3},
     "mentored": {"kl_budget": 0.1},
@@ -87,7 +92,7 @@ MODE_KNOBS: dict[str, dict[str, float | int | str]] = {
     "tree": {"width": 2, "branch": 1, "rule": "exact", "posterior_threshold": 0.09, "posterior_alpha": 0.3,
              "tau": DEFAULT_TAU},
     "medusa": {"width": 2, "branch": 1, "rule": "exact", "posterior_threshold": 0.09, "posterior_alpha": 0.3,
-               "tau": DEFAULT_TAU},
+               "tau": DEFAULT_TAU, "node_floor": MEDUSA_NODE_FLOOR},
     "eagle": {"width": 2, "branch": 1, "rule": "exact", "posterior_threshold": 0.09, "posterior_alpha": 0.3,
               "tau": DEFAULT_TAU},
 }
@@ -210,6 +215,11 @@ class SpecParams:
             if knobs["rule"] not in TREE_RULES:
                 raise ValueError(f"rule must be one of {', '.join(TREE_RULES)}, got {knobs['rule']!r}")
             knobs["tau"] = _finite("tau", knobs["tau"])
+        if "node_floor" in knobs:
+            v = knobs["node_floor"]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v < 1.0:
+                raise ValueError(f"node_floor must be a number in [0, 1), got {v!r}")
+            knobs["node_floor"] = float(v)
         if "max_ngram" in knobs:
             _int_in("max_ngram", knobs["max_ngram"], 1, MAX_NGRAM)
             _int_in("min_ngram", knobs["min_ngram"], 1, knobs["max_ngram"])

@@ -881,6 +881,7 @@ class _RequestState:
         self.eagle_drafter: EagleDrafter | None = None   # eagle: the head's cache, in step with seq[:-1]
         self.depth: int | None = None              # medusa, adaptive: the controller's depth for the next step
         self.verified = 0                          # tokens the last tree pass verified (its root included)
+        self.drafted_depth = 0                     # ... and the depth of its tree (0: a plain step)
         self.refed = False                         # ... and whether that step also re-fed context first
 
     # -- helpers -----------------------------------------------------------------
@@ -1128,14 +1129,16 @@ class _RequestState:
             depth = min(depth, self.depth)
         if self.hidden_for == len(self.seq) and depth > 0:
             branching = tree_branching(depth, spec.extra["width"], spec.extra["branch"])
+            floor = spec.extra["node_floor"]                            # the heads' doubt prunes the tree
             if self._tree_mjsd(spec, sampling):                       # the heads' warped log q of every node
-                tree, node_logq = heads.propose_with_logq(self.hidden, self.seq[-1], branching, warp)
+                tree, node_logq = heads.propose_with_logq(self.hidden, self.seq[-1], branching, warp, floor)
             else:
-                tree = heads.propose(self.hidden, self.seq[-1], branching)
+                tree = heads.propose(self.hidden, self.seq[-1], branching, floor)
         else:
             tree = DraftTree((), ())           # depth 0 (a plain step), or a one-token prompt: nothing to read yet
             node_logq = torch.zeros(0)
         self.verified = 1 + len(tree.tokens)
+        self.drafted_depth = max(tree.depth, default=0)        # below the plan where the heads' doubt pruned it
         stats.draft_time_s += time.perf_counter() - t1
         logits, hid, res = self._verify_tree_hidden(tree, prefix, sampling, spec, warp, gen, node_logq, stats,
                                                     extra_s=t1 - t0)

@@ -475,7 +475,9 @@ class BatchScheduler:
                 stats.zero_draft_steps += 1
             elif plan.probe:
                 stats.probe_steps += 1
-            ctrl.observe(plan, len(new) - 1, proposed)
+            # the depths the tree reached: the plan's, or fewer where the heads' doubt pruned the deeper ones
+            # (serving/decoding/medusa.py, node_floor), whose acceptance was then not tried
+            ctrl.observe(plan, len(new) - 1, st.drafted_depth if proposed else 0)
         if not st.refed:
             costs = self._costs_for([req])
             costs.observe_target(st.verified, stats.target_time_s - target_s)

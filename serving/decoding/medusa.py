@@ -24,6 +24,17 @@ the new root is the target's token after the accepted path, and the new h is the
 accepted node (the root itself when no node was accepted): both come from the verification pass, so
 drafting costs no extra target forward.
 
+The heads' doubt prunes the tree (`floor`, mode medusa's knob `node_floor`): a fixed shape verifies every node
+whatever the heads think of it, and a node the heads give little chance is seldom accepted: it costs a place in
+the verification pass, and it counts as proposed in accepted / proposed. Each node carries its path probability,
+the product over its path of each depth's softmax probability of its token (the heads are trained to match the
+target's own distribution, so at T=0 this estimates the chance the target accepts that node); nodes under `floor`
+are left out, with everything below them, while the root's first child always stays (a step the controller
+planned to draft still proposes, so its evidence keeps coming). The same rule as a draft chain's confidence stop
+(serving/controller.py, STOP_CONFIDENCE), applied per node; the value is measured in
+scripts/bench_tree_floor.py. The tree stays a deterministic function of the heads' output, so every rule verifies
+it exactly as it verifies the full shape (speculative sampling on the tree stays lossless).
+
 Files: a heads folder holds `medusa_heads.json` (sizes, the kept vocabulary, the target it was trained
 for) and `medusa_heads.safetensors` (the trained weights only: no pickle, and the frozen rows are the
 target's, taken at load time).
@@ -31,6 +42,7 @@ target's, taken at load time).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -116,50 +128,36 @@ class MedusaHeads(nn.Module):
         return self.head_states(h, root) @ self.out_rows.T
 
     # ------------------------------------------------------------------ proposing
-    def propose(self, h: torch.Tensor, root: int, branching: Sequence[int]) -> DraftTree:
+    def propose(self, h: torch.Tensor, root: int, branching: Sequence[int], floor: float = 0.0) -> DraftTree:
         """A tree under `root`: every node at depth d gets the top-`branching[d]` tokens of head d + 1 (the
-        same candidates under every parent: the heads do not see earlier depths). Depth <= num_heads."""
-        return self._grow(h, root, branching)[0]
+        same candidates under every parent: the heads do not see earlier depths). Depth <= num_heads.
+        `floor` > 0 prunes it by the heads' own doubt (module docstring, "The heads' doubt prunes the tree")."""
+        return self._grow(h, root, branching, floor)[0]
 
     def propose_with_logq(self, h: torch.Tensor, root: int, branching: Sequence[int],
-                          warp: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[DraftTree, torch.Tensor]:
+                          warp: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                          floor: float = 0.0) -> tuple[DraftTree, torch.Tensor]:
         """`propose`, also returning node_logq [N] for tree.py's `verify_mjsd`: each node's token under its
         depth's head, log-probabilities from `warp` (logits [K, V_keep] -> warped log-probs, e.g. warp.py's
         `warp_logprobs` with the request's temperature / top-k / top-p, as the target rows are warped; None:
         plain log-softmax). Over the kept vocabulary this equals warping the full row with every other token
-        impossible (-inf). Candidates stay the top-k of the raw head logits."""
-        tree, logits, depths, cols = self._grow(h, root, branching)
+        impossible (-inf). Candidates stay the top-k of the raw head logits (pruned by `floor` as `propose`)."""
+        tree, logits, depths, cols = self._grow(h, root, branching, floor)
         if not len(tree):
             return tree, logits.new_zeros(0)
         used = logits[: len(branching)]
         logq = (warp(used) if warp is not None else torch.log_softmax(used, dim=-1)).float()
         return tree, logq[torch.tensor(depths, device=logq.device), torch.tensor(cols, device=logq.device)]
 
-    def _grow(self, h: torch.Tensor, root: int,
-              branching: Sequence[int]) -> tuple[DraftTree, torch.Tensor, list[int], list[int]]:
+    def _grow(self, h: torch.Tensor, root: int, branching: Sequence[int],
+              floor: float = 0.0) -> tuple[DraftTree, torch.Tensor, list[int], list[int]]:
         """The tree, the heads' logits [K, V_keep], and each node's head index and kept-vocabulary column."""
         if len(branching) > self.config.num_heads:
             raise ValueError(f"a tree of depth {len(branching)} needs {len(branching)} heads; these have "
                              f"{self.config.num_heads}")
         with torch.no_grad():
             logits = self.forward(h.reshape(1, -1), torch.tensor([root]))[:, 0].float()     # [K, V_keep]
-        tokens: list[int] = []
-        parents: list[int] = []
-        cols: list[int] = []                       # each node's column of the kept vocabulary
-        depths: list[int] = []
-        frontier = [ROOT]
-        for d, k in enumerate(branching):
-            top = torch.topk(logits[d], int(k)).indices.tolist()
-            new = []
-            for node in frontier:
-                for c in top:
-                    tokens.append(self.output_token_ids[c])
-                    parents.append(node)
-                    cols.append(c)
-                    depths.append(d)
-                    new.append(len(tokens) - 1)
-            frontier = new
-        return DraftTree(tuple(tokens), tuple(parents)), logits, depths, cols
+        return grow_tree(logits, branching, self.output_token_ids, floor)
 
     # ------------------------------------------------------------------ files
     def save(self, out_dir: str | Path, **meta) -> Path:
@@ -209,6 +207,39 @@ class MedusaHeads(nn.Module):
         return heads.eval()
 
 
+def grow_tree(logits: torch.Tensor, branching: Sequence[int], token_ids: Sequence[int],
+              floor: float = 0.0) -> tuple[DraftTree, torch.Tensor, list[int], list[int]]:
+    """The heads' tree from their logits [K, V_keep] (row d: head d + 1 over the kept vocabulary, column j is
+    token `token_ids[j]`): every node at depth d gets the top-`branching[d]` columns of row d. With `floor` > 0
+    a node is kept only while its path probability (the product, over its path, of each depth's raw softmax
+    probability of its token) is at least `floor`; the root's first child always stays, so a tree of depth >= 1
+    is never empty. Returns the tree, `logits`, and each node's depth (head index) and column."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    cols: list[int] = []                       # each node's column of the kept vocabulary
+    depths: list[int] = []
+    logp = torch.log_softmax(logits[: len(branching)], dim=-1) if floor > 0 else None
+    cut = math.log(floor) if floor > 0 else -math.inf
+    frontier = [(ROOT, 0.0)]                   # (node, log-probability of its path)
+    for d, k in enumerate(branching):
+        top = torch.topk(logits[d], int(k)).indices.tolist()
+        new = []
+        for node, lp in frontier:
+            for i, c in enumerate(top):
+                path = lp + (float(logp[d, c]) if logp is not None else 0.0)
+                if path < cut and not (d == 0 and i == 0):
+                    break                      # the rest of `top` is no more likely under this parent
+                tokens.append(int(token_ids[c]))
+                parents.append(node)
+                cols.append(c)
+                depths.append(d)
+                new.append((len(tokens) - 1, path))
+        frontier = new
+        if not frontier:
+            break
+    return DraftTree(tuple(tokens), tuple(parents)), logits, depths, cols
+
+
 def read_heads_meta(path: str | Path) -> dict:
     return json.loads((Path(path) / CONFIG_FILE).read_text())
 
@@ -216,11 +247,12 @@ def read_heads_meta(path: str | Path) -> dict:
 # ---------------------------------------------------------------------- a reference decode loop
 def medusa_generate(target, heads: MedusaHeads, prompt_ids: list[int], max_new_tokens: int,
                     branching: Sequence[int], temperature: float = 0.0, generator: torch.Generator | None = None,
-                    eos_id: int | None = None) -> tuple[list[int], TreeStats]:
+                    eos_id: int | None = None, floor: float = 0.0) -> tuple[list[int], TreeStats]:
     """Decode with Medusa heads and tree verification: per step the heads propose a tree from the hidden
-    state the previous pass left, ONE target pass scores it (and yields the next hidden state), the rule
-    (greedy at T = 0, else tree.py's lossless `verify_deterministic`) keeps a path plus one target token.
-    Returns (new tokens, stats). The target must expose `get_decoder()` / `get_output_embeddings()`."""
+    state the previous pass left (pruned by `floor` as `MedusaHeads.propose`), ONE target pass scores it (and
+    yields the next hidden state), the rule (greedy at T = 0, else tree.py's lossless `verify_deterministic`)
+    keeps a path plus one target token. Returns (new tokens, stats). The target must expose `get_decoder()` /
+    `get_output_embeddings()`."""
     if len(prompt_ids) < 1:
         raise ValueError("prompt_ids must hold at least one token")
     committed = list(prompt_ids)
@@ -231,7 +263,7 @@ def medusa_generate(target, heads: MedusaHeads, prompt_ids: list[int], max_new_t
     stats = TreeStats()
     new: list[int] = []
     while len(new) < max_new_tokens:
-        tree = heads.propose(h, committed[-1], branching) if h is not None else DraftTree((), ())
+        tree = heads.propose(h, committed[-1], branching, floor) if h is not None else DraftTree((), ())
         prefix_len = len(committed) - 1
         logits, hid, cache = tree_forward_hidden(target, tree, committed[-1], cache, prefix_len)
         res = tree_rule(tree, logits, temperature, generator)

@@ -270,7 +270,8 @@ def test_modes_tree_and_medusa_serve_rule_mjsd(request, mode):
     # the threshold really decides: tau >= 1 accepts nothing, tau <= 0 the full depth every step
     none = eng.generate_all(prompt, WARM, mjsd(mode, tau=1.0))
     assert none.stats.accepted_tokens == 0 and none.stats.steps == len(none.token_ids)
-    every = eng.generate_all(prompt, WARM, mjsd(mode, tau=0.0))
+    full = {"node_floor": 0.0} if mode == "medusa" else {}          # the full shape: no node left out
+    every = eng.generate_all(prompt, WARM, mjsd(mode, tau=0.0, **full))
     assert every.stats.accepted_tokens == 3 * every.stats.steps
     assert every.stats.steps < len(every.token_ids) or every.token_ids[-1] == tiny_models.EOS_ID
     # T = 0 stays greedy (verify_greedy), whatever tau
