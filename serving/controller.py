@@ -83,7 +83,9 @@ WARM_OBSERVATIONS timings (its calibration among them) are averaged equally, so 
 seed by half, not by the running mean's tenth.
 
 Trees of Medusa heads (mode medusa, `verify_tokens`): the same choice picks the tree's depth k, priced by the
-nodes its shape puts in the verification pass (a (2,1,1) tree: 3, 5, 7 tokens for k = 1, 2, 3) and the heads'
+nodes its shape puts in the verification pass (a (2,1,1) tree: 3, 5, 7 tokens for k = 1, 2, 3: an upper bound
+where the heads' doubt prunes the tree, serving/decoding/medusa.py `node_floor`, while the cost model times each
+pass at the size it did verify, and the acceptance curve counts only the depths a tree reached) and the heads'
 measured time per depth; there is no draft model to catch up (`catches_up=False`), so a probe costs only its
 one-token tree, often 2-4% of a step where verification is nearly free.
 
