@@ -11,6 +11,7 @@ import torch
 from serving.config import SpecParams
 from serving.decoding.medusa import grow_tree
 from serving.decoding.tree import ROOT
+from tests.serving.test_medusa_mode import heads_dir, pair  # noqa: F401  (module fixtures: tiny pair, random heads)
 
 
 def logits_from(probs: list[list[float]]) -> torch.Tensor:
@@ -110,22 +111,12 @@ def test_replay_counts_what_the_engine_records():
     assert {r["bin"]: r["accepted"] for r in table if r["nodes"]} == {"[0.60, 0.80)": 0.5, "[0.00, 0.02)": 0.0}
 
 
-def test_the_engine_prunes_by_the_floor_and_stays_greedy(tmp_path):
+def test_the_engine_prunes_by_the_floor_and_stays_greedy(pair, heads_dir):
     """Served mode medusa (adaptive and fixed depth) with a floor: output equal to target greedy, fewer drafted
-    tokens per step than the full shape, and the controller's per-depth counts only for depths the tree reached."""
-    from serving.decoding.medusa import HeadsConfig, MedusaHeads
-    from serving.engine import Engine
-    from tests import tiny_models
+    tokens per step than the full shape, and at a floor of 0.99 at most the root's first child per step."""
     from tests.serving.test_engine_rules import GREEDY, ids, make_engine, reference_greedy
 
-    pair = tiny_models.save_pair(tmp_path / "pair")
-    target = Engine.from_paths(str(pair[0]), None, dtype=torch.float32).target.model
-    torch.manual_seed(3)
-    heads = MedusaHeads.for_target(target, HeadsConfig(target.config.hidden_size, 3, 1, True), list(range(259)))
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.normal_(0, 0.2)
-    eng = make_engine(pair[0], pair[1], draft_version="v1", heads=heads.save(tmp_path / "heads"))
+    eng = make_engine(pair[0], pair[1], draft_version="v1", heads=heads_dir)
     prompt = ids(eng)
     expected = reference_greedy(eng.target.model, prompt, GREEDY.max_tokens)
     drafted = {}
