@@ -83,11 +83,15 @@ WARM_OBSERVATIONS timings (its calibration among them) are averaged equally, so 
 seed by half, not by the running mean's tenth.
 
 Trees of Medusa heads (mode medusa, `verify_tokens`): the same choice picks the tree's depth k, priced by the
-nodes its shape puts in the verification pass (a (2,1,1) tree: 3, 5, 7 tokens for k = 1, 2, 3: an upper bound
-where the heads' doubt prunes the tree, serving/decoding/medusa.py `node_floor`, while the cost model times each
-pass at the size it did verify, and the acceptance curve counts only the depths a tree reached) and the heads'
-measured time per depth; there is no draft model to catch up (`catches_up=False`), so a probe costs only its
-one-token tree, often 2-4% of a step where verification is nearly free.
+nodes its trees put in the verification pass and the heads' measured time per depth; there is no draft model to
+catch up (`catches_up=False`), so a probe costs only its one-token tree, often 2-4% of a step where verification
+is nearly free. The shape bounds the nodes (a (2,1,1) tree: 3, 5, 7 tokens for k = 1, 2, 3, its root included),
+but the heads' doubt prunes it (serving/decoding/medusa.py `node_floor`), so a tree planned k deep is priced at
+what this replica's trees of the same version and traffic category verified at each depth (`tree_nodes`,
+`ReplicaPriors.nodes`: a decayed mean per depth, 0 where a depth was pruned whole), and its acceptance curve
+counts a depth the floor cut as not accepted: both sides of the rate, tokens and seconds, are what a plan of
+depth k gets. (The twenty-fourth session priced the full shape and counted only the depths a tree reached: an
+upper bound on both.)
 
 What the controller never touches: the acceptance rule. It only chooses, from the history of earlier
 steps, how many tokens to propose and which proposer makes them; every rule verifies whatever is
@@ -135,6 +139,9 @@ WARM_OBSERVATIONS = 5
 # accepted 0.3-0.38 of the time drafted on 2 of its 64 steps (the twenty-first session's trace); 8 halves such stops
 # on synthetic streams and reacts within a request where acceptance truly collapses (scripts/bench_controller_streams.py).
 DEPTH_STRENGTH = 8.0
+# A tree's expected nodes per depth (ReplicaPriors.nodes) are shrunk towards the full shape's with this many steps'
+# weight: the first few trees of a version move the price most of the way to what they verified.
+NODE_STRENGTH = 2.0
 RECENT_WEIGHT = 0.2
 
 
@@ -578,6 +585,7 @@ class ReplicaPriors:
         self.default, self.decay = prior, decay
         self._est: dict[tuple, AcceptanceEstimate] = {}
         self._gaps: dict[tuple, int] = {}
+        self._nodes: dict[tuple, tuple[list[float], list[float]]] = {}
         self._lock = threading.Lock()
 
     def _get(self, key: tuple, k: int = MAX_GAMMA) -> AcceptanceEstimate:
@@ -612,6 +620,37 @@ class ReplicaPriors:
             self._get((version, proposer, greedy, "")).update(proposed, accepted)
             if category:
                 self._get((version, proposer, greedy, category)).update(proposed, accepted)
+
+    def update_nodes(self, version: str, proposer: str, greedy: bool, per_depth: Sequence[int],
+                     category: str = "") -> None:
+        """A tree planned len(per_depth) deep verified per_depth[d - 1] nodes at depth d (0 where the heads'
+        doubt pruned the whole depth): decayed sums per depth, pooled and for the category."""
+        with self._lock:
+            for key in {(version, proposer, greedy, ""), (version, proposer, greedy, category)}:
+                sums, steps = self._nodes.setdefault(key, ([], []))
+                if len(sums) < len(per_depth):
+                    sums += [0.0] * (len(per_depth) - len(sums))
+                    steps += [0.0] * (len(per_depth) - len(steps))
+                for i, n in enumerate(per_depth):
+                    sums[i] = self.decay * sums[i] + float(n)
+                    steps[i] = self.decay * steps[i] + 1.0
+
+    def nodes(self, version: str, proposer: str, greedy: bool, shape: Sequence[int],
+              category: str = "") -> list[float]:
+        """Expected nodes per depth 1..len(shape) of a tree whose full shape has shape[d - 1] nodes at depth d:
+        the decayed mean of what this key's trees verified there, shrunk (weight NODE_STRENGTH steps) towards
+        the pooled key's mean, itself shrunk towards the shape; the shape where nothing was seen."""
+        with self._lock:
+            pooled = self._nodes.get((version, proposer, greedy, ""), ([], []))
+            own = self._nodes.get((version, proposer, greedy, category), ([], [])) if category else ([], [])
+            out = []
+            for i, full in enumerate(shape):
+                mean = float(full)
+                for sums, steps in (pooled, own):
+                    if i < len(sums):
+                        mean = (sums[i] + NODE_STRENGTH * mean) / (steps[i] + NODE_STRENGTH)
+                out.append(min(float(full), mean))
+            return out
 
     def probe_gap(self, version: str, proposer: str, greedy: bool, default: int, category: str = "") -> int:
         """The probe gap the replica's latest request of this key ended with (RequestController: probing); a
@@ -667,7 +706,8 @@ class RequestController:
     max_probe_gap: int = 32
     max_tokens: int | None = None     # the request's token budget: a seeded request probes only where it can pay
     # tokens the target verifies for a proposal of depth k (default k + 1, a chain): a Medusa tree of depth k
-    # (mode medusa) verifies every node of its shape, e.g. 7 for (2,1,1) with its root
+    # (mode medusa) verifies at most every node of its shape, e.g. 7 for (2,1,1) with its root; where the heads'
+    # doubt prunes it, what its trees verified (`observe(..., nodes=)`, `tree_nodes`) prices it
     verify_tokens: Callable[[int], int] | None = None
     catches_up: bool = True           # a probe first feeds the draft model the tokens it skipped (not heads)
     est: dict = field(default_factory=dict)
@@ -689,8 +729,24 @@ class RequestController:
         """Seconds of a step that proposes k tokens deep with the mode's own proposer (k = 0: a plain step)."""
         if self.verify_tokens is None or k == 0:
             return self.costs.step_s(self.draft_key, k)
-        return (k * self.costs.draft_token_s(self.draft_key) + self.costs.target_s(self.verify_tokens(k))
+        return (k * self.costs.draft_token_s(self.draft_key) + self.costs.target_s(self.tree_nodes(k))
                 + self.costs.overhead_s(True))
+
+    def _shape_per_depth(self, k: int) -> list[int]:
+        """Nodes per depth 1..k of the full tree shape (`verify_tokens` differences)."""
+        sizes = [1] + [int(self.verify_tokens(d)) for d in range(1, k + 1)]
+        return [b - a for a, b in zip(sizes, sizes[1:])]
+
+    def tree_nodes(self, k: int) -> float:
+        """Tokens a tree planned k deep is expected to put in the verification pass, its root included: per depth,
+        the replica's running mean of the nodes its trees of this version and category verified there
+        (`ReplicaPriors.nodes`), never more than the shape's. The shape alone priced a tree the heads' doubt
+        pruned as if every node stayed (module docstring, "Trees of Medusa heads")."""
+        if self.verify_tokens is None or k == 0:
+            return float(k + 1)
+        per_depth = self.priors.nodes(self.version, self.draft_key, self.greedy, self._shape_per_depth(k),
+                                      self.category)
+        return 1.0 + sum(per_depth)
 
     def _set_gap(self, gap: int) -> None:
         self.probe_gap = gap
@@ -776,8 +832,9 @@ class RequestController:
         return best_k(alpha, self.gamma, self.step_s, self.min_gain)[0] > 0
 
     def verified(self, k: int) -> int:
-        """Tokens the target verifies for a proposal k deep (a chain's k + 1; a tree's nodes and its root)."""
-        return k + 1 if self.verify_tokens is None or k == 0 else int(self.verify_tokens(k))
+        """Tokens the target verifies for a proposal k deep (a chain's k + 1; a tree's expected nodes and its
+        root, rounded: the size the cost model times; at least 2, the root's first child always stays)."""
+        return k + 1 if self.verify_tokens is None or k == 0 else max(2, round(self.tree_nodes(k)))
 
     def _depth_probe(self, k: int) -> bool:
         """Whether this step, planned k deep, drafts k + 1 instead to re-time that size (module docstring,
@@ -819,13 +876,19 @@ class RequestController:
         return best_k(HOPELESS_ALPHA, self.gamma, self.step_s,
                       self.min_gain)[0] == 0
 
-    def observe(self, plan: Plan, accepted: int, proposed: int | None = None) -> None:
+    def observe(self, plan: Plan, accepted: int, proposed: int | None = None,
+                nodes: Sequence[int] | None = None) -> None:
         """After a step: `accepted` of the `proposed` tokens (default plan.k; fewer when the chain stopped on
-        the draft's doubt) were accepted."""
+        the draft's doubt) were accepted. `nodes`: a tree's nodes per depth 1..plan.k (what `tree_nodes`
+        learns)."""
         self.steps += 1
         proposed = plan.k if proposed is None else min(int(proposed), plan.k)
         if plan.k == 0 or proposed == 0:
             return
+        if nodes is not None and plan.proposer == "draft" and self.verify_tokens is not None:
+            per_depth = [int(n) for n in list(nodes)[: plan.k]]
+            self.priors.update_nodes(self.version, self.draft_key, self.greedy,
+                                     per_depth + [0] * (plan.k - len(per_depth)), self.category)
         self._estimate(plan.proposer).update(proposed, accepted)
         key = self.draft_key if plan.proposer == "draft" else plan.proposer
         self.priors.update(self.version, key, self.greedy, proposed, accepted, self.category)

@@ -882,6 +882,7 @@ class _RequestState:
         self.depth: int | None = None              # medusa, adaptive: the controller's depth for the next step
         self.verified = 0                          # tokens the last tree pass verified (its root included)
         self.drafted_depth = 0                     # ... and the depth of its tree (0: a plain step)
+        self.depth_nodes: list[int] = []           # ... and its nodes per depth 1..drafted_depth
         self.refed = False                         # ... and whether that step also re-fed context first
 
     # -- helpers -----------------------------------------------------------------
@@ -1139,6 +1140,9 @@ class _RequestState:
             node_logq = torch.zeros(0)
         self.verified = 1 + len(tree.tokens)
         self.drafted_depth = max(tree.depth, default=0)        # below the plan where the heads' doubt pruned it
+        self.depth_nodes = [0] * self.drafted_depth
+        for d in tree.depth:
+            self.depth_nodes[d - 1] += 1
         stats.draft_time_s += time.perf_counter() - t1
         logits, hid, res = self._verify_tree_hidden(tree, prefix, sampling, spec, warp, gen, node_logq, stats,
                                                     extra_s=t1 - t0)

@@ -475,9 +475,9 @@ class BatchScheduler:
                 stats.zero_draft_steps += 1
             elif plan.probe:
                 stats.probe_steps += 1
-            # the depths the tree reached: the plan's, or fewer where the heads' doubt pruned the deeper ones
-            # (serving/decoding/medusa.py, node_floor), whose acceptance was then not tried
-            ctrl.observe(plan, len(new) - 1, st.drafted_depth if proposed else 0)
+            # a depth the heads' doubt pruned (serving/decoding/medusa.py, node_floor) counts as not accepted, and
+            # its nodes per depth price the next plans (serving/controller.py, "Trees of Medusa heads")
+            ctrl.observe(plan, len(new) - 1, plan.k if proposed else 0, nodes=st.depth_nodes)
         if not st.refed:
             costs = self._costs_for([req])
             costs.observe_target(st.verified, stats.target_time_s - target_s)

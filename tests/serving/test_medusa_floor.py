@@ -1,6 +1,7 @@
 """Mode medusa's `node_floor` (serving/decoding/medusa.py `grow_tree`): the heads' doubt prunes their tree by path
 probability, the root's first child always stays, the full shape at 0; a pruned tree is still verified losslessly;
-the controller learns from the depth the tree reached; the knob's validation; the replay script's core."""
+the controller prices a tree by the nodes its trees verified and counts a pruned depth as not accepted; the knob's
+validation; the replay script's core."""
 from __future__ import annotations
 
 import math
@@ -129,3 +130,80 @@ def test_the_engine_prunes_by_the_floor_and_stays_greedy(pair, heads_dir):
     res = eng.generate_all(prompt, GREEDY, SpecParams(mode="medusa", gamma=3, extra={"node_floor": 0.99}))
     assert res.token_ids == expected
     assert res.stats.draft_tokens <= res.stats.steps          # at most the root's first child per step
+
+
+# ---------------------------------------------------------------------------- the controller on pruned trees
+def _tree_ctrl(costs, priors, category: str = ""):
+    from serving.controller import RequestController
+    from serving.decoding.tree import tree_branching, tree_size
+
+    return RequestController(gamma=3, costs=costs, priors=priors, version="h", greedy=True, draft_key="medusa",
+                             category=category, catches_up=False,
+                             verify_tokens=lambda k: 1 + tree_size(tree_branching(k, 2, 1)))
+
+
+def test_a_pruned_tree_is_priced_by_the_nodes_its_trees_verified():
+    """The (2,1,1) shape puts 3, 5, 7 tokens in the pass at depths 1..3; trees that verified one node per depth
+    and nothing at depth 3 are priced near 2, 3 and 3 tokens (per depth, shrunk towards the shape), per traffic
+    category (a category without trees takes the pooled figures), and never above the shape."""
+    from serving.controller import CostModel, Plan, ReplicaPriors
+
+    priors = ReplicaPriors(prior=0.6)
+    sql, other = _tree_ctrl(CostModel(), priors, "sql"), _tree_ctrl(CostModel(), priors, "chat")
+    assert [sql.tree_nodes(k) for k in (0, 1, 2, 3)] == [1.0, 3.0, 5.0, 7.0]      # nothing seen: the shape
+    for _ in range(60):
+        sql.observe(Plan("draft", 3), 1, 3, nodes=[1, 1])                        # depth 3 pruned whole
+    assert sql.tree_nodes(1) == pytest.approx(2.0, abs=0.1)
+    assert sql.tree_nodes(3) == pytest.approx(3.0, abs=0.2)
+    assert sql.verified(3) == 3 and sql.verified(0) == 1
+    assert other.tree_nodes(3) == pytest.approx(3.0, abs=0.3)                    # pooled, as no chat tree ran
+    for _ in range(60):
+        other.observe(Plan("draft", 2), 0, 2, nodes=[2, 2])                      # the full shape at depth 2
+    assert other.tree_nodes(2) == pytest.approx(5.0, abs=0.15) and other.tree_nodes(3) <= 7.0
+    assert sql.tree_nodes(3) < other.tree_nodes(3)
+    big = ReplicaPriors()
+    c = _tree_ctrl(CostModel(), big)
+    c.observe(Plan("draft", 1), 1, 1, nodes=[9])                                 # more than the shape: capped
+    assert c.tree_nodes(1) == 3.0
+
+
+def test_a_depth_the_floor_cut_counts_as_not_accepted():
+    """Pricing depth k by what trees planned k deep verified, the acceptance curve must be what such a plan gets:
+    a depth 3 the floor pruned whole is a depth 3 that was not accepted, even where depths 1 and 2 were."""
+    from serving.controller import CostModel, Plan, ReplicaPriors
+
+    c = _tree_ctrl(CostModel(), ReplicaPriors(prior=0.5))
+    for _ in range(80):
+        c.observe(Plan("draft", 3), 2, 3, nodes=[1, 1])
+    curve = c.curve("draft")
+    assert curve[0] > 0.8 and curve[1] > 0.8 and curve[2] < 0.2          # 0.86, 0.86, 0.14 (decayed counts)
+
+
+def test_the_controller_drafts_deeper_once_it_sees_the_floor_prune_the_tree():
+    """Where verification turns dear past 3 tokens, the full (2,1,1) shape prices a two-deep tree at 5 tokens and
+    the controller keeps to one level; once the replica's trees are seen verifying one node per depth (3 tokens
+    two deep), the same acceptance plans two deep."""
+    from serving.controller import CostModel, Plan, ReplicaPriors
+
+    costs = CostModel(weight=1.0)
+    for n in range(1, 8):
+        costs.observe_target(n, 0.05 * (1 + 0.6 * max(0, n - 3)))
+    costs.observe_draft("medusa", 1, 0.0005)
+    priors = ReplicaPriors(prior=0.6)
+    teach = _tree_ctrl(costs, priors)
+    for _ in range(40):                               # depth 1 accepted 0.75, depth 2 given depth 1: 0.67
+        for accepted in (2, 2, 1, 0):
+            teach.observe(Plan("draft", 2), accepted, 2)
+
+    def planned() -> tuple[int, float]:
+        c = _tree_ctrl(costs, priors)
+        c._estimate("draft")
+        c.evidence["draft"] = 100                     # the replica's traffic stands behind the prior: no caution
+        return c.plan().k, c.tree_nodes(2)
+
+    assert planned() == (1, 5.0)                      # no node counts yet: the full shape
+    for _ in range(40):                               # the same acceptance, from trees of one node per depth
+        for accepted in (2, 2, 1, 0):
+            teach.observe(Plan("draft", 2), accepted, 2, nodes=[1, 1])
+    k, nodes = planned()
+    assert nodes == pytest.approx(3.0, abs=0.1) and k >= 2
