@@ -1,11 +1,13 @@
 """What a distillation job on the serving machine costs serving, and what `--job-nice` buys back (issue 15).
 
     .venv/bin/python scripts/bench_job_contention.py [--target DIR] [--seconds 25] [--serve-threads 2 1]
-        [--nice 0 10 19] [--out docs/results/job-contention]
+        [--nice 0 10 19 idle] [--out docs/results/job-contention]
 
 For each serving thread count: the target alone, greedy, one token per forward with its KV cache (a plain
 decode step, what the service runs between drafts), for `--seconds`; then the same beside a 1-thread
-training process (`OMP_NUM_THREADS=1`, as `draftsmith distill` gives a 1-CPU Ray job) at each nice value.
+training process (`OMP_NUM_THREADS=1`, as `draftsmith distill` gives a 1-CPU Ray job) at each nice value, or
+`idle`: Linux's SCHED_IDLE policy (`draftsmith distill --job-nice idle`), which runs the trainer only on a core
+nothing else wants and lets a waking serving thread preempt it at once.
 The trainer repeats the forward and backward pass of an MLP of the draft's width (576 -> 1536 -> 576 over
 2048 rows, fp32): synthetic, so it measures the CPU it gets, not a job's data reading. Prints a markdown
 table (serving tok/s, its ratio to serving alone, trainer iterations/s and its ratio to the trainer alone)
@@ -27,9 +29,11 @@ sys.path.insert(0, str(ROOT))
 TRAINER = """
 import os, sys, time, torch
 torch.set_num_threads(1)
-nice, seconds = int(sys.argv[1]), float(sys.argv[2])
-if nice:
-    os.nice(nice)
+nice, seconds = sys.argv[1], float(sys.argv[2])
+if nice == "idle":
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+elif int(nice):
+    os.nice(int(nice))
 x = torch.randn(2048, 576)
 w1 = torch.randn(576, 1536, requires_grad=True)
 w2 = torch.randn(1536, 576, requires_grad=True)
@@ -41,7 +45,13 @@ print(n / (time.time() - t0), flush=True)
 """
 
 
-def trainer(nice: int, seconds: float) -> subprocess.Popen:
+def _nice(raw: str) -> str:
+    if raw != "idle" and not (raw.isdigit() and 0 <= int(raw) <= 19):
+        raise argparse.ArgumentTypeError(f"a nice value is 0..19 or 'idle', got {raw!r}")
+    return raw
+
+
+def trainer(nice: str, seconds: float) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, "-c", TRAINER, str(nice), str(seconds)], env=env,
                             stdout=subprocess.PIPE, text=True)
@@ -66,11 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", default=None, help="target model folder (default: the served default)")
     ap.add_argument("--seconds", type=float, default=25.0, help="length of each measurement")
     ap.add_argument("--serve-threads", type=int, nargs="+", default=[2, 1])
-    ap.add_argument("--nice", type=int, nargs="+", default=[0, 10, 19])
+    ap.add_argument("--nice", type=_nice, nargs="+", default=["0", "10", "19", "idle"],
+                    help="the trainer's priorities: nice values 0..19, or 'idle' (SCHED_IDLE)")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "job-contention")
     args = ap.parse_args(argv)
-    if any(not (0 <= n <= 19) for n in args.nice) or args.seconds <= 0 or any(t < 1 for t in args.serve_threads):
-        ap.error("--nice values must be in 0..19, --seconds > 0, --serve-threads >= 1")
+    if args.seconds <= 0 or any(t < 1 for t in args.serve_threads):
+        ap.error("--seconds must be > 0 and --serve-threads >= 1")
 
     import torch
 
@@ -79,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     path = resolve_model_path(args.target) if args.target else ensure_default_target()
     dtype = default_dtype("cpu")
     model = load_causal_lm(path, "cpu", dtype)
-    p = trainer(0, args.seconds)
+    p = trainer("0", args.seconds)
     alone_trainer = float(p.communicate()[0])
     print(f"[contention] trainer alone: {alone_trainer:.2f} it/s", flush=True)
     rows = []
@@ -105,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         base = next(x["serve_tok_s"] for x in rows if x["serve_threads"] == r["serve_threads"]
                     and x["trainer_nice"] is None)
-        who = "none" if r["trainer_nice"] is None else f"1 thread, nice {r['trainer_nice']}"
+        who = ("none" if r["trainer_nice"] is None else "1 thread, SCHED_IDLE" if r["trainer_nice"] == "idle"
+               else f"1 thread, nice {r['trainer_nice']}")
         it = "-" if r["trainer_it_s"] is None else f"{r['trainer_it_s']:.2f}"
         itr = "-" if r["trainer_it_s"] is None else f"{r['trainer_it_s'] / alone_trainer:.2f}"
         lines.append(f"| {r['serve_threads']} | {who} | {r['serve_tok_s']:.1f} | {r['serve_tok_s'] / base:.2f} | "
