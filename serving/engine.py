@@ -881,8 +881,7 @@ class _RequestState:
         self.eagle_drafter: EagleDrafter | None = None   # eagle: the head's cache, in step with seq[:-1]
         self.depth: int | None = None              # medusa, adaptive: the controller's depth for the next step
         self.verified = 0                          # tokens the last tree pass verified (its root included)
-        self.drafted_depth = 0                     # ... and the depth of its tree (0: a plain step)
-        self.depth_nodes: list[int] = []           # ... and its nodes per depth 1..drafted_depth
+        self.depth_nodes: list[int] = []           # ... and its nodes per depth 1..the depth it reached
         self.refed = False                         # ... and whether that step also re-fed context first
 
     # -- helpers -----------------------------------------------------------------
@@ -1139,8 +1138,7 @@ class _RequestState:
             tree = DraftTree((), ())           # depth 0 (a plain step), or a one-token prompt: nothing to read yet
             node_logq = torch.zeros(0)
         self.verified = 1 + len(tree.tokens)
-        self.drafted_depth = max(tree.depth, default=0)        # below the plan where the heads' doubt pruned it
-        self.depth_nodes = [0] * self.drafted_depth
+        self.depth_nodes = [0] * max(tree.depth, default=0)    # shallower than planned where the heads' doubt pruned it
         for d in tree.depth:
             self.depth_nodes[d - 1] += 1
         stats.draft_time_s += time.perf_counter() - t1
