@@ -107,11 +107,12 @@ def plot(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
     for ax, key, title in ((axes[0], "acceptance", "acceptance (accepted / proposed)"),
                            (axes[1], "speedup", "speed-up over target-only")):
-        vals = [result[p][kind]["acceptance"] if key == "acceptance" else result[p]["speedup"]
-                for p in ("before", "after")]
+        raw = [result[p][kind]["acceptance"] if key == "acceptance" else result[p]["speedup"]
+               for p in ("before", "after")]
+        vals = [0.0 if v is None else v for v in raw]      # acceptance is None where the controller drafted nothing
         bars = ax.bar(labels, vals, color=["#999999", "#3a7dc9"])
-        ax.bar_label(bars, fmt="%.2f")
-        ax.set_ylim(0, max(vals) * 1.15)
+        ax.bar_label(bars, labels=["none drafted" if v is None else f"{v:.2f}" for v in raw])
+        ax.set_ylim(0, max(max(vals) * 1.15, 0.1))
         ax.set_title(title, fontsize=10)
         if key == "speedup":
             ax.axhline(1.0, color="black", lw=0.8, ls="--")
