@@ -232,7 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "redis_url / buffer_prefix / heldout_fraction also tell the gate where to draw its sample")
     d.add_argument("--evidence-wait", type=_age_or_zero, default=1800.0,
                    help="a candidate the gate could not judge yet (held-out sample below its minimum) is gated "
-                        "again every tick for this long while no new job starts (default 30m; 0 = reject it)")
+                        "again as held-out traffic arrives, for this long, while no new job starts (default 30m; "
+                        "0 = reject it). A heads schedule then starts a job once the sample holds half the "
+                        "minimum instead of all of it")
     d.add_argument("--no-watchdog", action="store_true",
                    help="do not watch the champion's live acceptance (no automatic rollback)")
     d.add_argument("--runner", choices=("auto", "ray", "process"),
@@ -764,7 +766,8 @@ def _distill_heads(args, policy) -> int:
                                            max_jobs=args.max_jobs, min_new_steps=args.min_records or 1,
                                            policy=policy, evidence=evidence, canary_share=args.canary_share,
                                            canary=_canary_judge(args, reg) if args.canary_share else None,
-                                           run_job=runner, drift=_drift_policy(args))
+                                           run_job=runner, drift=_drift_policy(args),
+                                           evidence_wait_s=args.evidence_wait)
             except KeyboardInterrupt:
                 stop.set()
                 return EXIT_OK

@@ -184,7 +184,6 @@ def run_heads_cycle(registry: Registry, target: str | None, job_cfg: dict | None
     promotes or drops it on live acceptance). `run_job(cfg) -> candidate folder` runs the job: by default
     in this process (training/heads_job.py `run_heads_distillation`); `draftsmith distill` hands a
     deploy/ray_jobs.py `DistillRunner`, which submits it to Ray as it does the draft's jobs."""
-    from deploy.gate import start_canary_after_gate
     from training.heads_job import run_heads_distillation
 
     kind = registry.heads_kind
@@ -207,21 +206,37 @@ def run_heads_cycle(registry: Registry, target: str | None, job_cfg: dict | None
            "parent_version": champion, "target": target, "target_sha256": target_fingerprint(target)}
     out = Path(run_job(job)) if run_job is not None else run_heads_distillation(job, progress=progress)
     version = registry.register_heads(out, candidate=True)
-    verdict = run_gate(registry, version, smoke_check or heads_smoke_check(target, kind=kind), policy=policy,
-                       promote=promote and not canary_share, evidence=ev)
-    if verdict.accepted and canary_share and promote:
-        move = start_canary_after_gate(registry, verdict, canary_share)
-        progress(f"[heads] {move.message}")
+    verdict = gate_heads(registry, version, target, policy=policy, evidence=ev, smoke_check=smoke_check,
+                         promote=promote, canary_share=canary_share, progress=progress)
     progress(f"[heads] candidate version {version}: {'accepted' if verdict.accepted else 'rejected'} "
              f"({verdict.reason}); cycle {time.time() - t0:.0f} s")
     return version, verdict
 
 
+def gate_heads(registry: Registry, version: str, target: str | None, *, policy: GatePolicy | None,
+               evidence: HeadsEvidence, smoke_check: SmokeCheck | None = None, promote: bool = True,
+               canary_share: float = 0.0, progress=print) -> GateVerdict:
+    """The gate on a registered heads candidate (`run_heads_cycle`'s second half, and a candidate gated again
+    once the held-out evidence it waited for has arrived): promoted when it passes and `promote`, or made the
+    canary on `canary_share` of its mode's requests."""
+    from deploy.gate import start_canary_after_gate
+
+    target = target or registry.target
+    verdict = run_gate(registry, version, smoke_check or heads_smoke_check(target, kind=registry.heads_kind),
+                       policy=policy, promote=promote and not canary_share, evidence=evidence)
+    if verdict.accepted and canary_share and promote:
+        move = start_canary_after_gate(registry, verdict, canary_share)
+        progress(f"[heads] {move.message}")
+    return verdict
+
+
 @dataclass
 class HeadsTick:
     """What one scheduled heads tick did: "promoted", "canary" (passed the gate and now serves a share of its
-    mode's requests), "rejected", "skipped" (nothing new, job lock held, too few records, a canary still being
-    judged) or "failed" (the job or the gate raised; the schedule goes on)."""
+    mode's requests), "rejected", "held" (trained and registered, but the gate's held-out sample is still too
+    small to judge it: it waits for that evidence), "skipped" (nothing new, job lock held, too few records, a
+    canary being judged, a candidate waiting for evidence) or "failed" (the job or the gate raised; the
+    schedule goes on)."""
 
     status: str
     message: str
@@ -234,7 +249,7 @@ def run_heads_schedule(registry: Registry, target: str | None, job_cfg: dict | N
                        policy: GatePolicy | None = None, evidence: HeadsEvidence | None = None,
                        smoke_check: SmokeCheck | None = None, lock=None, canary_share: float = 0.0,
                        canary=None, run_job=None, poll_s: float | None = None, drift=None,
-                       progress=print) -> list[HeadsTick]:
+                       evidence_wait_s: float = 0.0, progress=print) -> list[HeadsTick]:
     """One heads cycle (`run_heads_cycle`) at most every `every_s` seconds, counted from the start of the last
     one as the draft's scheduler counts `--every` (the first at once), when the buffer holds at least
     `min_new_steps` step records newer than the last job's window (`data_window.last_id` of the newest
@@ -242,7 +257,16 @@ def run_heads_schedule(registry: Registry, target: str | None, job_cfg: dict | N
     `every_s`), and a skipped look is reported only when its reason changes. Under the machine's distillation job lock
     (deploy/scheduler.py `JobLock`, shared with the draft's jobs: one training job at a time), and, with
     `evidence`, once the gate's held-out sample holds the policy's `min_requests` (a job the gate cannot judge
-    would be rejected for want of evidence, its training wasted: seen as the first job of a run). A cycle that
+    would be rejected for want of evidence, its training wasted: seen as the first job of a run). With
+    `evidence_wait_s` > 0 (`distill --evidence-wait`, as the draft's scheduler) the job need not wait that
+    long: it starts once the sample holds half of `min_requests`, and a candidate the gate then finds
+    insufficient ("held") waits up to `evidence_wait_s` after its registration, gated again as soon as the
+    sample holds `min_requests` (and again whenever it grows, while the gate still finds it too small),
+    with no new job meanwhile (it would train from the same champion on the same newest records). On slow
+    traffic the job's minutes then overlap the wait for held-out requests, instead of following it: in the
+    online experiment (docs/benchmarks.md, "The twenty-sixth session") the first job waited 8-14 minutes for
+    10 held-out requests before it could start. A waiting candidate whose parent is no longer the champion
+    (a rollback, an operator's promotion) is dropped, as is one whose wait runs out. A cycle that
     fails (a thin buffer, MLflow or Redis down, a failed job) is logged and the schedule goes on; a rollback
     pauses promotion, which the gate's verdict then records (`Registry.promote` refuses). With
     `canary_share` > 0 a candidate that passes the gate becomes the canary on that share of its mode's
@@ -275,6 +299,10 @@ def run_heads_schedule(registry: Registry, target: str | None, job_cfg: dict | N
     last_start: float | None = None
     said = None
     need_held = (policy or GatePolicy()).min_requests
+    if not evidence_wait_s >= 0:
+        raise ValueError(f"evidence_wait_s must be >= 0, got {evidence_wait_s!r}")
+    start_held = need_held if not evidence_wait_s else max(1, -(-need_held // 2))
+    waiting: dict | None = None      # {"version", "since" (monotonic), "gated_at" (held-out count at the last gate)}
     while not stop.is_set():
         if canary is not None:                        # judged at every look, also between jobs
             try:
@@ -283,6 +311,27 @@ def run_heads_schedule(registry: Registry, target: str | None, job_cfg: dict | N
                     progress(f"[heads-canary] {v.action}: {v.message}")
             except Exception as e:  # noqa: BLE001 - e.g. MLflow down: no judgement this tick
                 progress(f"[heads-canary] no look this time: {e}")
+        if waiting is not None and evidence is not None:
+            try:
+                waiting, tick = _look_at_waiting(registry, target, waiting, evidence, need_held, evidence_wait_s,
+                                                 policy=policy, smoke_check=smoke_check, canary_share=canary_share,
+                                                 progress=progress)
+            except Exception as e:  # noqa: BLE001 - MLflow or Redis down: look again next time
+                log.exception("gating the waiting heads candidate failed")
+                tick = HeadsTick("skipped", f"the candidate waiting for evidence was not looked at: "
+                                            f"{type(e).__name__}: {e}")
+            if tick is not None:
+                ticks.append(tick)
+                if tick.status == "skipped":
+                    said = _say_skip(progress, tick.message, said)
+                else:
+                    said = None
+                    progress(f"[heads-schedule] gated again: {tick.status}: {tick.message} (version {tick.version})")
+            if waiting is not None:
+                stop.wait(poll_s)
+                continue
+            if max_jobs is not None and jobs >= max_jobs:
+                break
         early = None
         if last_start is not None and time.monotonic() - last_start < every_s:
             if drift is not None:
@@ -308,9 +357,10 @@ def run_heads_schedule(registry: Registry, target: str | None, job_cfg: dict | N
             held = evidence.heldout_requests() if evidence is not None and new >= min_new_steps else None
             if new < min_new_steps:
                 tick = HeadsTick("skipped", f"{new} new step records since the last heads job (needs {min_new_steps})")
-            elif held is not None and held < need_held:
+            elif held is not None and held < start_held:
                 tick = HeadsTick("skipped", f"the gate's held-out sample holds {held} requests, it needs {need_held}: "
-                                            "no job until traffic brings them")
+                                            + ("no job until traffic brings them" if start_held == need_held else
+                                               f"no job until it holds {start_held}"))
             elif not lock.acquire():
                 tick = HeadsTick("skipped", "another distillation job holds the job lock")
             else:
@@ -324,9 +374,13 @@ def run_heads_schedule(registry: Registry, target: str | None, job_cfg: dict | N
                 finally:
                     lock.release()
                 jobs += 1
-                as_canary = verdict.accepted and canary_share and str((registry.canary() or {}).get("version")) == str(version)
-                tick = HeadsTick("promoted" if verdict.promoted else "canary" if as_canary else "rejected",
-                                 verdict.reason + (f" ({verdict.promotion})" if verdict.promotion else ""), version)
+                if evidence_wait_s and evidence is not None and getattr(verdict, "insufficient", False):
+                    waiting = {"version": str(version), "since": time.monotonic(), "gated_at": held}
+                    tick = HeadsTick("held", f"waits up to {evidence_wait_s:.0f} s for held-out evidence, gated "
+                                             f"again once the sample holds {need_held} requests: {verdict.reason}",
+                                     version)
+                else:
+                    tick = _verdict_tick(registry, version, verdict, canary_share)
         except NotEnoughRows as e:
             tick = HeadsTick("skipped", str(e))
         except Exception as e:  # noqa: BLE001 - a failed cycle never ends the schedule
@@ -339,10 +393,41 @@ def run_heads_schedule(registry: Registry, target: str | None, job_cfg: dict | N
             said = None
             progress(f"[heads-schedule] {tick.status}: {tick.message}" + (f" (version {tick.version})" if tick.version
                                                                            else ""))
-        if max_jobs is not None and jobs >= max_jobs:
+        if max_jobs is not None and jobs >= max_jobs and waiting is None:
             break
         stop.wait(poll_s)
     return list(ticks)
+
+
+def _verdict_tick(registry: Registry, version, verdict: GateVerdict, canary_share: float) -> HeadsTick:
+    as_canary = verdict.accepted and canary_share and str((registry.canary() or {}).get("version")) == str(version)
+    return HeadsTick("promoted" if verdict.promoted else "canary" if as_canary else "rejected",
+                     verdict.reason + (f" ({verdict.promotion})" if verdict.promotion else ""), version)
+
+
+def _look_at_waiting(registry: Registry, target: str | None, waiting: dict, evidence: HeadsEvidence,
+                     need_held: int, wait_s: float, *, policy, smoke_check, canary_share: float,
+                     progress) -> tuple[dict | None, HeadsTick | None]:
+    """One look at the candidate that waits for held-out evidence (`run_heads_schedule`, `evidence_wait_s`):
+    (the candidate still waiting or None, the tick to report or None when nothing changed)."""
+    version = waiting["version"]
+    if time.monotonic() - waiting["since"] > wait_s:
+        return None, HeadsTick("rejected", f"the gate's held-out sample did not reach {need_held} requests within "
+                                           f"{wait_s:.0f} s; the candidate stays rejected", version)
+    champion = registry.champion()
+    if str(registry.get(version).parent_version) != str(champion):
+        return None, HeadsTick("rejected", f"its parent is no longer the champion (version {champion} is): "
+                                           "dropped without a gate", version)
+    held = evidence.heldout_requests()
+    if held < need_held or held <= waiting["gated_at"]:
+        return waiting, HeadsTick("skipped", f"candidate version {version} waits for held-out evidence: the gate's "
+                                             f"sample holds {held} requests, it needs {need_held}")
+    verdict = gate_heads(registry, version, target, policy=policy, evidence=evidence, smoke_check=smoke_check,
+                         canary_share=canary_share, progress=progress)
+    if getattr(verdict, "insufficient", False):
+        return {**waiting, "gated_at": held}, HeadsTick("skipped", f"candidate version {version} waits for held-out "
+                                                                   f"evidence: {verdict.reason}")
+    return None, _verdict_tick(registry, version, verdict, canary_share)
 
 
 def _say_skip(progress, message: str, said: str | None) -> str:

@@ -370,6 +370,59 @@ def test_heads_schedule_runs_a_job_then_waits_for_new_records(regs, pair, target
         drop_prefix(redis_url, prefix)
 
 
+def test_heads_schedule_gates_a_held_candidate_once_served_held_out_requests_arrive(regs, pair, target_model,
+                                                                                     tmp_path, redis_url):
+    """`distill --kind medusa --every --evidence-wait`, end to end on real serving records, Redis and MLflow: with
+    2 of the gate's 4 held-out requests in the buffer the job runs, its candidate is registered and held (the
+    gate's verdict: insufficient); held-out requests served afterwards make the schedule gate the same version
+    again, now on a sample that meets the minimum, and no second job ran meanwhile."""
+    import json
+
+    from deploy.heads import run_heads_schedule
+    from deploy.scheduler import JobLock
+
+    _, heads = regs
+    prefix = f"{PREFIX}:{time.time_ns()}"
+    try:
+        served_buffer_and_champion(heads, pair, target_model, tmp_path, redis_url, prefix, 12, 2, 16)
+        job = {"redis_url": redis_url, "buffer_prefix": prefix, "heldout_fraction": 0.25, "budget_s": 3.0,
+               "lr": 3e-3, "min_train_rows": 16, "min_heldout_rows": 4}
+        evidence = HeadsEvidence(str(pair[0]), redis_url=redis_url, buffer_prefix=prefix, heldout_fraction=0.25)
+        held, lines, out = threading.Event(), [], {}
+
+        def progress(msg):
+            lines.append(msg)
+            if msg.startswith("[heads-schedule] held:"):
+                held.set()
+
+        def schedule():
+            out["ticks"] = run_heads_schedule(
+                heads, str(pair[0]), job, every_s=3600.0, poll_s=0.1, max_jobs=1, evidence_wait_s=300.0,
+                policy=GatePolicy(min_requests=4, category_min_requests=10, bootstrap=200), evidence=evidence,
+                smoke_check=lambda p: (True, "skipped in this test"), lock=JobLock(tmp_path / "job.lock"),
+                progress=progress)
+
+        th = threading.Thread(target=schedule, daemon=True)
+        th.start()
+        assert held.wait(180), lines
+        info = heads.get("2")
+        assert info.tags["draftsmith.gate.verdict"] == "rejected" and info.tags["draftsmith.gate.insufficient"] == "1"
+        serve_records(pair[0], pair[1], redis_url, prefix, requests=3, heldout=True, heldout_fraction=0.25,
+                      max_tokens=16, tag="late-held")
+        th.join(180)
+        assert not th.is_alive(), lines
+        ticks = out["ticks"]
+        assert ticks[0].status == "held" and ticks[0].version == "2"
+        assert ticks[-1].status in ("promoted", "rejected") and ticks[-1].version == "2", [t.status for t in ticks]
+        assert any(m.startswith("[heads-schedule] gated again: ") for m in lines)
+        info = heads.get("2")
+        assert info.tags["draftsmith.gate.insufficient"] == "0"
+        assert json.loads(info.tags["draftsmith.gate.evidence"])["requests"] >= 4
+        assert sorted(int(v.version) for v in heads.versions()) == [1, 2]          # one job, one candidate
+    finally:
+        drop_prefix(redis_url, prefix)
+
+
 def test_heads_schedule_counts_every_from_the_last_start_and_says_a_skip_once(monkeypatch):
     """--every is the interval between job starts, as for the draft's scheduler (a cycle longer than it is
     followed by the next at once, not by a further interval); between jobs the schedule looks every poll_s and
@@ -445,6 +498,100 @@ def test_heads_schedule_starts_a_job_early_when_live_acceptance_drifts(monkeypat
     threading.Timer(0.8, stop.set).start()
     starts.clear()
     assert [t.status for t in run(stop=stop)] == ["promoted"] and len(starts) == 1    # no drift: the interval
+
+
+def _waiting_stand_ins(monkeypatch, held_counts, gate_verdicts, champion="1"):
+    """run_heads_schedule with stand-ins: every cycle registers a candidate the gate finds insufficient,
+    `held_counts` is what the gate's sample holds at each look (the last repeated), `gate_verdicts` what each
+    later gate says. Returns (registry, starts, gated)."""
+    from types import SimpleNamespace
+
+    import training.job
+    from deploy import heads as H
+
+    starts, gated, held = [], [], list(held_counts)
+
+    def cycle(registry, target, cfg, **kw):
+        starts.append(time.monotonic())
+        return "2", SimpleNamespace(promoted=False, accepted=False, insufficient=True, promotion=None,
+                                    reason="2 held-out requests in the gate's sample, the gate needs at least 4")
+
+    def gate(registry, version, target, **kw):
+        gated.append(version)
+        return gate_verdicts[len(gated) - 1]
+
+    monkeypatch.setattr(H, "run_heads_cycle", cycle)
+    monkeypatch.setattr(H, "gate_heads", gate)
+    monkeypatch.setattr(training.job, "pending_records", lambda since, **kw: 10)
+    registry = SimpleNamespace(versions=lambda: [], canary=lambda: None, champion=lambda: champion,
+                               get=lambda v: SimpleNamespace(parent_version="1"))
+    evidence = SimpleNamespace(heldout_requests=lambda: held.pop(0) if len(held) > 1 else held[0])
+    return registry, evidence, starts, gated
+
+
+def test_heads_schedule_starts_before_the_evidence_is_in_and_gates_the_candidate_when_it_is(monkeypatch):
+    """`distill --evidence-wait` for the heads: the job starts once the gate's sample holds half its minimum;
+    a candidate the gate finds insufficient is "held", gated again once the sample holds the minimum (again
+    only when it has grown since), and no second job starts meanwhile (pure logic: stand-ins)."""
+    from types import SimpleNamespace
+
+    from deploy import heads as H
+    from deploy.scheduler import JobLock
+
+    verdicts = [SimpleNamespace(insufficient=True, accepted=False, promoted=False, promotion=None,
+                                reason="3 held-out requests scored, the gate needs at least 4"),
+                SimpleNamespace(insufficient=False, accepted=True, promoted=True, promotion=None,
+                                reason="delta +0.1, significant")]
+    # at the job's start 2 (half of 4); then 3, 4 (gated: still too few scored), 4 (no new evidence), 5 (gated)
+    registry, evidence, starts, gated = _waiting_stand_ins(monkeypatch, [1, 2, 3, 4, 4, 4, 5], verdicts)
+    lines = []
+    ticks = H.run_heads_schedule(registry, None, {}, every_s=0.01, poll_s=0.02, max_jobs=1, evidence_wait_s=60.0,
+                                 policy=GatePolicy(min_requests=4), evidence=evidence,
+                                 lock=JobLock(Path(tempfile.mkdtemp()) / "job.lock"), progress=lines.append)
+    assert len(starts) == 1 and gated == ["2", "2"], (starts, gated)     # one job; gated twice, not every look
+    statuses = [t.status for t in ticks]
+    assert statuses[0] == "skipped" and "no job until it holds 2" in ticks[0].message
+    assert statuses[1] == "held" and ticks[1].version == "2" and statuses[-1] == "promoted", statuses
+    assert set(statuses[2:-1]) == {"skipped"} and all("waits for held-out evidence" in t.message
+                                                      for t in ticks[2:-1])
+    assert any(m.startswith("[heads-schedule] held: waits up to 60 s") for m in lines)
+    assert lines[-1].startswith("[heads-schedule] gated again: promoted: delta +0.1")
+    # without --evidence-wait no job starts before the sample holds the whole minimum
+    registry, evidence, starts, gated = _waiting_stand_ins(monkeypatch, [2, 3], verdicts)
+    stop = threading.Event()
+    threading.Timer(0.3, stop.set).start()
+    ticks = H.run_heads_schedule(registry, None, {}, every_s=0.01, poll_s=0.02, policy=GatePolicy(min_requests=4),
+                                 evidence=evidence, stop=stop, lock=JobLock(Path(tempfile.mkdtemp()) / "job.lock"),
+                                 progress=lambda m: None)
+    assert not starts and {t.status for t in ticks} == {"skipped"}
+    assert "no job until traffic brings them" in ticks[-1].message
+    with pytest.raises(ValueError, match="evidence_wait_s"):
+        H.run_heads_schedule(registry, None, {}, every_s=1.0, evidence_wait_s=-1)
+
+
+def test_a_held_heads_candidate_is_dropped_when_its_wait_runs_out_or_its_parent_is_replaced(monkeypatch):
+    """The wait is bounded: a candidate whose evidence never comes is rejected after `evidence_wait_s`, and one
+    whose parent is no longer the champion (a rollback meanwhile) is dropped without a gate; the schedule then
+    goes on to the next job (pure logic: stand-ins)."""
+    from deploy import heads as H
+    from deploy.scheduler import JobLock
+
+    def run(**kw):
+        return H.run_heads_schedule(registry, None, {}, every_s=0.01, poll_s=0.02, max_jobs=1,
+                                    policy=GatePolicy(min_requests=4), evidence=evidence,
+                                    lock=JobLock(Path(tempfile.mkdtemp()) / "job.lock"), progress=lambda m: None,
+                                    **kw)
+
+    registry, evidence, starts, gated = _waiting_stand_ins(monkeypatch, [2], [])
+    t0 = time.monotonic()
+    ticks = run(evidence_wait_s=0.3)
+    assert 0.3 <= time.monotonic() - t0 < 5 and len(starts) == 1 and not gated
+    assert ticks[0].status == "held" and ticks[-1].status == "rejected" and ticks[-1].version == "2"
+    assert "did not reach 4 requests within 0 s; the candidate stays rejected" in ticks[-1].message
+    registry, evidence, starts, gated = _waiting_stand_ins(monkeypatch, [2, 9], [], champion="3")
+    ticks = run(evidence_wait_s=60.0)
+    assert [t.status for t in ticks] == ["held", "rejected"] and not gated
+    assert "no longer the champion (version 3 is)" in ticks[-1].message
 
 
 def test_heads_schedule_with_a_canary_share_waits_for_the_judge(regs, pair, target_model, tmp_path, redis_url):
