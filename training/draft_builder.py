@@ -116,17 +116,21 @@ def _batch(examples, vocab_index, device="cpu"):
 
 def distill_loss(hidden_rows, out_weight, batch, soft_weight: float = 0.5):
     """0.5 * soft CE vs the target's top-k (renormalised over entries inside the kept vocab)
-    + 0.5 * hard CE on the target's token. Returns (loss, top-1 agreement)."""
+    + 0.5 * hard CE on the target's token. Returns (loss, top-1 agreement). A row whose top-k lies wholly
+    outside the kept vocabulary (new traffic's tokens, online) has no soft term: it is left out of that mean
+    (it made the loss NaN, though not its gradient), as a row without a hard label is left out of the other."""
     logits = hidden_rows @ out_weight.T                                   # [rows, V_keep]
     logp = torch.log_softmax(logits.float(), dim=-1)
     inside = batch["topk"] >= 0
-    t_lp = batch["topk_lp"].masked_fill(~inside, float("-inf"))
+    soft_ok = inside.any(-1)
+    t_lp = batch["topk_lp"].masked_fill(~inside, float("-inf")).masked_fill(~soft_ok[:, None], 0.0)
     t_p = torch.softmax(t_lp, dim=-1)                                     # target over its top-k
     gathered = logp.gather(1, batch["topk"].clamp(min=0))
     soft = -(t_p * gathered.masked_fill(~inside, 0.0)).sum(-1)
     hard_ok = batch["hard"] >= 0
     hard = -logp.gather(1, batch["hard"].clamp(min=0)[:, None])[:, 0]
-    loss = soft_weight * soft.mean() + (1 - soft_weight) * (hard * hard_ok).sum() / hard_ok.sum().clamp(min=1)
+    loss = (soft_weight * (soft * soft_ok).sum() / soft_ok.sum().clamp(min=1)
+            + (1 - soft_weight) * (hard * hard_ok).sum() / hard_ok.sum().clamp(min=1))
     agree = (logits.argmax(-1) == batch["hard"]).float().mean()
     return loss, float(agree)
 

@@ -667,3 +667,41 @@ def test_bench_heads_online_smoke(kind, tmp_path, redis_url, monkeypatch):
         assert summary[phase]["earlier"][kind]["prompts"] == 2 and summary[phase]["earlier"]["speedup"] > 0
     assert "| v1 (bootstrap) |" in (tmp_path / "out" / "summary.md").read_text()
     assert (tmp_path / "out" / "heads_online.png").stat().st_size > 1000
+
+
+def test_bench_heads_window_smoke(pair, target_model, tmp_path):
+    """scripts/bench_heads_window.py on a served buffer saved by an embedded Redis (as bench_online leaves one):
+    two arms from one parent on a copy of it, each candidate and the parent scored per traffic category on
+    the same held-out sample, the table, JSON and PNG written, the original snapshot untouched."""
+    import json
+
+    from buffer.embedded import EmbeddedRedis
+    from scripts import bench_heads_window
+
+    rdir = tmp_path / "redis"
+    server = EmbeddedRedis(rdir, persist=True)
+    url = server.start()
+    try:
+        serve_records(pair[0], pair[1], url, "draftsmith:buf", requests=12, heldout=False, heldout_fraction=0.25,
+                      max_tokens=16, tag="train")
+        serve_records(pair[0], pair[1], url, "draftsmith:buf", requests=4, heldout=True, heldout_fraction=0.25,
+                      max_tokens=16, tag="held")
+    finally:
+        server.stop()
+    snapshot = (rdir / "dump.rdb").read_bytes()
+    parent = make_heads(target_model, tmp_path / "h1", seed=1, scale=0.05)
+    out = tmp_path / "out"
+    assert bench_heads_window.main(["--redis-dir", str(rdir), "--parent", str(parent), "--target", str(pair[0]),
+                                    "--arm", "max_records=40", "--arm", "max_records=1000,lr=0.003",
+                                    "--set", "budget_s=2,heldout_fraction=0.25,min_train_rows=16,min_heldout_rows=4",
+                                    "--eval-records", "500", "--out", str(out)]) == 0
+    res = json.loads((out / "heads-window.json").read_text())
+    assert [r["arm"] for r in res["rows"]] == ["max_records=40", "max_records=1000,lr=0.003"]
+    small, large = res["rows"]
+    assert small["train_steps"] <= 40 < large["train_steps"]              # the window the arm asked for
+    cats = set(res["before"][str(parent)])
+    assert {"chat", "code", "all"} <= cats and all(set(r["after"]) == cats for r in res["rows"])
+    assert all(0.0 <= v <= 1.0 for r in res["rows"] for v in r["after"].values())
+    assert "| h1 | max_records=40 |" in (out / "heads-window.md").read_text()
+    assert (out / "heads-window.png").stat().st_size > 1000
+    assert (rdir / "dump.rdb").read_bytes() == snapshot                     # worked on a copy

@@ -149,3 +149,23 @@ def test_the_follow_up_phase_gets_at_least_a_batchs_time_while_the_teacher_has_i
     assert follow_up_deadline(late, t0, teacher_s) == pytest.approx(late + FOLLOW_UP_MIN_S)
     assert follow_up_deadline(t0 + teacher_s - FOLLOW_UP_MIN_S + 1, t0, teacher_s) is None
     assert follow_up_deadline(t0 + 1.01 * teacher_s, t0, teacher_s) is None
+
+
+def test_a_row_whose_top_k_lies_outside_the_kept_vocabulary_leaves_the_loss_finite_and_unchanged():
+    """Online, new traffic brings target rows whose top-k tokens are all outside the kept vocabulary (and whose
+    greedy token is too): such a row has neither a soft nor a hard term, so the loss and its gradient equal
+    those of the batch without it (the loss was NaN; a heads job logged "loss nan")."""
+    from training.draft_builder import distill_loss
+
+    torch.manual_seed(0)
+    h, w = torch.randn(4, 8), torch.randn(16, 8)
+    topk = torch.tensor([[0, 1, 2], [3, 4, -1], [6, -1, -1], [-1, -1, -1]])
+    batch = {"topk": topk, "topk_lp": torch.log_softmax(torch.randn(4, 3), -1), "hard": torch.tensor([0, 3, 6, -1])}
+    rows = h.clone().requires_grad_(True)
+    loss, _ = distill_loss(rows, w, batch)
+    loss.backward()
+    kept = h[:3].clone().requires_grad_(True)
+    ref, _ = distill_loss(kept, w, {k: v[:3] for k, v in batch.items()})
+    ref.backward()
+    assert torch.isfinite(loss) and torch.allclose(loss, ref)
+    assert torch.allclose(rows.grad[:3], kept.grad) and torch.count_nonzero(rows.grad[3]) == 0
