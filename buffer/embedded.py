@@ -258,6 +258,16 @@ class EmbeddedRedis:
         self.stop()
 
 
+def from_snapshot(redis_dir: str | Path, work: str | Path, *, maxmemory: str = "4gb") -> EmbeddedRedis:
+    """An embedded Redis (not started) in `work`/redis that loads a copy of the snapshot (dump.rdb) of the
+    embedded Redis folder `redis_dir`: a benchmark replays a served buffer (scripts/bench_online.py leaves one
+    in its data dir) without touching the original."""
+    rdir = Path(work) / "redis"
+    rdir.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(Path(redis_dir) / "dump.rdb", rdir / "dump.rdb")
+    return EmbeddedRedis(rdir, persist=True, maxmemory=maxmemory)      # persist: loads the copied snapshot
+
+
 _SHARED: EmbeddedRedis | None = None
 _SHARED_LOCK = threading.Lock()
 

@@ -95,17 +95,14 @@ def main(argv: list[str] | None = None) -> int:
     extra = parse_settings(",".join(args.set), ap)
     arms = [(spec, parse_settings(spec, ap)) for spec in args.arm] or [("defaults", {})]
 
-    from buffer.embedded import EmbeddedRedis
+    from buffer.embedded import from_snapshot
     from deploy.heads import score_heads
     from serving.models import default_dtype, load_causal_lm, resolve_model_path
     from training.heads_job import read_examples, run_heads_distillation
     from training.hidden_cache import hidden_cache_for
 
     work = Path(tempfile.mkdtemp(prefix="bench-heads-window-"))
-    rdir = work / "redis"
-    rdir.mkdir()
-    shutil.copy2(args.redis_dir / "dump.rdb", rdir / "dump.rdb")
-    server = EmbeddedRedis(rdir, persist=True, maxmemory="4gb")      # persist: loads the copied snapshot
+    server = from_snapshot(args.redis_dir, work)
     url = server.start()
     rows, before = [], {}
     try:

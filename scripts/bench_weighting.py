@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(k < 1 for k in args.chain):
         ap.error("--chain takes job counts >= 1")
 
-    from buffer.embedded import EmbeddedRedis
+    from buffer.embedded import from_snapshot
     from training.job import _parse_value
 
     extra = {}
@@ -143,10 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     arms = ([(spec, parse_arm(spec, ap)) for spec in args.arm] if args.arm
             else [(f"acceptance_weight={s:g}", {"acceptance_weight": s}) for s in args.strengths])
     work = Path(tempfile.mkdtemp(prefix="bench-weighting-"))
-    rdir = work / "redis"
-    rdir.mkdir()
-    shutil.copy2(args.redis_dir / "dump.rdb", rdir / "dump.rdb")
-    server = EmbeddedRedis(rdir, persist=True, maxmemory="4gb")      # persist: loads the copied snapshot
+    server = from_snapshot(args.redis_dir, work)
     url = server.start()
     rows = []
     try:
