@@ -264,7 +264,7 @@ def run_heads_schedule(registry: Registry, target: str | None, job_cfg: dict | N
     sample holds `min_requests` (and again whenever it grows, while the gate still finds it too small),
     with no new job meanwhile (it would train from the same champion on the same newest records). On slow
     traffic the job's minutes then overlap the wait for held-out requests, instead of following it: in the
-    online experiment (docs/benchmarks.md, "The twenty-sixth session") the first job waited 8-14 minutes for
+    online experiment (docs/benchmarks.md, "The twenty-fifth session") the first job waited 8-14 minutes for
     10 held-out requests before it could start. A waiting candidate whose parent is no longer the champion
     (a rollback, an operator's promotion) is dropped, as is one whose wait runs out. A cycle that
     fails (a thin buffer, MLflow or Redis down, a failed job) is logged and the schedule goes on; a rollback
