@@ -22,7 +22,10 @@ only when it answers there (a Ray started without the dashboard still records an
   places it on a node with those free), the job's environment in `runtime_env.env_vars`, and, for a cluster
   on another machine, this checkout as `runtime_env.working_dir`. Polled every `poll_s`; state from
   `get_job_info`, logs from `get_job_logs` (tail kept); stopped with `stop_job` when the scheduler is
-  interrupted. Needs the dashboard, which `ray start --head` runs by default.
+  interrupted. Needs the dashboard, which `ray start --head` runs by default. A submission the API refuses with
+  "no available agent, try again later" is retried; under "auto" it goes the "task" way after
+  AUTO_SUBMIT_RETRY_S (the job record's runner says "ray-task" and its `fallback` why), under "job" it fails
+  after SUBMIT_RETRY_S.
 - "task": for a cluster without a dashboard, which is what `draftsmith serve` starts (measured on this
   2-core machine: Ray's start takes 9.0 s with the dashboard against 6.6 s without, and the dashboard is
   one more ~130 MB process beside serving; the job API itself then answers a trivial job in 2.3 s).
@@ -86,15 +89,21 @@ _ENV_PREFIXES = ("DRAFTSMITH_", "MLFLOW_", "HF_", "TRANSFORMERS_", "REDIS_URL", 
 _ENV_SECRETS = ("DRAFTSMITH_API_KEY", "DRAFTSMITH_ADMIN_KEY")
 # Ray's job API answers 500 "No available agent to submit job, please try again later" while the node's job agent
 # is still starting, or while it re-registers (seen on a busy 2-core CI host right after the cluster came up, and once
-# for over 60 s late in a clean-clone run of the suite): a submission it refuses so is retried for up to this many
-# seconds before the job counts as failed
+# for over 60 s late in a clean-clone run of the suite, once for over 180 s, the agent gone for good): a submission it
+# refuses so is retried for up to SUBMIT_RETRY_S seconds before the job counts as failed. Under submit "auto" the job
+# goes to the Ray-task path instead once AUTO_SUBMIT_RETRY_S have passed (the cluster's GCS still takes tasks)
 SUBMIT_RETRY_S = 180.0
+AUTO_SUBMIT_RETRY_S = 60.0
 _RETRY_LATER = ("No available agent", "try again later")
 _WORKING_DIR_EXCLUDES = [".venv", ".git", "data", "docs", "tests", "scripts", "**/__pycache__", "*.egg-info"]
 _LOST_MARKERS = ("NodeDiedError", "WorkerCrashedError", "OwnerDiedError", "ObjectLostError", "LocalRayletDiedError",
                  "RaySystemError", "ActorDiedError", "GCS may have", "Failed to connect to GCS",
                  "Timed out while waiting for GCS", "node was terminated", "node died")
 _LOST_ERROR_TYPES = ("JOB_SUPERVISOR_ACTOR_DIED",)
+
+
+class _JobApiBusy(RuntimeError):
+    """The job API still asked to try again later when the submission's retries ran out: nothing was submitted."""
 
 
 class RayJobError(RuntimeError):
@@ -473,7 +482,19 @@ def run_on_ray(cfg: dict, cluster: RayCluster, settings: RaySettings | None = No
         if mode == "job":
             python = st.python or os.environ.get("DRAFTSMITH_RAY_PYTHON") or (sys.executable if cluster.local
                                                                                else "python")
-            _submit_job(cfg, cluster, st, job, python, gpus)
+            fallback = st.submit == "auto" and bool(cluster.address)
+            try:
+                _submit_job(cfg, cluster, st, job, python, gpus,
+                            retry_s=AUTO_SUBMIT_RETRY_S if fallback else SUBMIT_RETRY_S)
+            except _JobApiBusy as e:
+                if not fallback:
+                    raise job.fail("failed", f"the job API refused the job ({e})") from e
+                log.warning("the Ray job API at %s still refuses jobs after %.0f s (%s): job %s goes to the "
+                            "cluster as a Ray task instead", cluster.dashboard_url, AUTO_SUBMIT_RETRY_S, e, sid)
+                progress(f"[distill] the job API has no agent after {AUTO_SUBMIT_RETRY_S:.0f} s; job {sid} runs as "
+                         "a Ray task instead")
+                job.info.update(runner="ray-task", fallback=f"job API refused: {e}")
+                _submit_task(cfg, cluster, st, job, gpus)
         else:
             _submit_task(cfg, cluster, st, job, gpus)
     except RayJobError:
@@ -505,7 +526,10 @@ def submit_with_retry(submit: Callable[[], object], within_s: float | None = Non
             sleep(pause_s)
 
 
-def _submit_job(cfg: dict, cluster: RayCluster, st: RaySettings, job: _Job, python: str, gpus: float) -> None:
+def _submit_job(cfg: dict, cluster: RayCluster, st: RaySettings, job: _Job, python: str, gpus: float,
+                retry_s: float = SUBMIT_RETRY_S) -> None:
+    """Submit through Ray's job API and follow the job to its end; `_JobApiBusy` when the API still asks to try
+    again later after `retry_s` (nothing was submitted), RayJobError / RayJobLost for anything else."""
     from ray.job_submission import JobStatus, JobSubmissionClient
 
     sid = job.info["id"]
@@ -522,8 +546,11 @@ def _submit_job(cfg: dict, cluster: RayCluster, st: RaySettings, job: _Job, pyth
         submit_with_retry(lambda: client.submit_job(
             entrypoint=entrypoint, submission_id=sid, runtime_env=runtime_env, entrypoint_num_cpus=st.num_cpus,
             entrypoint_num_gpus=gpus or None, metadata={"draftsmith": "distill", "kind": str(cfg.get("kind", "draft")),
-                                                        "parent_version": str(cfg.get("parent_version"))}))
+                                                        "parent_version": str(cfg.get("parent_version"))}),
+            within_s=retry_s)
     except Exception as e:  # noqa: BLE001
+        if any(m in str(e) for m in _RETRY_LATER):
+            raise _JobApiBusy(str(e)) from e
         raise job.fail("failed", f"the job API refused the job ({e})") from e
     states = {JobStatus.PENDING: "pending", JobStatus.RUNNING: "running", JobStatus.SUCCEEDED: "succeeded",
               JobStatus.FAILED: "failed", JobStatus.STOPPED: "stopped"}

@@ -446,15 +446,29 @@ def test_a_failing_ray_job_leaves_its_records_pending_and_the_next_one_registers
 
 def test_a_cluster_without_the_job_api_gets_the_job_as_a_ray_task(cluster, registry, buffer, data, monkeypatch):
     """The Ray-task path, what the Ray of `draftsmith serve` gets (started without the dashboard, its GCS
-    still records a dashboard address where no job API answers; here the job API is made not to answer):
-    a driver child process runs the job as a Ray task on the cluster; the candidate is registered and the
-    records acked; the driver's log is kept."""
+    still records a dashboard address where no job API answers), and what a job gets under submit "auto" when
+    the job API answers but keeps refusing it for want of an agent (a clean-clone CI run saw that for 180 s;
+    here the refusal is made): a driver child process runs the job as a Ray task on the cluster; the candidate
+    is registered and the records acked; the driver's log is kept."""
+    from ray.job_submission import JobSubmissionClient
+
     from deploy import ray_jobs
 
     cluster.ready()
-    monkeypatch.setattr(ray_jobs, "_job_api_answers", lambda url: False)
-    found = ray_jobs.find_cluster()
+    with monkeypatch.context() as m:
+        m.setattr(ray_jobs, "_job_api_answers", lambda url: False)
+        found = ray_jobs.find_cluster()
     assert found.dashboard_url is None and found.address == cluster.info["gcs_address"] and found.cpus == 2
+    assert ray_jobs.find_cluster().dashboard_url == cluster.info["dashboard_url"]    # the job API answers
+
+    refused = []
+
+    def no_agent(self, **kw):
+        refused.append(kw["submission_id"])
+        raise RuntimeError("Request failed with status code 500: No available agent to submit job, please try "
+                           "again later..")
+    monkeypatch.setattr(JobSubmissionClient, "submit_job", no_agent)
+    monkeypatch.setattr(ray_jobs, "AUTO_SUBMIT_RETRY_S", 1.0)
     group = f"g-{uuid.uuid4().hex[:8]}"
     over = overrides(buffer, group)
     runner = runner_for(lambda: over)
@@ -462,6 +476,7 @@ def test_a_cluster_without_the_job_api_gets_the_job_as_a_ray_task(cluster, regis
     out = sched.run_job()
     assert out.status == "promoted", out.message
     assert out.job["runner"] == "ray-task" and out.job["state"] == "succeeded"
+    assert refused and set(refused) == {out.job["id"]} and "No available agent" in out.job["fallback"]
     assert out.job["cluster"] == cluster.info["gcs_address"]
     log_text = Path(out.job["log_file"]).read_text()
     assert "(_ray_task" in log_text and "candidate written to" in log_text
