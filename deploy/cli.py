@@ -106,6 +106,16 @@ def _fraction(text: str) -> float:
     return v
 
 
+def _share(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}") from None
+    if not (0.0 < v <= 1.0):
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}")
+    return v
+
+
 def _version(text: str) -> str:
     s = text.strip()
     s = s[1:] if s.lower().startswith("v") else s
@@ -235,6 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "again as held-out traffic arrives, for this long, while no new job starts (default 30m; "
                         "0 = reject it). A heads schedule then starts a job once the sample holds half the "
                         "minimum instead of all of it")
+    d.add_argument("--job-share", type=_share, default=None, metavar="FRACTION",
+                   help="the largest share of wall-clock time scheduled jobs may take: after a job (with its gate) of "
+                        "D seconds the next waits D x (1/FRACTION - 1) after its end (default 0.5 when `draftsmith "
+                        "serve` runs on this machine, where a job slows serving while it runs; 1 elsewhere)")
     d.add_argument("--no-watchdog", action="store_true",
                    help="do not watch the champion's live acceptance (no automatic rollback)")
     d.add_argument("--runner", choices=("auto", "ray", "process"),
@@ -628,7 +642,7 @@ def cmd_distill(args) -> int:
         drift = _drift_policy(args)
         try:
             schedule = ScheduleConfig(every_s=args.every, min_records=args.min_records, poll_s=args.poll, drift=drift,
-                                      pipeline=args.pipeline)
+                                      pipeline=args.pipeline, job_share=_job_share(args))
         except ValueError as e:
             raise BadInput(str(e)) from None
     reg = _registry(args)
@@ -648,7 +662,8 @@ def cmd_distill(args) -> int:
         return EXIT_OK if out.status in ("promoted", "rejected", "held", "canary") else EXIT_FAILED
     print(f"[distill] scheduler started: every {args.every or '-'} s, min records {args.min_records or '-'}"
           + (f", drift over {args.drift_window:.0f} s" if args.drift else "")
-          + (", jobs pipelined with canaries" if args.pipeline else "") + "; Ctrl-C stops it")
+          + (", jobs pipelined with canaries" if args.pipeline else "")
+          + (f", jobs take at most {args.job_share:.0%} of the time" if args.job_share < 1 else "") + "; Ctrl-C stops it")
     getattr(distill, "announce", lambda: None)()      # where jobs run (deploy/ray_jobs.py)
     stop = threading.Event()
     try:
@@ -700,6 +715,20 @@ def _job_nice(args) -> int:
 
 
 DEFAULT_JOB_NICE_BESIDE_SERVING = 10
+
+
+def _job_share(args) -> float:
+    """--job-share, or by default DEFAULT_JOB_SHARE_BESIDE_SERVING when `draftsmith serve` runs on this machine
+    (a job there slows every request while it runs: docs/benchmarks.md, the twenty-sixth and twenty-seventh
+    sessions) and 1 elsewhere; sets args.job_share."""
+    if getattr(args, "job_share", None) is None:
+        from deploy.ray_jobs import serving_here
+
+        args.job_share = DEFAULT_JOB_SHARE_BESIDE_SERVING if serving_here() else 1.0
+    return args.job_share
+
+
+DEFAULT_JOB_SHARE_BESIDE_SERVING = 0.5
 
 
 def _distill_priority(args) -> int:
@@ -755,7 +784,9 @@ def _distill_heads(args, policy) -> int:
 
             from deploy.heads import run_heads_schedule
 
-            print(f"[heads] schedule started: a heads job every {args.every:g} s when the buffer has new records; "
+            share = _job_share(args)
+            print(f"[heads] schedule started: a heads job every {args.every:g} s when the buffer has new records"
+                  + (f" (jobs take at most {share:.0%} of the time: --job-share)" if share < 1 else "") + "; "
                   + (f"a candidate that passes the gate serves {args.canary_share:.0%} of {args.kind} requests as the "
                      "canary until the live judge promotes or drops it; " if args.canary_share else
                      "a candidate that passes the gate becomes champion; ") + "Ctrl-C stops it")
@@ -767,7 +798,7 @@ def _distill_heads(args, policy) -> int:
                                            policy=policy, evidence=evidence, canary_share=args.canary_share,
                                            canary=_canary_judge(args, reg) if args.canary_share else None,
                                            run_job=runner, drift=_drift_policy(args),
-                                           evidence_wait_s=args.evidence_wait)
+                                           evidence_wait_s=args.evidence_wait, job_share=_job_share(args))
             except KeyboardInterrupt:
                 stop.set()
                 return EXIT_OK

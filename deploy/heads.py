@@ -249,7 +249,7 @@ def run_heads_schedule(registry: Registry, target: str | None, job_cfg: dict | N
                        policy: GatePolicy | None = None, evidence: HeadsEvidence | None = None,
                        smoke_check: SmokeCheck | None = None, lock=None, canary_share: float = 0.0,
                        canary=None, run_job=None, poll_s: float | None = None, drift=None,
-                       evidence_wait_s: float = 0.0, progress=print) -> list[HeadsTick]:
+                       evidence_wait_s: float = 0.0, job_share: float = 1.0, progress=print) -> list[HeadsTick]:
     """One heads cycle (`run_heads_cycle`) at most every `every_s` seconds, counted from the start of the last
     one as the draft's scheduler counts `--every` (the first at once), when the buffer holds at least
     `min_new_steps` step records newer than the last job's window (`data_window.last_id` of the newest
@@ -276,7 +276,9 @@ def run_heads_schedule(registry: Registry, target: str | None, job_cfg: dict | N
     Ray when `draftsmith distill` hands its DistillRunner). `drift` (a deploy/scheduler.py `DriftPolicy`,
     `distill --drift`): before `every_s` has passed, a job starts early when the champion's live acceptance
     has drifted below its gate figure (`drift_reason`, the draft's scheduler's trigger), i.e. when the
-    traffic changed under it. Stops when `stop` (a threading.Event) is set or
+    traffic changed under it. `job_share` < 1 (`distill --job-share`, deploy/scheduler.py `rest_after_job`):
+    after a cycle that took D seconds (job and gate) no job starts for D x (1/share - 1) seconds, drift or not,
+    so jobs take at most that share of the machine's time. Stops when `stop` (a threading.Event) is set or
     after `max_jobs` cycles that ran a job; returns every tick."""
     import json
     import threading
@@ -302,6 +304,8 @@ def run_heads_schedule(registry: Registry, target: str | None, job_cfg: dict | N
     if not evidence_wait_s >= 0:
         raise ValueError(f"evidence_wait_s must be >= 0, got {evidence_wait_s!r}")
     start_held = need_held if not evidence_wait_s else max(1, -(-need_held // 2))
+    scheduler.check_job_share(job_share)
+    rest_until: float | None = None                   # no job before this (job_share)
     waiting: dict | None = None      # {"version", "since" (monotonic), "gated_at" (held-out count at the last gate)}
     while not stop.is_set():
         if canary is not None:                        # judged at every look, also between jobs
@@ -332,6 +336,13 @@ def run_heads_schedule(registry: Registry, target: str | None, job_cfg: dict | N
                 continue
             if max_jobs is not None and jobs >= max_jobs:
                 break
+        if rest_until is not None and time.monotonic() < rest_until:
+            left = rest_until - time.monotonic()
+            ticks.append(HeadsTick("skipped", f"resting after the last job: jobs take at most {job_share:.0%} of the "
+                                              "time (--job-share)"))
+            said = _say_skip(progress, ticks[-1].message, said)
+            stop.wait(min(poll_s, left))
+            continue
         early = None
         if last_start is not None and time.monotonic() - last_start < every_s:
             if drift is not None:
@@ -373,6 +384,11 @@ def run_heads_schedule(registry: Registry, target: str | None, job_cfg: dict | N
                                                        run_job=run_job, progress=progress)
                 finally:
                     lock.release()
+                    if job_share < 1.0:
+                        rest = scheduler.rest_after_job(time.monotonic() - last_start, job_share)
+                        rest_until = time.monotonic() + rest
+                        progress(f"[heads-schedule] the cycle took {time.monotonic() - last_start:.0f} s: next job "
+                                 f"in {rest:.0f} s at the earliest (--job-share {job_share:g})")
                 jobs += 1
                 if evidence_wait_s and evidence is not None and getattr(verdict, "insufficient", False):
                     waiting = {"version": str(version), "since": time.monotonic(), "gated_at": held}

@@ -79,6 +79,10 @@ Triggers (`ScheduleConfig`):
   least `min_gap_s` since the last job, `min_draft_tokens` drafted tokens over `min_intervals` intervals in
   the window. The champion's live figure is per version, over all traffic: a category that drifts shows
   there in proportion to its share (serving has no category label).
+- `job_share` (`draftsmith distill --job-share`, by default 0.5 beside a local `draftsmith serve`, else 1): after
+  a job that took D seconds with its gate, no job starts for D x (1/share - 1) seconds, whatever the other
+  triggers say (`rest_after_job`), so jobs take at most that share of the machine's time. The heads' schedule
+  (deploy/heads.py) rests the same way.
 """
 from __future__ import annotations
 
@@ -239,10 +243,12 @@ class ScheduleConfig:
     poll_s: float = 10.0
     drift: DriftPolicy | None = None
     pipeline: bool = False     # a job may start while a canary runs, trained from it (module docstring, "Pipelining")
+    job_share: float = 1.0     # the largest share of wall-clock time jobs may take (`rest_after_job`)
 
     def __post_init__(self) -> None:
         if self.every_s is None and self.min_records is None:
             raise ValueError("a schedule needs --every and/or --min-records")
+        check_job_share(self.job_share)
         if self.every_s is not None and not (self.every_s > 0):
             raise ValueError(f"--every must be a positive duration, got {self.every_s!r}")
         if self.min_records is not None and (isinstance(self.min_records, bool) or not isinstance(self.min_records, int)
@@ -252,6 +258,22 @@ class ScheduleConfig:
             raise ValueError(f"poll interval must be > 0, got {self.poll_s!r}")
         if self.drift is not None and self.every_s is None:
             raise ValueError("--drift brings an interval's job forward: it needs --every")
+
+
+def check_job_share(share: float) -> float:
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not (0.0 < share <= 1.0):
+        raise ValueError(f"--job-share must be a fraction in (0, 1], got {share!r}")
+    return float(share)
+
+
+def rest_after_job(seconds: float, share: float) -> float:
+    """How long a schedule rests after a job (with its gate) that took `seconds`, so that jobs take at most `share`
+    of the wall-clock time (`draftsmith distill --job-share`): seconds x (1/share - 1), 0 at share 1. Beside serving
+    on the same CPUs a job slows every request while it runs (docs/benchmarks.md, "The twenty-sixth session": SQL
+    steps 131 -> 203 ms once jobs ran back to back), so the rest is what keeps the speed the jobs bought. It is
+    counted from the job's end, so it follows the job's real length; `every_s` still counts from its start."""
+    check_job_share(share)
+    return max(0.0, float(seconds)) * (1.0 / share - 1.0)
 
 
 def drift_reason(registry, pol: DriftPolicy, since_last_job_s: float) -> str | None:
@@ -347,6 +369,7 @@ class DistillScheduler:
         self.evidence_wait_s = float(evidence_wait_s)
         self._started = clock()
         self._last_job: float | None = None
+        self._rest_until: float | None = None           # no job before this (ScheduleConfig.job_share)
         self._evidence_keys: dict[str, tuple] = {}      # waiting candidate -> its last gate's sample_key()
 
     # ------------------------------------------------------------------ one job
@@ -367,6 +390,9 @@ class DistillScheduler:
             out = self._job(t0)
         finally:
             self.lock.release()
+            if self.schedule is not None and self.schedule.job_share < 1.0:
+                rest = rest_after_job(self.clock() - self._last_job, self.schedule.job_share)
+                self._rest_until = self.clock() + rest
         out.seconds = round(time.time() - t0, 3)
         self._write_status(out)
         self.progress(f"[distill] {out.status}: {out.message}")
@@ -644,6 +670,9 @@ class DistillScheduler:
                            f"{self.evidence_wait_s:.0f} s after registration); the next job waits for its verdict")
         now = self.clock()
         sch = self.schedule
+        if self._rest_until is not None and now < self._rest_until:
+            return False, (f"resting {self._rest_until - now:.0f} s more after the last job: jobs take at most "
+                           f"{sch.job_share:.0%} of the time (--job-share)")
         early = None
         if sch.every_s is not None:
             since = now - (self._last_job if self._last_job is not None else self._started)
@@ -696,7 +725,7 @@ class DistillScheduler:
             wait = self.schedule.poll_s
             if self.schedule.every_s is not None and self.schedule.min_records is None:
                 ref = self._last_job if self._last_job is not None else self._started
-                wait = max(0.01, min(wait, ref + self.schedule.every_s - self.clock()))
+                wait = max(0.01, min(wait, max(ref + self.schedule.every_s, self._rest_until or 0.0) - self.clock()))
             stop.wait(wait)
         return outcomes
 

@@ -78,6 +78,8 @@ def test_bad_arguments_exit_2_with_a_hint(capsys, tmp_path):
         (("distill", "--every", "10x"), "cannot read duration '10x'; use e.g. 90s, 10m or 2h"),
         (("distill", "--min-records", "0"), "expected a whole number >= 1"),
         (("distill", "--margin", "2"), "expected a number in [0, 1)"),
+        (("distill", "--job-share", "0"), "expected a fraction in (0, 1], got '0'"),
+        (("distill", "--job-share", "half"), "expected a fraction in (0, 1], got 'half'"),
         (("serve", "--port", "70000"), "port must be a number in 1..65535"),
         (("serve", "--replicas", "none"), "expected a whole number >= 1"),
         (("serve", "--default-mode", "fastest"), "invalid choice: 'fastest'"),

@@ -460,6 +460,49 @@ def test_heads_schedule_counts_every_from_the_last_start_and_says_a_skip_once(mo
         H.run_heads_schedule(registry, None, {}, every_s=1.0, poll_s=0)
 
 
+def test_heads_schedule_rests_after_a_job_so_jobs_take_at_most_their_share(monkeypatch):
+    """`distill --job-share 0.5`: after a cycle of D seconds no job starts for D more seconds, although --every
+    has passed and drift says a job is due; the rest is said once and follows the job's real length (pure
+    logic: stand-ins)."""
+    from types import SimpleNamespace
+
+    import training.job
+    from deploy import heads as H
+    from deploy import scheduler as S
+    from deploy.scheduler import DriftPolicy, JobLock
+
+    spans, lines = [], []
+    lengths = iter([0.6, 0.2, 0.2])
+
+    def cycle(registry, target, cfg, **kw):
+        t = time.monotonic()
+        time.sleep(next(lengths))
+        spans.append((t, time.monotonic()))
+        return str(len(spans) + 1), SimpleNamespace(promoted=True, accepted=True, reason="gate ok", promotion=None)
+
+    monkeypatch.setattr(H, "run_heads_cycle", cycle)
+    monkeypatch.setattr(training.job, "pending_records", lambda since, **kw: 10)
+    monkeypatch.setattr(S, "drift_reason", lambda registry, pol, since: "drift: always")
+    registry = SimpleNamespace(versions=lambda: [], canary=lambda: None)
+    run = lambda **kw: H.run_heads_schedule(registry, None, {}, every_s=0.05, poll_s=0.02,  # noqa: E731
+                                            lock=JobLock(Path(tempfile.mkdtemp()) / "job.lock"),
+                                            progress=lines.append, drift=DriftPolicy(), **kw)
+    ticks = run(job_share=0.5, max_jobs=3)
+    assert [t.status for t in ticks if t.status != "skipped"] == ["promoted"] * 3
+    gaps = [b[0] - a[1] for a, b in zip(spans, spans[1:])]
+    assert 0.6 <= gaps[0] < 0.9 and 0.2 <= gaps[1] < 0.45, gaps          # the rest follows each job's length
+    assert sum("resting after the last job: jobs take at most 50%" in m for m in lines) == 2   # once per rest
+    assert any("next job in 1 s at the earliest (--job-share 0.5)" in m for m in lines), lines
+    spans.clear()
+    lengths = iter([0.6, 0.2])                                               # share 1 (the default): no rest
+    assert [t.status for t in run(max_jobs=2)] == ["promoted"] * 2 and spans[1][0] - spans[0][1] < 0.2
+    with pytest.raises(ValueError, match="--job-share must be a fraction in"):
+        run(job_share=0.0)
+    with pytest.raises(ValueError, match="--job-share must be a fraction in"):
+        S.rest_after_job(10.0, 1.5)
+    assert S.rest_after_job(120.0, 1.0) == 0.0 and S.rest_after_job(120.0, 0.25) == 360.0
+
+
 def test_heads_schedule_starts_a_job_early_when_live_acceptance_drifts(monkeypatch):
     """`distill --drift` for the heads: within --every, a job starts as soon as the champion's live acceptance
     has drifted (deploy/scheduler.py `drift_reason`, the draft scheduler's trigger, asked with the time since

@@ -140,12 +140,16 @@ def test_finding_the_cluster_and_the_in_process_fallback(tmp_path, monkeypatch):
     # no --job-nice: 10 beside a local `draftsmith serve`, 0 elsewhere (below)
     assert cli._job_nice(types.SimpleNamespace(job_nice=None)) == cli.DEFAULT_JOB_NICE_BESIDE_SERVING == 10
     assert cli._job_nice(types.SimpleNamespace(job_nice=3)) == 3
+    # ... and jobs take at most half the time there (--job-share), all of it elsewhere
+    assert cli._job_share(types.SimpleNamespace(job_share=None)) == cli.DEFAULT_JOB_SHARE_BESIDE_SERVING == 0.5
+    assert cli._job_share(types.SimpleNamespace(job_share=0.8)) == 0.8
     unpublish_cluster(tmp_path)                                         # written by this pid: removed
     assert not serving_here(tmp_path)
     assert cli._distill_threads(types.SimpleNamespace(threads=None, ray_cpus=1.0)) is None   # torch's default kept
     out = subprocess.run([sys.executable, "-c", probe], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.split()[-2:] == ["0", "0"], out.stdout + out.stderr   # nothing served here
     assert cli._job_nice(types.SimpleNamespace(job_nice=None)) == 0
+    assert cli._job_share(types.SimpleNamespace(job_share=None)) == 1.0
     assert read_published_cluster(tmp_path) is None
     # RAY_ADDRESS set but dead: an error (the job fails, records pending), never a silent fallback
     monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{_free_port()}")

@@ -239,6 +239,32 @@ def test_run_forever_runs_when_due(registry, tmp_path):
     assert list(counts) == [7]                     # four checks: 0, 3 (wait), 7 (job), 7 (job), then stop
 
 
+def test_a_job_share_rests_the_schedule_after_each_job_for_its_length(registry, tmp_path):
+    """`distill --job-share 0.5`: a job (with its gate) that took 100 s is followed by 100 s with no job, although
+    enough records are pending (and drift, which could bring a job forward, is not asked); then one runs."""
+    made, calls = candidate_maker(tmp_path)
+    clock = [0.0]
+
+    def distill(req):
+        clock[0] += 100.0                                          # the job's length on the scheduler's clock
+        return made(req)
+
+    sched = scheduler(registry, distill, tmp_path, clock=lambda: clock[0], pending_records=lambda since: 50,
+                      schedule=ScheduleConfig(min_records=5, poll_s=0.01, job_share=0.5))
+    assert sched.due()[0] is True and sched.run_job().status == "promoted"
+    clock[0] += 99.0
+    ok, why = sched.due()
+    assert ok is False and why.startswith("resting 1 s more") and "at most 50% of the time (--job-share)" in why
+    clock[0] += 1.0
+    assert sched.due() == (True, "50 new records >= 5") and sched.run_job().status == "promoted"
+    assert len(calls) == 2
+    with pytest.raises(ValueError, match="--job-share must be a fraction in"):
+        ScheduleConfig(min_records=5, job_share=0)
+    unlimited = scheduler(registry, distill, tmp_path, clock=lambda: clock[0], pending_records=lambda since: 50,
+                          schedule=ScheduleConfig(min_records=5, poll_s=0.01))
+    assert unlimited.run_job().status == "promoted" and unlimited.due()[0] is True     # share 1: no rest
+
+
 def test_rollback_pauses_scheduled_promotion_until_resumed(registry, tmp_path):
     distill, calls = candidate_maker(tmp_path)
     sched = scheduler(registry, distill, tmp_path, schedule=ScheduleConfig(min_records=5, poll_s=0.01),
