@@ -670,24 +670,56 @@ class ReplayBufferReader:
                             before_id=before_id, where=where)[0]
 
     def newest_steps(self, n: int, *, where: Callable[[StepRecord], bool] | None = None,
-                     before_id: str | None = None, source: str | None = None,
+                     before_id: str | None = None, after_id: str | None = None, source: str | None = None,
                      max_scan: int = 100_000) -> tuple[list[BufferEntry], dict[str, SequenceRecord]]:
         """The newest `n` step entries (newest first) matching `where` / `before_id` / `source` whose request
         has a stored SequenceRecord, with those records by request id (what a trainer needs to rebuild each
-        step's context). Read-only, as `newest`; steps without a stored sequence are left out."""
+        step's context); `after_id`: the scan stops at that stream id (exclusive). Read-only, as `newest`;
+        steps without a stored sequence are left out."""
         return self._newest(n, stream="steps", source=source, max_scan=max_scan, before_id=before_id,
-                            where=where, need_sequence=True)
+                            after_id=after_id, where=where, need_sequence=True)
+
+    def sequence_cursor(self) -> str:
+        """The id of the newest entry of the sequences stream ("0-0" while it has none). A reader that looks
+        SequenceRecords up after taking it (`newest_steps` rebuilds only requests whose sequence is stored)
+        cannot have seen a request whose sequence is written later: that request's entry comes after the
+        cursor (`sequences_after`), since the writer adds it to the stream before it sets the request's key.
+        A heads job keeps it as its window's `sequence_cut`; the gate's fresh evidence is what comes after."""
+        try:
+            page = self.client.xrevrange(self.config.seqs_key, count=1)
+        except _CONNECTION_ERRORS as exc:
+            raise BufferUnavailable(f"Redis unreachable: {exc}") from exc
+        return _s(page[0][0]) if page else "0-0"
+
+    def sequences_after(self, cursor: str, n: int = 10_000) -> list[SequenceRecord]:
+        """The SequenceRecords written after `cursor` (a `sequence_cursor`), oldest first, at most `n`;
+        undecodable ones are counted and left out. Read-only."""
+        stream_id_key(cursor)
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {n!r}")
+        try:
+            page = self.client.xrange(self.config.seqs_key, min="(" + cursor, max="+", count=n)
+        except _CONNECTION_ERRORS as exc:
+            raise BufferUnavailable(f"Redis unreachable: {exc}") from exc
+        out = []
+        for sid, fields in page:
+            try:
+                out.append(self._decode("sequences", (fields or {}).get(FIELD)))
+            except DecodeError as exc:
+                self._decode_error(f"{self.config.seqs_key} {_s(sid)}", exc)
+        return out
 
     def _newest(self, n: int, *, stream: str | None, draft_version: str | None = None, source: str | None = None,
-                max_scan: int | None = None, before_id: str | None = None, where=None,
-                need_sequence: bool = False) -> tuple[list[BufferEntry], dict[str, SequenceRecord]]:
+                max_scan: int | None = None, before_id: str | None = None, after_id: str | None = None,
+                where=None, need_sequence: bool = False) -> tuple[list[BufferEntry], dict[str, SequenceRecord]]:
         stream = stream or self.stream
         if stream not in ("steps", "sequences"):
             raise ValueError(f"stream must be 'steps' or 'sequences', got {stream!r}")
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be an integer >= 1, got {n!r}")
-        if before_id is not None:
-            stream_id_key(before_id)
+        for sid in (before_id, after_id):
+            if sid is not None:
+                stream_id_key(sid)
         key = self.config.steps_key if stream == "steps" else self.config.seqs_key
         max_scan = max_scan or max(10 * n, 10_000)
         by_seq = stream == "steps" and (need_sequence or source is not None)
@@ -696,8 +728,8 @@ class ReplayBufferReader:
         hi, scanned = ("(" + before_id) if before_id else "+", 0
         try:
             while len(out) < n and scanned < max_scan:
-                page = self.client.xrevrange(key, max=hi, min="-", count=min(max(2 * n, 64), 1000,
-                                                                            max_scan - scanned))
+                page = self.client.xrevrange(key, max=hi, min=("(" + after_id) if after_id else "-",
+                                             count=min(max(2 * n, 64), 1000, max_scan - scanned))
                 if not page:
                     break
                 scanned += len(page)

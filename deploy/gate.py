@@ -217,7 +217,9 @@ def judge_evidence(ev: PairedEvidence, policy: GatePolicy) -> EvidenceJudgement:
         else:
             entry.update(delta=_weighted(sub.candidate, sub.weight) - _weighted(sub.champion, sub.weight))
         out.categories[c] = entry
-    head = (f"gate sample of {ev.requests} held-out requests ({ev.records} steps): acceptance {cand:.4f} vs "
+    fresh = (ev.window or {}).get("fresh_requests") or 0          # deploy/heads.py "Fresh evidence"
+    head = (f"gate sample of {ev.requests} held-out requests ({f'{fresh} of them fresh, ' if fresh else ''}"
+            f"{ev.records} steps): acceptance {cand:.4f} vs "
             f"champion {champ:.4f}, delta {delta:+.4f} (one-sided {policy.confidence:g} lower bound {lower:+.4f})")
     if blocking:
         out.reason = f"{head}; significant regression on traffic categor{'y' if len(blocking) == 1 else 'ies'} " \

@@ -23,6 +23,16 @@ fed the target's features and the true tokens, is the target's greedy token; tra
 not give. `judge_evidence` then applies the same paired bootstrap, margin and per-category regression test
 as for drafts.
 
+**Fresh evidence** (`fresh_cut`): besides the held-out requests (every tenth), the gate scores the requests
+that neither the candidate nor the champion can have trained on because they ended after the candidate's
+job read the buffer: each heads job keeps the buffer's sequence cursor taken after its reads
+(`data_window.sequence_cut`, buffer/redis_store.py `sequence_cursor`), and a job rebuilds only requests
+whose SequenceRecord was stored when it read. Those requests are unseen by both, as held-out ones are, and
+they are the newest traffic; the next job trains on them, so each serves as evidence once. On the 2-core
+host a tenth of the traffic brought the gate's 10 requests in 8-14 minutes, and a candidate held for them
+blocked every later job (docs/benchmarks.md, "The twenty-seventh session": first promotions at 704-746 s);
+the requests that end while a job runs are usually enough on their own.
+
 **Smoke check**: heads loaded next to the target decode a few prompts at T = 0 in mode "medusa" / "eagle"
 (fp32), and the tokens must equal target-only greedy: it proves the heads load and the tree path runs
 (lossless at T=0 whatever the heads).
@@ -56,6 +66,7 @@ class HeadsEvidence:
     records: int = 2000
     kind: str = "medusa"
     category_floor: int = 10
+    fresh_after: str | None = None     # a sequence cut: requests after it are fresh evidence (module docstring)
     _target_model: object = field(default=None, repr=False)
     _hidden_cache: object = field(default=None, repr=False)
 
@@ -76,14 +87,22 @@ class HeadsEvidence:
             self._hidden_cache = hidden_cache_for(path, dtype)     # the jobs' cache: the same held-out requests
         return self._target_model
 
-    def heldout_requests(self) -> int:
-        """How many held-out requests the gate's sample would hold now (read-only, no target pass): a schedule
-        runs no job the gate could not judge."""
+    def heldout_requests(self, fresh_after: str | None = None) -> int:
+        """How many requests the gate's sample would hold now (read-only, no target pass): the held-out ones,
+        and with `fresh_after` those after that sequence cut; a schedule runs no job the gate could not judge."""
         from training.heads_job import read_examples
 
         examples, _ = read_examples(redis_url=self.redis_url, buffer_prefix=self.buffer_prefix, n=self.records,
                                     heldout=True, heldout_fraction=self.heldout_fraction)
-        return len(examples)
+        return len(examples) + len(self._fresh(fresh_after)[0])
+
+    def _fresh(self, after: str | None) -> tuple[list[dict], dict]:
+        from training.heads_job import fresh_examples
+
+        if not after:
+            return [], {"sequence_cut": None, "requests": 0, "steps": 0}
+        return fresh_examples(redis_url=self.redis_url, buffer_prefix=self.buffer_prefix, after=after,
+                              n=self.records, heldout_fraction=self.heldout_fraction)
 
     def collect(self, champion_path: Path, candidate_path: Path) -> PairedEvidence:
         from training.heads_job import read_examples
@@ -91,6 +110,8 @@ class HeadsEvidence:
         examples, window = read_examples(redis_url=self.redis_url, buffer_prefix=self.buffer_prefix,
                                          n=self.records, heldout=True, heldout_fraction=self.heldout_fraction,
                                          category_floor=self.category_floor)
+        fresh, fresh_window = self._fresh(self.fresh_after)
+        examples = examples + fresh
         target = self._model()
         hidden = None
         scores = {}
@@ -103,8 +124,10 @@ class HeadsEvidence:
         return PairedEvidence(ids, [cats[r] for r in ids], [ch[r]["positions"] for r in ids],
                               [ch[r]["acceptance"] for r in ids], [ca[r]["acceptance"] for r in ids],
                               [ch[r]["acceptance"] for r in ids], [ca[r]["acceptance"] for r in ids],
-                              records=window["steps"], window={k: window[k] for k in ("stream", "first_id",
-                                                                                      "last_id", "heldout_fraction")})
+                              records=window["steps"] + fresh_window["steps"],
+                              window={**{k: window[k] for k in ("stream", "first_id", "last_id", "heldout_fraction")},
+                                      "fresh_after": fresh_window["sequence_cut"],
+                                      "fresh_requests": fresh_window["requests"]})
 
 
 def score_heads(target, heads_dir: Path, examples: list[dict], hidden=None, *,
@@ -222,12 +245,44 @@ def gate_heads(registry: Registry, version: str, target: str | None, *, policy: 
     from deploy.gate import start_canary_after_gate
 
     target = target or registry.target
-    verdict = run_gate(registry, version, smoke_check or heads_smoke_check(target, kind=registry.heads_kind),
-                       policy=policy, promote=promote and not canary_share, evidence=evidence)
+    had = getattr(evidence, "fresh_after", None)
+    if isinstance(evidence, HeadsEvidence):
+        evidence.fresh_after = fresh_cut(registry, version)
+    try:
+        verdict = run_gate(registry, version, smoke_check or heads_smoke_check(target, kind=registry.heads_kind),
+                           policy=policy, promote=promote and not canary_share, evidence=evidence)
+    finally:
+        if isinstance(evidence, HeadsEvidence):
+            evidence.fresh_after = had
     if verdict.accepted and canary_share and promote:
         move = start_canary_after_gate(registry, verdict, canary_share)
         progress(f"[heads] {move.message}")
     return verdict
+
+
+def fresh_cut(registry: Registry, version: str) -> str | None:
+    """The sequence cut after which requests are fresh evidence on candidate `version` against the champion
+    (module docstring): the later of the two versions' `data_window.sequence_cut`, so that neither trained on
+    a request after it. None when the candidate has no cut (a folder registered by hand, a job from before
+    the cut was kept), or when the champion was trained by a job that kept none (its data cannot be placed)."""
+    import json
+
+    from buffer.redis_store import stream_id_key
+
+    def window(v) -> dict:
+        try:
+            return json.loads((registry.get(v).tags or {}).get("draftsmith.data_window") or "{}")
+        except json.JSONDecodeError:
+            return {}
+
+    cut = window(version).get("sequence_cut")
+    champion = registry.champion()
+    if not cut or champion is None or str(champion) == str(version):
+        return cut or None
+    theirs = window(champion)
+    if theirs.get("sequence_cut"):
+        return max(cut, theirs["sequence_cut"], key=stream_id_key)
+    return None if theirs.get("steps") else cut         # a champion from the buffer, with no cut kept
 
 
 @dataclass
@@ -261,7 +316,8 @@ def run_heads_schedule(registry: Registry, target: str | None, job_cfg: dict | N
     `evidence_wait_s` > 0 (`distill --evidence-wait`, as the draft's scheduler) the job need not wait that
     long: it starts once the sample holds half of `min_requests`, and a candidate the gate then finds
     insufficient ("held") waits up to `evidence_wait_s` after its registration, gated again as soon as the
-    sample holds `min_requests` (and again whenever it grows, while the gate still finds it too small),
+    sample (held-out requests and the fresh ones that ended after its job's reads: module docstring, "Fresh
+    evidence") holds `min_requests` (and again whenever it grows, while the gate still finds it too small),
     with no new job meanwhile (it would train from the same champion on the same newest records). On slow
     traffic the job's minutes then overlap the wait for held-out requests, instead of following it: in the
     online experiment (docs/benchmarks.md, "The twenty-fifth session") the first job waited 8-14 minutes for
@@ -434,7 +490,7 @@ def _look_at_waiting(registry: Registry, target: str | None, waiting: dict, evid
     if str(registry.get(version).parent_version) != str(champion):
         return None, HeadsTick("rejected", f"its parent is no longer the champion (version {champion} is): "
                                            "dropped without a gate", version)
-    held = evidence.heldout_requests()
+    held = evidence.heldout_requests(fresh_after=fresh_cut(registry, version))
     if held < need_held or held <= waiting["gated_at"]:
         return waiting, HeadsTick("skipped", f"candidate version {version} waits for held-out evidence: the gate's "
                                              f"sample holds {held} requests, it needs {need_held}")

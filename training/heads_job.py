@@ -4,6 +4,7 @@ buffer -> heads candidate.
     examples_from_buffer(entries, sequences) -> list[dict]      # training/heads.py's example format
     run_heads_distillation(cfg, progress) -> Path               # a candidate heads folder (cfg "kind")
     resolve_for_remote(cfg) -> cfg                              # before it runs elsewhere (a Ray job)
+    fresh_examples(..., after=window["sequence_cut"]) -> (examples, window)   # requests no job trained on yet
     python -m training.heads_job --parent-heads DIR [--kind eagle] [--parent-version 3] [--budget 120] [--out DIR]
 
 **Where the target's opinion comes from.** Every verification step in the buffer stores the target's top-k
@@ -52,8 +53,9 @@ long (135 s against 42-64 s, on the same 120-s training budget).
 
 The candidate folder: `medusa_heads.json` + `medusa_heads.safetensors` (MedusaHeads.save; EAGLE: eagle_head.*,
 EagleHead.save) + `candidate.json`
-(parent_version, target, target_sha256, metrics before/after, train_config, data_window), which
-`Registry.register_heads` reads (deploy/registry.py). Importing this module does not import torch.
+(parent_version, target, target_sha256, metrics before/after, train_config, data_window, whose
+`sequence_cut` is the buffer's sequence cursor taken after the job's reads: deploy/heads.py's fresh evidence),
+which `Registry.register_heads` reads (deploy/registry.py). Importing this module does not import torch.
 """
 from __future__ import annotations
 
@@ -151,6 +153,45 @@ def read_examples(*, redis_url: str | None, buffer_prefix: str, n: int, heldout:
     return examples_from_buffer(entries, seqs), window
 
 
+FRESH_SCAN_MS = 600_000       # fresh_examples: how far before the cut a fresh request's steps are looked for
+
+
+def fresh_examples(*, redis_url: str | None, buffer_prefix: str, after: str, n: int,
+                   heldout_fraction: float) -> tuple[list[dict], dict]:
+    """The gate's fresh evidence, read-only: examples of the requests whose SequenceRecord was written after
+    `after` (a job's `data_window.sequence_cut`, buffer/redis_store.py `sequence_cursor`) that are not held
+    out (those are in the held-out sample already), from their newest `n` steps; and the window. No job up to
+    the one that took that cut can have trained on them: a job rebuilds only requests whose sequence is
+    stored when it reads. Steps older than ten minutes before the cut are not scanned (a request that long
+    loses its first steps, and with them its example)."""
+    from buffer.redis_store import BufferConfig, ReplayBufferReader, resolve_redis_url, stream_id_key
+    from training.data import is_heldout
+
+    ms, _ = stream_id_key(after)
+    reader = ReplayBufferReader(resolve_redis_url(redis_url), BufferConfig(prefix=buffer_prefix))
+    try:
+        ids = {r.request_id for r in reader.sequences_after(after)
+               if not is_heldout(r.request_id, heldout_fraction)}
+        entries, seqs = (reader.newest_steps(n, where=lambda st: st.request_id in ids,
+                                             after_id=f"{max(0, ms - FRESH_SCAN_MS)}-0") if ids else ([], {}))
+    finally:
+        reader.client.close()
+    examples = examples_from_buffer(entries, seqs)
+    return examples, {"sequence_cut": after, "requests": len(examples), "steps": len(entries)}
+
+
+def sequence_cut(*, redis_url: str | None, buffer_prefix: str) -> str:
+    """The buffer's sequence cursor now (buffer/redis_store.py `sequence_cursor`): taken by a job after its
+    reads, every request it could have trained on has its SequenceRecord at or before it."""
+    from buffer.redis_store import BufferConfig, ReplayBufferReader, resolve_redis_url
+
+    reader = ReplayBufferReader(resolve_redis_url(redis_url), BufferConfig(prefix=buffer_prefix))
+    try:
+        return reader.sequence_cursor()
+    finally:
+        reader.client.close()
+
+
 def _config(cfg: dict) -> dict:
     unknown = sorted(set(cfg) - set(DEFAULTS))
     if unknown:
@@ -209,6 +250,7 @@ def run_heads_distillation(cfg: dict, progress: Callable[[str], None] = print) -
     held_ex, held_window = read_examples(redis_url=c["redis_url"], buffer_prefix=c["buffer_prefix"],
                                          n=c["eval_records"], heldout=True, heldout_fraction=c["heldout_fraction"])
     replay_ex, replay_window = _replay(c, train_ex, train_window)
+    cut = sequence_cut(redis_url=c["redis_url"], buffer_prefix=c["buffer_prefix"])     # after every read
     progress(f"[heads-job] {len(train_ex)} training requests ({train_window['steps']} steps), {len(replay_ex)} "
              f"replayed older requests ({replay_window['steps']} steps), {len(held_ex)} held-out requests "
              f"({held_window['steps']} steps) from the buffer in {time.time() - t0:.1f} s")
@@ -235,7 +277,7 @@ def run_heads_distillation(cfg: dict, progress: Callable[[str], None] = print) -
             # last_id: the newest step the job looked at, training or held out (a schedule's cursor)
             "data_window": {**{k: train_window[k] for k in ("stream", "first_id", "steps")},
                             "last_id": _newest_id(train_window["last_id"], held_window["last_id"]),
-                            "last_training_id": train_window["last_id"],
+                            "last_training_id": train_window["last_id"], "sequence_cut": cut,
                             "requests": n_window, "heldout_steps": held_window["steps"],
                             "heldout_requests": len(held_ex),
                             "replay": {k: replay_window[k] for k in ("first_id", "last_id", "steps")}

@@ -472,3 +472,38 @@ def test_count_after_and_newest_steps_page_the_stream_in_redis(redis_url):
         assert {e.record.request_id for e in only_a} == {"r1", "r3"} and set(seqs_a) == {"r1", "r3"}
     finally:
         client.close()
+
+
+def test_sequence_cursor_splits_requests_a_reader_could_rebuild_from_later_ones(redis_url, cfg):
+    """A heads job's `sequence_cut` and the gate's fresh evidence (deploy/heads.py): the cursor taken after a read
+    is at or after every sequence that read could look up; `sequences_after` returns exactly the later ones,
+    oldest first; `newest_steps(after_id=...)` stops its scan at an id."""
+    from buffer.redis_store import stream_id_key
+
+    reader = ReplayBufferReader(redis_url, cfg)
+    assert reader.sequence_cursor() == "0-0" and reader.sequences_after("0-0") == []
+    with ReplayBufferWriter(redis_url, cfg) as writer:
+        for r in ("a", "b"):
+            writer.push_step(make_step(1, request_id=r))
+            writer.push_sequence(make_seq(r))
+        writer.push_step(make_step(2, request_id="c"))                 # in flight: its sequence comes later
+        assert writer.flush(10)
+    seen, _ = reader.newest_steps(10)
+    assert {e.record.request_id for e in seen} == {"a", "b"}            # c cannot be rebuilt yet
+    cut = reader.sequence_cursor()
+    with ReplayBufferWriter(redis_url, cfg) as writer:
+        writer.push_sequence(make_seq("c"))
+        writer.push_step(make_step(3, request_id="d"))
+        writer.push_sequence(make_seq("d"))
+        assert writer.flush(10)
+    assert [s.request_id for s in reader.sequences_after(cut)] == ["c", "d"]
+    assert [s.request_id for s in reader.sequences_after("0-0", n=1)] == ["a"]
+    assert reader.sequences_after(reader.sequence_cursor()) == []
+    steps, _ = reader.newest_steps(10)
+    newest_of_b = max((e.stream_id for e in steps if e.record.request_id == "b"), key=stream_id_key)
+    after, seqs = reader.newest_steps(10, after_id=newest_of_b)
+    assert {e.record.request_id for e in after} == {"c", "d"} and set(seqs) == {"c", "d"}
+    with pytest.raises(ValueError, match="stream id"):
+        reader.sequences_after("yesterday")
+    with pytest.raises(ValueError, match="stream id"):
+        reader.newest_steps(3, after_id="nope")

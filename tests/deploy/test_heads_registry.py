@@ -370,12 +370,13 @@ def test_heads_schedule_runs_a_job_then_waits_for_new_records(regs, pair, target
         drop_prefix(redis_url, prefix)
 
 
-def test_heads_schedule_gates_a_held_candidate_once_served_held_out_requests_arrive(regs, pair, target_model,
-                                                                                     tmp_path, redis_url):
+def test_heads_schedule_gates_a_held_candidate_on_requests_that_end_after_its_job(regs, pair, target_model,
+                                                                                   tmp_path, redis_url):
     """`distill --kind medusa --every --evidence-wait`, end to end on real serving records, Redis and MLflow: with
     2 of the gate's 4 held-out requests in the buffer the job runs, its candidate is registered and held (the
-    gate's verdict: insufficient); held-out requests served afterwards make the schedule gate the same version
-    again, now on a sample that meets the minimum, and no second job ran meanwhile."""
+    gate's verdict: insufficient); two training requests served afterwards make the schedule gate the same
+    version again, as fresh evidence (deploy/heads.py: they ended after the job's reads), now on a sample that
+    meets the minimum, and no second job ran meanwhile."""
     import json
 
     from deploy.heads import run_heads_schedule
@@ -407,8 +408,12 @@ def test_heads_schedule_gates_a_held_candidate_once_served_held_out_requests_arr
         assert held.wait(180), lines
         info = heads.get("2")
         assert info.tags["draftsmith.gate.verdict"] == "rejected" and info.tags["draftsmith.gate.insufficient"] == "1"
-        serve_records(pair[0], pair[1], redis_url, prefix, requests=3, heldout=True, heldout_fraction=0.25,
-                      max_tokens=16, tag="late-held")
+        cut = json.loads(info.tags["draftsmith.data_window"])["sequence_cut"]
+        assert json.loads(info.tags["draftsmith.gate.evidence"])["window"]["fresh_after"] == cut
+        # two training requests: the 2 held-out ones alone are still too few, but these ended after the job's
+        # reads, so no version trained on them: fresh evidence
+        fresh = serve_records(pair[0], pair[1], redis_url, prefix, requests=2, heldout=False, heldout_fraction=0.25,
+                              max_tokens=16, tag="late-fresh")
         th.join(180)
         assert not th.is_alive(), lines
         ticks = out["ticks"]
@@ -417,10 +422,36 @@ def test_heads_schedule_gates_a_held_candidate_once_served_held_out_requests_arr
         assert any(m.startswith("[heads-schedule] gated again: ") for m in lines)
         info = heads.get("2")
         assert info.tags["draftsmith.gate.insufficient"] == "0"
-        assert json.loads(info.tags["draftsmith.gate.evidence"])["requests"] >= 4
+        gate_ev = json.loads(info.tags["draftsmith.gate.evidence"])
+        assert gate_ev["requests"] >= 4 and gate_ev["window"]["fresh_requests"] == len(fresh) == 2
+        assert gate_ev["window"]["fresh_after"] == cut
         assert sorted(int(v.version) for v in heads.versions()) == [1, 2]          # one job, one candidate
     finally:
         drop_prefix(redis_url, prefix)
+
+
+def test_fresh_evidence_starts_after_what_either_version_could_have_trained_on():
+    """deploy/heads.py `fresh_cut` (pure logic: stand-ins): the later of the candidate's and the champion's
+    sequence cuts; none for a candidate without one, or when the champion was trained by a job that kept none."""
+    import json
+    from types import SimpleNamespace
+
+    from deploy.heads import fresh_cut
+
+    def registry(windows: dict, champion: str):
+        return SimpleNamespace(champion=lambda: champion, get=lambda v: SimpleNamespace(
+            tags={"draftsmith.data_window": json.dumps(windows[v])} if windows[v] is not None else {}))
+
+    job = lambda cut: {"steps": 900, "sequence_cut": cut}                       # noqa: E731
+    assert fresh_cut(registry({"1": None, "2": job("170-3")}, "1"), "2") == "170-3"      # champion: bootstrap
+    assert fresh_cut(registry({"1": job("90-0"), "2": job("170-3")}, "1"), "2") == "170-3"
+    assert fresh_cut(registry({"3": job("1000-0"), "2": job("170-3")}, "3"), "2") == "1000-0"   # a later champion
+    assert fresh_cut(registry({"3": job("170-10"), "2": job("170-3")}, "3"), "2") == "170-10"  # ids, not strings
+    assert fresh_cut(registry({"1": {"steps": 900}, "2": job("170-3")}, "1"), "2") is None   # champion unplaceable
+    assert fresh_cut(registry({"1": None, "2": None}, "1"), "2") is None                # registered by hand
+    assert fresh_cut(registry({"2": job("170-3")}, "2"), "2") == "170-3"                # the champion itself
+    broken = SimpleNamespace(champion=lambda: "1", get=lambda v: SimpleNamespace(tags={"draftsmith.data_window": "{"}))
+    assert fresh_cut(broken, "2") is None
 
 
 def test_heads_schedule_counts_every_from_the_last_start_and_says_a_skip_once(monkeypatch):
@@ -567,8 +598,8 @@ def _waiting_stand_ins(monkeypatch, held_counts, gate_verdicts, champion="1"):
     monkeypatch.setattr(H, "gate_heads", gate)
     monkeypatch.setattr(training.job, "pending_records", lambda since, **kw: 10)
     registry = SimpleNamespace(versions=lambda: [], canary=lambda: None, champion=lambda: champion,
-                               get=lambda v: SimpleNamespace(parent_version="1"))
-    evidence = SimpleNamespace(heldout_requests=lambda: held.pop(0) if len(held) > 1 else held[0])
+                               get=lambda v: SimpleNamespace(parent_version="1", tags={}))
+    evidence = SimpleNamespace(heldout_requests=lambda fresh_after=None: held.pop(0) if len(held) > 1 else held[0])
     return registry, evidence, starts, gated
 
 
