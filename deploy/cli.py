@@ -107,13 +107,12 @@ def _fraction(text: str) -> float:
 
 
 def _share(text: str) -> float:
+    from deploy.scheduler import check_job_share
+
     try:
-        v = float(text)
+        return check_job_share(float(text))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}") from None
-    if not (0.0 < v <= 1.0):
-        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}")
-    return v
 
 
 def _version(text: str) -> str:

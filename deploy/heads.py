@@ -441,9 +441,10 @@ def run_heads_schedule(registry: Registry, target: str | None, job_cfg: dict | N
                 finally:
                     lock.release()
                     if job_share < 1.0:
-                        rest = scheduler.rest_after_job(time.monotonic() - last_start, job_share)
+                        took = time.monotonic() - last_start
+                        rest = scheduler.rest_after_job(took, job_share)
                         rest_until = time.monotonic() + rest
-                        progress(f"[heads-schedule] the cycle took {time.monotonic() - last_start:.0f} s: next job "
+                        progress(f"[heads-schedule] the cycle took {took:.0f} s: next job "
                                  f"in {rest:.0f} s at the earliest (--job-share {job_share:g})")
                 jobs += 1
                 if evidence_wait_s and evidence is not None and getattr(verdict, "insufficient", False):
