@@ -372,6 +372,13 @@ JOB_FIGURES = ("seconds", "hidden_state_seconds", "epochs", "best_epoch", "stopp
                "hidden_cache_misses")
 
 
+def _sample(s: dict | None) -> str:
+    """The gate's sample of a version: "12 (7)" = 12 requests, 7 of them fresh (deploy/heads.py)."""
+    if not s or s.get("requests") is None:
+        return "-"
+    return f"{s['requests']} ({s.get('fresh') or 0})"
+
+
 def registry_state(env: dict, args) -> tuple[list[dict], list[dict]]:
     """(every version with its kind, parent, adapter chain depth and gate figures; the registry's history)
     of the registry the served default drafts from (the heads' with --medusa-heads, else the draft's),
@@ -385,10 +392,16 @@ def registry_state(env: dict, args) -> tuple[list[dict], list[dict]]:
             "    while v in vs and vs[v].kind == 'adapter' and v not in seen:\n"
             "        seen.add(v); d += 1; v = vs[v].parent_version\n"
             "    return d\n"
+            "def sample(v):\n"
+            "    try:\n"
+            "        e = json.loads(v.tags.get('draftsmith.gate.evidence') or '{}')\n"
+            "    except ValueError:\n"
+            "        return {}\n"
+            "    return {'requests': e.get('requests'), 'fresh': (e.get('window') or {}).get('fresh_requests')}\n"
             "print(json.dumps([{'version': v.version, 'kind': v.kind, 'parent': v.parent_version, 'aliases': v.aliases,"
             " 'depth': depth(v.version), 'gate': v.tags.get('draftsmith.gate.verdict'),"
             " 'gate_acceptance': v.metrics.get('gate_candidate_acceptance'), 'gate_delta': v.metrics.get('gate_delta'),"
-            " 'job': {k: v.metrics.get(k) for k in JOB_FIGURES}}"
+            " 'gate_sample': sample(v), 'job': {k: v.metrics.get(k) for k in JOB_FIGURES}}"
             " for v in vs.values()]))\n"
             "print(json.dumps(r.history()))\n")
     res = subprocess.run([sys.executable, "-c", code, args.target or "", "1" if args.heads else ""], env=env, cwd=ROOT,
@@ -521,9 +534,9 @@ def write_summary(out: Path, records: list[dict], errors: list[dict], events, ve
         f"| failed requests | {len(errors)} | 0 {'met' if not errors else 'MISSED'} |",
         f"| max adapter chain depth | {max_depth} | <= K |",
         "", "Registry events (s since traffic started): " + "; ".join(f"{t:.0f} s {e}" for t, e in events),
-        "", "| version | kind | parent | depth | aliases | gate | gate acceptance | gate delta | job s | "
-        "hidden states s | epochs (best) | states read / computed |",
-        "|---|---|---|---:|---|---|---:|---:|---:|---:|---|---|"]
+        "", "| version | kind | parent | depth | aliases | gate | gate acceptance | gate delta | gate sample (fresh) | "
+        "job s | hidden states s | epochs (best) | states read / computed |",
+        "|---|---|---|---:|---|---|---:|---:|---|---:|---:|---|---|"]
     for v in versions:
         job = (v.get("job") or {}) if v["parent"] else {}     # version 1 came from the bootstrap, not a job
         ep = f"{job['epochs']:.0f} ({job.get('best_epoch') or 0:.0f}){', stopped' if job.get('stopped_early') else ''}" \
@@ -532,7 +545,7 @@ def write_summary(out: Path, records: list[dict], errors: list[dict], events, ve
             if job.get("hidden_cache_hits") is not None else "-"
         lines.append(f"| {v['version']} | {v['kind']} | {v['parent'] or '-'} | {v['depth']} | "
                      f"{','.join(v['aliases']) or '-'} | {v['gate'] or '-'} | {fmt(v.get('gate_acceptance'))} | "
-                     f"{fmt(v.get('gate_delta'))} | {fmt(job.get('seconds'), 0)} | "
+                     f"{fmt(v.get('gate_delta'))} | {_sample(v.get('gate_sample'))} | {fmt(job.get('seconds'), 0)} | "
                      f"{fmt(job.get('hidden_state_seconds'), 1)} | {ep} | {hits} |")
     lines += ["", f"## Per {args.early_s:.0f}-s window", "",
               "| category | window (s) | requests | tokens/s per request | ms per step | drafted per step | "
