@@ -426,6 +426,18 @@ def test_heads_schedule_gates_a_held_candidate_on_requests_that_end_after_its_jo
         assert gate_ev["requests"] >= 4 and gate_ev["window"]["fresh_requests"] == len(fresh) == 2
         assert gate_ev["window"]["fresh_after"] == cut
         assert sorted(int(v.version) for v in heads.versions()) == [1, 2]          # one job, one candidate
+        # an operator's gate by hand, `draftsmith promote 2 --kind medusa`, counts the same fresh requests
+        from deploy.cli import main
+
+        if heads.champion() == "2":
+            heads.promote("1", reason="this test: gate version 2 again by hand")
+        cfg = tmp_path / "gate.yaml"
+        cfg.write_text(json.dumps({"redis_url": redis_url, "buffer_prefix": prefix, "heldout_fraction": 0.25}))
+        main(["promote", "2", "--kind", "medusa", "--target", str(pair[0]), "--tracking-uri", heads.tracking_uri,
+              "--config", str(cfg), "--min-requests", "4", "--category-min-requests", "10"])
+        by_hand = json.loads(heads.get("2").tags["draftsmith.gate.evidence"])
+        assert by_hand["window"]["fresh_after"] == cut and by_hand["window"]["fresh_requests"] == 2
+        assert by_hand["requests"] >= 4 and heads.get("2").tags["draftsmith.gate.insufficient"] == "0"
     finally:
         drop_prefix(redis_url, prefix)
 
