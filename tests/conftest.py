@@ -71,7 +71,44 @@ PROCESS_TREE_MODULES = {"test_app_ray.py", "test_safe_defaults.py", "test_bench_
                         "test_promotion_safety.py", "test_distill.py"}
 
 
+# tryfirst: an xdist worker reads the xdist_group marks in its own pytest_collection_modifyitems (it suffixes the
+# node ids with "@process-trees"); a mark added after that hook ran would not group anything
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in PROCESS_TREE_MODULES:
             item.add_marker(pytest.mark.xdist_group("process-trees"))
+
+
+_UNGROUPED: set[str] = set()
+
+
+def pytest_collection_finish(session):
+    """On an xdist worker under --dist loadgroup: the process-tree tests whose group did not take (a pytest that
+    pytest-xdist cannot suffix node ids in, pyproject.toml) would run on both workers at once, which they are not
+    written for; each of them then fails with the reason (pytest_runtest_setup) instead of running."""
+    if getattr(session.config.option, "loadgroup", False):
+        _UNGROUPED.update(i.nodeid for i in session.items
+                          if i.path.name in PROCESS_TREE_MODULES and not i.nodeid.endswith("@process-trees"))
+
+
+def pytest_runtest_setup(item):
+    if item.nodeid in _UNGROUPED:
+        pytest.fail("pytest-xdist did not group this process-tree test on one worker: this pytest-xdist cannot group "
+                    "under this pytest; install the versions pyproject.toml names (`bash scripts/setup.sh`)",
+                    pytrace=False)
+
+
+# ----------------------------------------------------------------------------- one torch thread per test
+# Code under test may set torch's thread count for its process (a benchmark script's main() run in-process,
+# `--threads`; the CLI's job settings). Left at 2 in a worker that shares 2 cores with the other worker, it
+# made every later tiny-model test in that worker spin OpenMP threads: the exact-distribution tests took
+# 84-152 s in the suite against 10-18 s alone. Each test starts on the thread count the session started with.
+_THREADS = torch.get_num_threads()
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    yield
+    if torch.get_num_threads() != _THREADS:
+        torch.set_num_threads(_THREADS)
