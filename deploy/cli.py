@@ -876,19 +876,18 @@ def cmd_promote(args) -> int:
             raise PromotionsPaused(f"promotions are paused ({reg.promotions_paused().get('reason')}); "
                                    "`draftsmith resume` first, or pass --ignore-pause")
         if args.kind in HEADS:
-            from deploy.heads import HeadsEvidence, fresh_cut, heads_smoke_check
+            from deploy.heads import HeadsEvidence, heads_smoke_check
 
             ov = _read_config(args.config)
             smoke = heads_smoke_check(args.target, kind=args.kind)
-            # the requests that ended after both versions' jobs read the buffer count too, as in the schedule's
-            # gate (deploy/heads.py `gate_heads`)
             evidence = HeadsEvidence(args.target or reg.target, redis_url=ov.get("redis_url"),
                                      buffer_prefix=ov.get("buffer_prefix", "draftsmith:buf"),
                                      heldout_fraction=ov.get("heldout_fraction", 0.1), records=args.gate_records,
-                                     kind=args.kind, category_floor=args.category_min_requests,
-                                     fresh_after=fresh_cut(reg, args.version))
+                                     kind=args.kind, category_floor=args.category_min_requests)
         else:
             smoke, evidence = engine_smoke_check(args.target), _evidence(args, _read_config(args.config))
+        # run_gate adds the requests that ended after both versions' jobs read the buffer, as in the schedule's
+        # gate (deploy/gate.py, "Fresh evidence")
         verdict = run_gate(reg, args.version, smoke, policy=_gate_policy(args), evidence=evidence,
                            target_sha256=_target_sha(args), promote=not (args.ignore_pause or canary))
         if verdict.accepted and canary and verdict.candidate_version != verdict.champion_version:

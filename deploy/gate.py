@@ -12,7 +12,8 @@ scores both drafts on it, and decides on a paired confidence interval:
    job uses, so no job ever trained on them; use the jobs' `heldout_fraction` or a smaller one), rebuilds
    them into units (`training.data.build_units`), and scores the champion and the candidate, each as
    materialised and on its own output vocabulary, with `training.distill.offline_acceptance` (sum over
-   the vocabulary of min(p, q) under each record's warp), per request. With per-request acceptances
+   the vocabulary of min(p, q) under each record's warp), per request, together with the fresh requests
+   below. With per-request acceptances
    c_r (candidate) and h_r (champion), weights w_r = the request's scored draft positions, the gain is
    `delta = sum w_r (c_r - h_r) / sum w_r`. A paired bootstrap over requests (`bootstrap` resamples,
    seeded) gives its one-sided lower bound at `confidence`. The check passes iff there are at least
@@ -30,6 +31,18 @@ scores both drafts on it, and decides on a paired confidence interval:
    loads next to the target and runs: speculative sampling is lossless whatever the draft.
 
 With no champion yet, checks 2 and 3 are skipped ("no champion yet").
+
+**Fresh evidence** (`fresh_cut`, `run_gate`): besides the held-out requests (every tenth), the sample holds
+the requests that neither the candidate nor the champion can have trained on because their SequenceRecord
+was written after both versions' jobs read the buffer. Each job (training/job.py for drafts,
+training/heads_job.py for heads) keeps the buffer's sequence cursor taken after its reads as its
+`data_window.sequence_cut` (buffer/redis_store.py `sequence_cursor`), and uses only steps whose request's
+sequence was stored when it read. Those requests are unseen by both, as held-out ones are, and they are the
+newest traffic; the next job trains on them, so each serves as evidence once. On the 2-core host a tenth of
+the traffic brought the gate's minimum of requests in 8-14 minutes, and a candidate held for them blocked every
+later job (docs/benchmarks.md, "The twenty-seventh session"); the requests that end while a job runs are
+usually enough on their own. `run_gate` sets the cut on an evidence source that has a `fresh_after` field
+left at None; a champion trained by a job that kept no cut gives none (its data cannot be placed).
 
 **Vocabulary.** Each draft is scored on the rows its materialised folder's `draftsmith.json` lists (read
 by `serving.models.read_output_token_ids`, the engine's and the trainer's reader). Before scoring, the
@@ -250,6 +263,7 @@ class EvidenceSource:
     batch_tokens: int = 4096
     source: str | None = None
     category_floor: int = 10
+    fresh_after: str | None = None     # a sequence cut: requests after it are fresh evidence (module docstring)
 
     def __post_init__(self) -> None:
         if not (0.0 < self.heldout_fraction < 1.0):
@@ -268,18 +282,23 @@ class EvidenceSource:
         finally:
             reader.client.close()
 
-    def sample_key(self) -> tuple[int, str | None]:
-        """A cheap fingerprint of the sample `collect` would draw now (its step count and newest stream id),
-        read from Redis without scoring anything: the scheduler gates a candidate that waits for evidence
-        again only when this changed (a new held-out request finished)."""
+    def sample_key(self, fresh_after: str | None = None) -> tuple[int, str | None]:
+        """A cheap fingerprint of the sample `collect` would draw now, read from Redis without scoring
+        anything: (its requests: the held-out ones, and with `fresh_after` the fresh ones after that cut; its
+        newest step id). The scheduler gates a candidate that waits for evidence again only when this changed
+        and the requests reach the gate's minimum."""
         from buffer.redis_store import stream_id_key
         from training import data
 
         with self._reader() as reader:
             entries, _ = data.heldout_window(reader, self.records, heldout_fraction=self.heldout_fraction,
                                              source=self.source)
+            if fresh_after:
+                fresh, seqs = data.fresh_window(reader, fresh_after, self.records,
+                                                heldout_fraction=self.heldout_fraction)
+                entries = entries + [e for e in fresh if self.source in (None, seqs[e.record.request_id].source)]
         ids = [e.stream_id for e in entries]
-        return len(ids), (max(ids, key=stream_id_key) if ids else None)
+        return len({e.record.request_id for e in entries}), (max(ids, key=stream_id_key) if ids else None)
 
     def collect(self, champion_path: Path, candidate_path: Path) -> PairedEvidence:
         """Draw the sample and score both drafts on it (module docstring, check 2)."""
@@ -290,6 +309,14 @@ class EvidenceSource:
             units, entries = data.heldout_units(reader, self.records, heldout_fraction=self.heldout_fraction,
                                                 max_len=self.max_len, source=self.source,
                                                 category_floor=self.category_floor)
+            fresh, fresh_seqs = ((data.fresh_window(reader, self.fresh_after, self.records,
+                                                    heldout_fraction=self.heldout_fraction))
+                                 if self.fresh_after else ([], {}))
+        if self.source is not None:
+            fresh = [e for e in fresh if fresh_seqs[e.record.request_id].source == self.source]
+        fresh_units, _ = data.build_units(fresh, fresh_seqs, max_len=self.max_len, rows="all")
+        units = units + fresh_units
+        entries = entries + fresh
         scores = {name: score_requests(path, units, batch_tokens=self.batch_tokens)
                   for name, path in (("champion", champion_path), ("candidate", candidate_path))}
         ids = sorted(set(scores["champion"]) & set(scores["candidate"]))
@@ -301,7 +328,9 @@ class EvidenceSource:
             [ca[r]["acceptance"] for r in ids], [ch[r]["rate"] for r in ids], [ca[r]["rate"] for r in ids],
             records=sum(len(u.stream_ids) for u in units if u.request_id in ch),
             window={"stream": reader.config.steps_key, "first_id": sids[0] if sids else None,
-                    "last_id": sids[-1] if sids else None, "heldout_fraction": self.heldout_fraction})
+                    "last_id": sids[-1] if sids else None, "heldout_fraction": self.heldout_fraction,
+                    "fresh_after": self.fresh_after,
+                    "fresh_requests": len({u.request_id for u in fresh_units} & set(ids))})
 
 
 def score_requests(draft_path: Path, units, *, batch_tokens: int = 4096) -> dict[str, dict]:
@@ -462,6 +491,29 @@ def live_acceptance(registry: Registry, version: str, *, since_ms: int | None = 
     return (acc / drafted if drafted > 0 else None), drafted
 
 
+def fresh_cut(registry: Registry, version: str) -> str | None:
+    """The sequence cut after which requests are fresh evidence on candidate `version` against the champion
+    (module docstring): the later of the two versions' `data_window.sequence_cut`, so that neither trained on
+    a request after it. None when the candidate has no cut (a folder registered by hand, a job from before
+    the cut was kept), or when the champion was trained by a job that kept none (its data cannot be placed)."""
+    from buffer.redis_store import stream_id_key
+
+    def window(v) -> dict:
+        try:
+            return json.loads((registry.get(v).tags or {}).get("draftsmith.data_window") or "{}")
+        except json.JSONDecodeError:
+            return {}
+
+    cut = window(version).get("sequence_cut")
+    champion = registry.champion()
+    if not cut or champion is None or str(champion) == str(version):
+        return cut or None
+    theirs = window(champion)
+    if theirs.get("sequence_cut"):
+        return max(cut, theirs["sequence_cut"], key=stream_id_key)
+    return None if theirs.get("steps") else cut         # a champion from the buffer, with no cut kept
+
+
 def run_gate(registry: Registry, version: str, smoke_check: SmokeCheck | None, *,
              policy: GatePolicy | None = None, promote: bool = True, evidence: "EvidenceSource | Evidence | None" = None,
              target_sha256: str | None = None, min_live_tokens: int = 500) -> GateVerdict:
@@ -496,7 +548,8 @@ def run_gate(registry: Registry, version: str, smoke_check: SmokeCheck | None, *
                 verdict.reason = "no evidence source configured: the gate scores both drafts on its own sample"
             else:
                 collect = evidence.collect if hasattr(evidence, "collect") else evidence
-                ev = collect(registry.materialize(champion), cand_path)
+                with _fresh_evidence(evidence, registry, info.version):
+                    ev = collect(registry.materialize(champion), cand_path)
                 j = judge_evidence(ev, policy)
                 verdict.accepted, verdict.reason, verdict.insufficient = j.ok, j.reason, j.insufficient
                 verdict.candidate_acceptance, verdict.champion_acceptance = j.candidate_acceptance, j.champion_acceptance
@@ -537,6 +590,20 @@ def run_gate(registry: Registry, version: str, smoke_check: SmokeCheck | None, *
             registry.set_version_tags(info.version, {"draftsmith.gate.promotion": verdict.promotion})
     log.info("gate %s version %s: %s", "accepted" if verdict.accepted else "rejected", info.version, verdict.reason)
     return verdict
+
+
+@contextlib.contextmanager
+def _fresh_evidence(evidence, registry: Registry, version: str):
+    """Within the block, an evidence source with a `fresh_after` field left at None also scores the requests
+    after `fresh_cut(registry, version)` (module docstring, "Fresh evidence"); one given a cut keeps it."""
+    if getattr(evidence, "fresh_after", "") is not None:
+        yield
+        return
+    evidence.fresh_after = fresh_cut(registry, version)
+    try:
+        yield
+    finally:
+        evidence.fresh_after = None
 
 
 def check_vocabulary(info: VersionInfo, path: Path) -> str:

@@ -23,15 +23,10 @@ fed the target's features and the true tokens, is the target's greedy token; tra
 not give. `judge_evidence` then applies the same paired bootstrap, margin and per-category regression test
 as for drafts.
 
-**Fresh evidence** (`fresh_cut`): besides the held-out requests (every tenth), the gate scores the requests
-that neither the candidate nor the champion can have trained on because they ended after the candidate's
-job read the buffer: each heads job keeps the buffer's sequence cursor taken after its reads
-(`data_window.sequence_cut`, buffer/redis_store.py `sequence_cursor`), and a job rebuilds only requests
-whose SequenceRecord was stored when it read. Those requests are unseen by both, as held-out ones are, and
-they are the newest traffic; the next job trains on them, so each serves as evidence once. On the 2-core
-host a tenth of the traffic brought the gate's 10 requests in 8-14 minutes, and a candidate held for them
-blocked every later job (docs/benchmarks.md, "The twenty-seventh session": first promotions at 704-746 s);
-the requests that end while a job runs are usually enough on their own.
+**Fresh evidence**: besides the held-out requests, the gate scores the requests that ended after both
+versions' jobs read the buffer (deploy/gate.py, "Fresh evidence": `fresh_cut`, set by `run_gate`); a heads
+job keeps its cut as `data_window.sequence_cut` like a draft job, and `HeadsEvidence.heldout_requests` counts
+them before a schedule runs a job the gate could not judge.
 
 **Smoke check**: heads loaded next to the target decode a few prompts at T = 0 in mode "medusa" / "eagle"
 (fp32), and the tokens must equal target-only greedy: it proves the heads load and the tree path runs
@@ -46,8 +41,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deploy.gate import (DEFAULT_SMOKE_PROMPTS, EvidenceSource, GatePolicy, GateVerdict, PairedEvidence,
-                         SmokeCheck, engine_smoke_check, run_gate)
+from deploy.gate import (DEFAULT_SMOKE_PROMPTS, EvidenceSource, GatePolicy, GateVerdict, PairedEvidence,  # noqa: F401
+                         SmokeCheck, engine_smoke_check, fresh_cut, run_gate)   # (fresh_cut: re-exported)
 from deploy.registry import HEADS_KINDS, Registry, UsageError, target_fingerprint
 
 log = logging.getLogger(__name__)
@@ -245,44 +240,12 @@ def gate_heads(registry: Registry, version: str, target: str | None, *, policy: 
     from deploy.gate import start_canary_after_gate
 
     target = target or registry.target
-    had = getattr(evidence, "fresh_after", None)
-    if isinstance(evidence, HeadsEvidence):
-        evidence.fresh_after = fresh_cut(registry, version)
-    try:
-        verdict = run_gate(registry, version, smoke_check or heads_smoke_check(target, kind=registry.heads_kind),
-                           policy=policy, promote=promote and not canary_share, evidence=evidence)
-    finally:
-        if isinstance(evidence, HeadsEvidence):
-            evidence.fresh_after = had
+    verdict = run_gate(registry, version, smoke_check or heads_smoke_check(target, kind=registry.heads_kind),
+                       policy=policy, promote=promote and not canary_share, evidence=evidence)   # (fresh evidence: run_gate)
     if verdict.accepted and canary_share and promote:
         move = start_canary_after_gate(registry, verdict, canary_share)
         progress(f"[heads] {move.message}")
     return verdict
-
-
-def fresh_cut(registry: Registry, version: str) -> str | None:
-    """The sequence cut after which requests are fresh evidence on candidate `version` against the champion
-    (module docstring): the later of the two versions' `data_window.sequence_cut`, so that neither trained on
-    a request after it. None when the candidate has no cut (a folder registered by hand, a job from before
-    the cut was kept), or when the champion was trained by a job that kept none (its data cannot be placed)."""
-    import json
-
-    from buffer.redis_store import stream_id_key
-
-    def window(v) -> dict:
-        try:
-            return json.loads((registry.get(v).tags or {}).get("draftsmith.data_window") or "{}")
-        except json.JSONDecodeError:
-            return {}
-
-    cut = window(version).get("sequence_cut")
-    champion = registry.champion()
-    if not cut or champion is None or str(champion) == str(version):
-        return cut or None
-    theirs = window(champion)
-    if theirs.get("sequence_cut"):
-        return max(cut, theirs["sequence_cut"], key=stream_id_key)
-    return None if theirs.get("steps") else cut         # a champion from the buffer, with no cut kept
 
 
 @dataclass

@@ -23,8 +23,9 @@ fails before registration (records pending), and promotion fails closed (`Regist
 A candidate registered by a job whose gate could not finish (MLflow or Redis failing mid-gate), or
 whose accepted verdict met a pause, carries `draftsmith.gate_pending`; every tick gates it again
 (`gate_pending`) once MLflow answers and promotions are not paused, so promotion resumes by itself. A
-candidate short of held-out evidence is gated again only once the gate's sample has changed
-(`EvidenceSource.sample_key`: a new held-out request finished), not on every tick.
+candidate short of held-out evidence is gated again only once the gate's sample has changed and holds
+the gate's minimum of requests (`EvidenceSource.sample_key`: held-out requests and fresh ones, those that
+ended after the candidate's job read the buffer), not on every tick.
 
 **Watchdog** (`LiveWatchdog`, every tick before anything else): the champion's live acceptance over the
 newest `window_s` of its logged intervals since it became champion (MLflow `draftsmith-live`: accepted /
@@ -103,7 +104,7 @@ from statistics import NormalDist
 from typing import Callable
 
 from buffer.paths import data_dir
-from deploy.gate import GatePolicy, GateVerdict, SmokeCheck, run_gate, start_canary_after_gate
+from deploy.gate import GatePolicy, GateVerdict, SmokeCheck, fresh_cut, run_gate, start_canary_after_gate
 from deploy.registry import CANDIDATE, PREVIOUS, TAG, PromotionsPaused, Registry, RegistryError
 
 GATE_PENDING_TAG = TAG + "gate_pending"
@@ -607,19 +608,21 @@ class DistillScheduler:
         return out
 
     def _evidence_changed(self, version: str) -> bool:
-        """Whether the gate's held-out sample changed since candidate `version` was last gated again short of
-        it (`EvidenceSource.sample_key`); gating it on the same sample would score both drafts again, on the
-        cores serving uses, for the same verdict. True when the evidence source cannot tell."""
+        """Whether the gate's sample (held-out requests, and the fresh ones after `version`'s cut: deploy/gate.py
+        "Fresh evidence") changed since candidate `version` was last gated again short of it, and now holds the
+        gate's minimum of requests (`EvidenceSource.sample_key`); gating it on the same sample, or on one still
+        too small, would score both drafts again, on the cores serving uses, for the same verdict. True when
+        the evidence source cannot tell."""
         key_fn = getattr(self.evidence, "sample_key", None)
         if key_fn is None:
             return True
         try:
-            key = key_fn()
+            key = key_fn(fresh_after=fresh_cut(self.registry, version))
         except Exception as e:  # noqa: BLE001 - e.g. Redis down: let the gate run and report it
             log.warning("[distill] cannot read the gate's sample size: %s", e)
             return True
-        if self._evidence_keys.get(version) == key:
-            return False
+        if self._evidence_keys.get(version) == key or key[0] < self.policy.min_requests:
+            return False            # the same sample, or one still too small to judge: no scoring
         self._evidence_keys[version] = key
         return True
 

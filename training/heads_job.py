@@ -153,27 +153,16 @@ def read_examples(*, redis_url: str | None, buffer_prefix: str, n: int, heldout:
     return examples_from_buffer(entries, seqs), window
 
 
-FRESH_SCAN_MS = 600_000       # fresh_examples: how far before the cut a fresh request's steps are looked for
-
-
 def fresh_examples(*, redis_url: str | None, buffer_prefix: str, after: str, n: int,
                    heldout_fraction: float) -> tuple[list[dict], dict]:
-    """The gate's fresh evidence, read-only: examples of the requests whose SequenceRecord was written after
-    `after` (a job's `data_window.sequence_cut`, buffer/redis_store.py `sequence_cursor`) that are not held
-    out (those are in the held-out sample already), from their newest `n` steps; and the window. No job up to
-    the one that took that cut can have trained on them: a job rebuilds only requests whose sequence is
-    stored when it reads. Steps older than ten minutes before the cut are not scanned (a request that long
-    loses its first steps, and with them its example)."""
-    from buffer.redis_store import BufferConfig, ReplayBufferReader, resolve_redis_url, stream_id_key
-    from training.data import is_heldout
+    """The gate's fresh evidence as examples (training/data.py `fresh_window`: the not-held-out requests whose
+    SequenceRecord was written after `after`, a job's `data_window.sequence_cut`), read-only; and the window."""
+    from buffer.redis_store import BufferConfig, ReplayBufferReader, resolve_redis_url
+    from training.data import fresh_window
 
-    ms, _ = stream_id_key(after)
     reader = ReplayBufferReader(resolve_redis_url(redis_url), BufferConfig(prefix=buffer_prefix))
     try:
-        ids = {r.request_id for r in reader.sequences_after(after)
-               if not is_heldout(r.request_id, heldout_fraction)}
-        entries, seqs = (reader.newest_steps(n, where=lambda st: st.request_id in ids,
-                                             after_id=f"{max(0, ms - FRESH_SCAN_MS)}-0") if ids else ([], {}))
+        entries, seqs = fresh_window(reader, after, n, heldout_fraction=heldout_fraction)
     finally:
         reader.client.close()
     examples = examples_from_buffer(entries, seqs)

@@ -22,7 +22,8 @@ One job:
    new vocabulary ("after");
 5. write `<out_dir>/adapter/` (peft, safetensors) + `vocabulary.json` + `candidate.json`
    (docs/architecture.md, "Candidate folder"); `data_window.last_id` is the newest stream id trained
-   on (the cursor).
+   on (the cursor), `data_window.sequence_cut` the buffer's sequence cursor taken after the job's reads
+   (the gate's fresh evidence is the requests after it: deploy/gate.py).
 
 **Acks** (`ack`). "registered" (what the scheduler, `draftsmith distill`, asks for): the job acks no
 record it trained on; it writes their stream ids to `<out_dir>/records.json` and they stay pending in the
@@ -332,6 +333,9 @@ def run_distillation(cfg: dict, progress: Callable[[str], None] = print,
             units += rep_units
             progress(f"[distill] replaying {len(rep)} older training steps from {len(rep_seqs)} requests "
                      f"(before {first})")
+        # after every read: each request this job trains on has its sequence at or before the cut, so the
+        # requests whose sequence comes after it are unseen (deploy/gate.py, "Fresh evidence")
+        cut = reader.sequence_cursor()
 
         draft = distill.Draft(job.base_draft_path, lora_r=tcfg.lora_r, lora_alpha=tcfg.lora_alpha,
                               lora_targets=tcfg.lora_targets)  # parent's rows
@@ -391,6 +395,7 @@ def run_distillation(cfg: dict, progress: Callable[[str], None] = print,
                              "lora_targets": distill.lora_target_modules(tcfg.lora_targets), "rows": job.rows,
                              "max_len": job.max_len, "heldout_fraction": job.heldout_fraction},
             "data_window": {**used_window.summary(bcfg.steps_key), "group": job.group, "since_id": job.since_id,
+                            "sequence_cut": cut,
                             "replay": {k: v for k, v in replay.summary(bcfg.steps_key).items()
                                        if k in ("first_id", "last_id", "steps", "requests", "sources")},
                             "heldout": {"records": n_held, "requests": len(held_seqs), "source": job.eval_source,

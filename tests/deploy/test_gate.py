@@ -176,8 +176,64 @@ def test_gate_promotes_a_draft_that_is_better_on_its_own_sample(registry, tmp_pa
     assert registry.get(v).metrics["gate_expected_rate"] == pytest.approx(verdict.candidate_expected_rate)
     # the sample's cheap fingerprint (what the scheduler compares before gating a waiting candidate again)
     n, newest = evidence.sample_key()
-    assert newest == verdict.window["last_id"] and n >= verdict.records > 0
+    assert newest == verdict.window["last_id"] and n == verdict.requests == 24
     assert evidence.sample_key() == (n, newest)
+
+
+def test_the_draft_gate_also_scores_the_requests_that_ended_after_the_jobs_read_the_buffer(
+        registry, tmp_path, pair, redis_url):
+    """Fresh evidence for drafts (deploy/gate.py): the real draft job keeps the buffer's sequence cursor taken
+    after its reads (`data_window.sequence_cut`); the gate on its candidate scores the held-out requests and
+    the not-held-out ones whose sequence came after that cut, never the ones the job trained on. Real Redis,
+    a real job on tiny models, real MLflow, real scoring."""
+    from buffer.redis_store import BufferConfig, ReplayBufferReader
+    from deploy import cli
+    from deploy.gate import fresh_cut
+    from deploy.scheduler import JobRequest
+    from training.job import run_distillation
+
+    target, draft, sha = pair
+    prefix = f"test:gate-fresh:{uuid.uuid4().hex[:10]}"
+    try:
+        trained = serve_records(target, draft, redis_url, prefix, requests=8, heldout=False,
+                                heldout_fraction=FRACTION, tag="train")
+        serve_records(target, draft, redis_url, prefix, requests=3, heldout=True, heldout_fraction=FRACTION,
+                      tag="held")
+        req = JobRequest("1", registry.materialize("1"), "tiny-target", target_sha256=sha)
+        cand = run_distillation(cli.job_config(req, "tiny-target", {
+            "redis_url": redis_url, "buffer_prefix": prefix, "heldout_fraction": FRACTION, "steps": 2,
+            "batch_tokens": 1024, "min_records": 4, "mlflow": False, "out_dir": str(tmp_path / "cand")}),
+            progress=lambda m: None)
+        window = json.loads((cand / "candidate.json").read_text())["data_window"]
+        assert window["requests"] == len(trained) and window["sequence_cut"] not in (None, "0-0")
+        v = registry.register_candidate(cand)
+        assert fresh_cut(registry, v) == window["sequence_cut"]          # the champion (a base) kept no data
+        evidence = EvidenceSource(redis_url=redis_url, buffer_prefix=prefix, heldout_fraction=FRACTION, records=5000)
+        policy = GatePolicy(min_requests=20)                            # judged short of evidence: not promoted
+        verdict = run_gate(registry, v, FakeSmoke(), policy=policy, evidence=evidence, target_sha256=sha)
+        assert verdict.window["fresh_after"] == window["sequence_cut"] and verdict.window["fresh_requests"] == 0
+        assert verdict.requests == 3 and evidence.fresh_after is None   # what it trained on is not evidence
+        cut = window["sequence_cut"]
+        assert evidence.sample_key(fresh_after=cut)[0] == 3 == evidence.sample_key()[0]
+
+        fresh = serve_records(target, draft, redis_url, prefix, requests=2, heldout=False,
+                              heldout_fraction=FRACTION, tag="late-fresh")
+        assert evidence.sample_key(fresh_after=cut)[0] == 5 and evidence.sample_key()[0] == 3
+        verdict = run_gate(registry, v, FakeSmoke(), policy=policy, evidence=evidence, target_sha256=sha)
+        assert verdict.window["fresh_requests"] == len(fresh) == 2 and verdict.requests == 5, verdict.window
+        assert not verdict.accepted and "not enough held-out evidence: 5 requests" in verdict.reason
+        recorded = json.loads(registry.get(v).tags["draftsmith.gate.evidence"])
+        assert recorded["window"]["fresh_requests"] == 2
+        # an evidence source given its own cut keeps it: the newest traffic only
+        reader = ReplayBufferReader(redis_url, BufferConfig(prefix=prefix))
+        now = reader.sequence_cursor()
+        reader.client.close()
+        pinned = EvidenceSource(redis_url=redis_url, buffer_prefix=prefix, heldout_fraction=FRACTION,
+                                records=5000, fresh_after=now)
+        verdict = run_gate(registry, v, FakeSmoke(), policy=policy, evidence=pinned, target_sha256=sha)
+        assert verdict.window["fresh_requests"] == 0 and verdict.requests == 3
+    finally:
+        drop_prefix(redis_url, prefix)
 
 
 # ----------------------------------------------------------------------------- target pinning

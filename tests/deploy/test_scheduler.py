@@ -460,10 +460,11 @@ def test_a_waiting_candidate_is_gated_again_only_when_the_held_out_sample_change
     """Re-gating scores both drafts; on the same sample it would give the same verdict. With an evidence
     source that can fingerprint its sample (`sample_key`), a tick re-gates only once the key changed."""
     small, large = synthetic_evidence(0.1, n=5), synthetic_evidence(0.1, n=40)
-    state = {"evidence": small, "key": (50, "1-0"), "collected": 0, "pending": 100}
+    state = {"evidence": small, "key": (50, "1-0"), "collected": 0, "pending": 100, "cuts": []}
 
     class Source:
-        def sample_key(self):
+        def sample_key(self, fresh_after=None):
+            state["cuts"].append(fresh_after)
             return state["key"]
 
         def collect(self, a, b):
@@ -478,6 +479,9 @@ def test_a_waiting_candidate_is_gated_again_only_when_the_held_out_sample_change
     assert sched.tick() is None and state["collected"] == 2      # first look at this sample: gated again
     assert sched.tick() is None and sched.tick() is None and state["collected"] == 2   # same sample: not scored
     assert sched.waiting_candidate() == "2" and len(calls) == 1
+    state["key"] = (19, "1-5")       # changed, but below the gate's 20 requests (e.g. older ones trimmed away)
+    assert sched.tick() is None and state["collected"] == 2
+    assert set(state["cuts"]) == {None}                 # the stand-in candidates keep no sequence cut
     state["key"], state["evidence"], state["pending"] = (60, "2-0"), large, 0    # a held-out request finished
     assert sched.tick() is None and state["collected"] == 3
     assert registry.champion() == "2"
