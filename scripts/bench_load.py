@@ -51,7 +51,7 @@ def engine_baseline(prompts: list[str], args, threads: int | None = None, client
     import torch
 
     from deploy.registry import Registry
-    from serving.config import SamplingParams, SpecParams
+    from serving.config import AUTO_MODE, SamplingParams, SpecParams, served_knobs, served_mode
     from serving.engine import Engine
     from serving.protocol import OPENAI_TOP_K, OPENAI_TOP_P
     from training.prompts import chat_prompt_ids
@@ -72,8 +72,15 @@ def engine_baseline(prompts: list[str], args, threads: int | None = None, client
 
             sink = ReplayBufferWriter(args.engine_buffer, BufferConfig(prefix=BENCH_BUFFER_PREFIX))
         eng = Engine.from_paths(None, draft, draft_version=version or "none", device=args.device, sink=sink)
+        if args.medusa_heads is not None:      # the served default drafts with them where they pay
+            eng.load_heads(args.medusa_heads, version="local")
         _ENGINES[threads] = (eng, version)
-    spec = SpecParams(mode=args.mode if eng.draft is not None else "target")
+    mode, knobs = args.mode, {}
+    if mode == "default":          # what the service serves a request that names no mode (serving/config.py)
+        mode = served_mode(AUTO_MODE, has_draft=eng.draft is not None, has_heads=args.medusa_heads is not None,
+                           has_eagle=False)
+        knobs = served_knobs(mode)
+    spec = SpecParams(mode=mode if eng.draft is not None else "target", extra=knobs)
     for j in range(2):   # warm-up (first calls pay for kernel selection and allocations)
         eng.generate_all(chat_prompt_ids(eng.tokenizer, prompts[-1 - j]), SamplingParams(max_tokens=8, seed=j), spec)
     lock, stop = threading.Lock(), threading.Event()
@@ -215,7 +222,12 @@ def paired_overhead(url: str, prompts: list[str], args) -> dict:
     from serving.protocol import OPENAI_TOP_K, OPENAI_TOP_P
     from training.prompts import chat_prompt_ids
 
-    spec = SpecParams(mode=args.mode if eng.draft is not None else "target")
+    mode, knobs = args.mode, {}
+    if mode == "default":          # what the service serves a request that names no mode (serving/config.py)
+        mode = served_mode(AUTO_MODE, has_draft=eng.draft is not None, has_heads=args.medusa_heads is not None,
+                           has_eagle=False)
+        knobs = served_knobs(mode)
+    spec = SpecParams(mode=mode if eng.draft is not None else "target", extra=knobs)
 
     def in_process(k: int) -> tuple[float, int, str]:
         ids = chat_prompt_ids(eng.tokenizer, prompts[k % len(prompts)])
@@ -364,7 +376,9 @@ def main() -> int:
     p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8])
     p.add_argument("--seconds", type=float, default=60)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--mode", default="mjsd")
+    p.add_argument("--mode", default="mjsd",
+                   help="a decoding mode, or 'default': the served default for what is loaded (medusa with "
+                        "--medusa-heads, else mjsd)")
     p.add_argument("--engine-seconds", type=float, default=60)
     p.add_argument("--engine-threads", type=int, nargs="+", default=None,
                    help="also measure the in-process engine at these torch thread counts (e.g. the replica's "
@@ -385,6 +399,9 @@ def main() -> int:
     p.add_argument("--device", default="cpu", help="in-process levels: the engine's device (cuda on a GPU)")
     p.add_argument("--draft", type=Path, default=None,
                    help="in-process levels: this draft folder instead of the registry's champion")
+    p.add_argument("--medusa-heads", type=Path, default=None,
+                   help="in-process levels: load these Medusa heads next to the draft (mode default then drafts "
+                        "with them where they pay, as a replica with a heads champion does)")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "load")
     args = p.parse_args()
     from training.prompts import load_prompts
