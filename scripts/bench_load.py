@@ -51,7 +51,7 @@ def engine_baseline(prompts: list[str], args, threads: int | None = None, client
     import torch
 
     from deploy.registry import Registry
-    from serving.config import AUTO_MODE, SamplingParams, SpecParams, served_knobs, served_mode
+    from serving.config import SamplingParams
     from serving.engine import Engine
     from serving.protocol import OPENAI_TOP_K, OPENAI_TOP_P
     from training.prompts import chat_prompt_ids
@@ -75,12 +75,7 @@ def engine_baseline(prompts: list[str], args, threads: int | None = None, client
         if args.medusa_heads is not None:      # the served default drafts with them where they pay
             eng.load_heads(args.medusa_heads, version="local")
         _ENGINES[threads] = (eng, version)
-    mode, knobs = args.mode, {}
-    if mode == "default":          # what the service serves a request that names no mode (serving/config.py)
-        mode = served_mode(AUTO_MODE, has_draft=eng.draft is not None, has_heads=args.medusa_heads is not None,
-                           has_eagle=False)
-        knobs = served_knobs(mode)
-    spec = SpecParams(mode=mode if eng.draft is not None else "target", extra=knobs)
+    spec = _spec(eng, args)
     for j in range(2):   # warm-up (first calls pay for kernel selection and allocations)
         eng.generate_all(chat_prompt_ids(eng.tokenizer, prompts[-1 - j]), SamplingParams(max_tokens=8, seed=j), spec)
     lock, stop = threading.Lock(), threading.Event()
@@ -126,6 +121,19 @@ def engine_baseline(prompts: list[str], args, threads: int | None = None, client
             "draft_version": version, "threads": threads, "clients": clients, "ttft_p50_s": pct(ttft, 0.5),
             "ttft_p99_s": pct(ttft, 0.99), "mean_batch_rows": mean_batch,
             "latency_p50_s": pct([r["end"] - r["start"] for r in results], 0.5)}
+
+
+def _spec(eng, args):
+    """The SpecParams of --mode on `eng`: 'default' is what the service serves a request that names no mode
+    (serving/config.py `served_mode`: medusa with --medusa-heads, else mjsd); target-only without a draft."""
+    from serving.config import AUTO_MODE, SpecParams, served_knobs, served_mode
+
+    mode, knobs = args.mode, {}
+    if mode == "default":
+        mode = served_mode(AUTO_MODE, has_draft=eng.draft is not None, has_heads=args.medusa_heads is not None,
+                           has_eagle=False)
+        knobs = served_knobs(mode)
+    return SpecParams(mode=mode if eng.draft is not None else "target", extra=knobs)
 
 
 _ENGINES: dict = {}
@@ -218,16 +226,11 @@ def paired_overhead(url: str, prompts: list[str], args) -> dict:
     engine_baseline(prompts[:2], _warm_args(args), threads)   # loads the engine on `threads` and warms it
     torch.set_num_threads(threads)
     eng, _ = _ENGINES[threads]
-    from serving.config import SamplingParams, SpecParams
+    from serving.config import SamplingParams
     from serving.protocol import OPENAI_TOP_K, OPENAI_TOP_P
     from training.prompts import chat_prompt_ids
 
-    mode, knobs = args.mode, {}
-    if mode == "default":          # what the service serves a request that names no mode (serving/config.py)
-        mode = served_mode(AUTO_MODE, has_draft=eng.draft is not None, has_heads=args.medusa_heads is not None,
-                           has_eagle=False)
-        knobs = served_knobs(mode)
-    spec = SpecParams(mode=mode if eng.draft is not None else "target", extra=knobs)
+    spec = _spec(eng, args)
 
     def in_process(k: int) -> tuple[float, int, str]:
         ids = chat_prompt_ids(eng.tokenizer, prompts[k % len(prompts)])
