@@ -282,6 +282,15 @@ class EvidenceSource:
         finally:
             reader.client.close()
 
+    def _fresh(self, reader, after: str | None) -> tuple[list, dict]:
+        """The fresh requests' steps after the sequence cut `after` (none without one), of `source` if set."""
+        from training import data
+
+        if not after:
+            return [], {}
+        return data.fresh_window(reader, after, self.records, heldout_fraction=self.heldout_fraction,
+                                 source=self.source)
+
     def sample_key(self, fresh_after: str | None = None) -> tuple[int, str | None]:
         """A cheap fingerprint of the sample `collect` would draw now, read from Redis without scoring
         anything: (its requests: the held-out ones, and with `fresh_after` the fresh ones after that cut; its
@@ -293,10 +302,7 @@ class EvidenceSource:
         with self._reader() as reader:
             entries, _ = data.heldout_window(reader, self.records, heldout_fraction=self.heldout_fraction,
                                              source=self.source)
-            if fresh_after:
-                fresh, seqs = data.fresh_window(reader, fresh_after, self.records,
-                                                heldout_fraction=self.heldout_fraction)
-                entries = entries + [e for e in fresh if self.source in (None, seqs[e.record.request_id].source)]
+            entries = entries + self._fresh(reader, fresh_after)[0]
         ids = [e.stream_id for e in entries]
         return len({e.record.request_id for e in entries}), (max(ids, key=stream_id_key) if ids else None)
 
@@ -309,11 +315,7 @@ class EvidenceSource:
             units, entries = data.heldout_units(reader, self.records, heldout_fraction=self.heldout_fraction,
                                                 max_len=self.max_len, source=self.source,
                                                 category_floor=self.category_floor)
-            fresh, fresh_seqs = ((data.fresh_window(reader, self.fresh_after, self.records,
-                                                    heldout_fraction=self.heldout_fraction))
-                                 if self.fresh_after else ([], {}))
-        if self.source is not None:
-            fresh = [e for e in fresh if fresh_seqs[e.record.request_id].source == self.source]
+            fresh, fresh_seqs = self._fresh(reader, self.fresh_after)
         fresh_units, _ = data.build_units(fresh, fresh_seqs, max_len=self.max_len, rows="all")
         units = units + fresh_units
         entries = entries + fresh

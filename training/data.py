@@ -356,18 +356,19 @@ FRESH_SCAN_MS = 600_000       # fresh_window: how far before the cut a fresh req
 
 
 def fresh_window(reader: ReplayBufferReader, after: str, n: int, *, heldout_fraction: float,
-                 ) -> tuple[list[BufferEntry], dict[str, SequenceRecord]]:
+                 source: str | None = None) -> tuple[list[BufferEntry], dict[str, SequenceRecord]]:
     """The gate's fresh evidence (deploy/gate.py "Fresh evidence"), read-only: the newest `n` steps (newest
     first) of the requests whose SequenceRecord was written after `after` (a job's `data_window.sequence_cut`,
     buffer/redis_store.py `sequence_cursor`) and that are not held out (those are in the held-out sample
-    already), with their records. No job up to the one that took that cut can have trained on them: a job
+    already), optionally of one traffic `source`, with their records. No job up to the one that took that cut can have trained on them: a job
     uses only steps whose request's sequence is stored when it reads. Steps older than FRESH_SCAN_MS before
     the cut are not scanned (a request that long loses its first steps)."""
     ms, _ = stream_id_key(after)
     ids = {r.request_id for r in reader.sequences_after(after) if not is_heldout(r.request_id, heldout_fraction)}
     if not ids:
         return [], {}
-    return reader.newest_steps(n, where=lambda st: st.request_id in ids, after_id=f"{max(0, ms - FRESH_SCAN_MS)}-0")
+    return reader.newest_steps(n, where=lambda st: st.request_id in ids, after_id=f"{max(0, ms - FRESH_SCAN_MS)}-0",
+                               source=source)
 
 
 def replay_window(reader: ReplayBufferReader, n: int, *, before_id: str, heldout_fraction: float,

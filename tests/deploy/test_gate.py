@@ -219,6 +219,9 @@ def test_the_draft_gate_also_scores_the_requests_that_ended_after_the_jobs_read_
         fresh = serve_records(target, draft, redis_url, prefix, requests=2, heldout=False,
                               heldout_fraction=FRACTION, tag="late-fresh")
         assert evidence.sample_key(fresh_after=cut)[0] == 5 and evidence.sample_key()[0] == 3
+        code = EvidenceSource(redis_url=redis_url, buffer_prefix=prefix, heldout_fraction=FRACTION, records=5000,
+                              source="code")                    # requests alternate chat, code: 1 held out, 1 fresh
+        assert code.sample_key(fresh_after=cut)[0] == 2 and code.sample_key()[0] == 1
         verdict = run_gate(registry, v, FakeSmoke(), policy=policy, evidence=evidence, target_sha256=sha)
         assert verdict.window["fresh_requests"] == len(fresh) == 2 and verdict.requests == 5, verdict.window
         assert not verdict.accepted and "not enough held-out evidence: 5 requests" in verdict.reason
