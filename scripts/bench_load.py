@@ -74,6 +74,7 @@ def engine_baseline(prompts: list[str], args, threads: int | None = None, client
         eng = Engine.from_paths(None, draft, draft_version=version or "none", device=args.device, sink=sink)
         if args.medusa_heads is not None:      # the served default drafts with them where they pay
             eng.load_heads(args.medusa_heads, version="local")
+        eng.batch_trees = not args.solo_trees
         _ENGINES[threads] = (eng, version)
     spec = _spec(eng, args)
     for j in range(2):   # warm-up (first calls pay for kernel selection and allocations)
@@ -405,6 +406,9 @@ def main() -> int:
     p.add_argument("--medusa-heads", type=Path, default=None,
                    help="in-process levels: load these Medusa heads next to the draft (mode default then drafts "
                         "with them where they pay, as a replica with a heads champion does)")
+    p.add_argument("--solo-trees", action="store_true",
+                   help="in-process levels: medusa requests step alone, one target pass each (the scheduler before "
+                        "tree batching), instead of sharing one pass over all their trees: the A/B arm")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "load")
     args = p.parse_args()
     from training.prompts import load_prompts

@@ -21,6 +21,8 @@ DRAFT_FREE_MODES = ("target", "ngram", "medusa", "eagle")
 ADAPTIVE_MODES = ("mjsd", "speculative", "typical", "mentored")
 # Tree modes whose depth the controller chooses per step (0..min(gamma, heads): the heads' tree, or a plain step).
 ADAPTIVE_TREE_MODES = ("medusa",)
+# tree modes whose requests step together, one target pass over every request's tree (serving/scheduler.py)
+TREE_BATCHED_MODES = ("medusa",)
 # Modes where the controller may switch a step to n-gram proposals, verified by the mode's own rule.
 NGRAM_SWITCH_MODES = ("mjsd", "speculative")
 DEFAULT_MODE = "mjsd"

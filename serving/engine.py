@@ -289,6 +289,9 @@ class Engine:
         self.eagle_version = eagle_version if eagle is not None else "none"
         # a canary per heads kind (set_heads_canary): {"medusa" | "eagle": (module, version name, share, path)}
         self.heads_canary: dict[str, tuple] = {}
+        # medusa requests step together, one target pass over all their trees (serving/scheduler.py
+        # `_tree_step`); False: each steps alone (`_solo_tree_step`), the A/B arm of scripts/bench_load.py
+        self.batch_trees = True
         self.tokenizer = target.tokenizer
         self.vocab_size = len(self.tokenizer)
         self.draft = draft
@@ -953,26 +956,8 @@ class _RequestState:
         self.target.truncate(len(self.seq) - 1)
         if self.draft is not None:
             self.draft.truncate(min(self.draft.length, len(self.seq) - 1))
-        stats.steps += 1
-        stats.draft_tokens += len(draft_tokens)
-        stats.accepted_tokens += n
-        for i in range(n):
-            stats.accepted_per_position[i] += 1
-        plain = not draft_tokens
-        if plain:                  # an adaptive step that drafted nothing: a target step, credited to no draft
-            version = "none"
-        stats.count_version(version, len(draft_tokens), n)
-        if sink is not None and (draft_tokens or record_plain):
-            try:
-                ids, lps = _top_k_record(target_logits, self.engine.record_top_k)
-                sink.push_step(StepRecord(
-                    request_id=request_id, position=start, draft_tokens=draft_tokens, num_accepted=n,
-                    target_topk_ids=ids, target_topk_logprobs=lps, algorithm="target" if plain else mode,
-                    draft_version=version, temperature=sampling.temperature, top_k=sampling.top_k,
-                    top_p=sampling.top_p, timestamp=time.time(), next_token=int(res.next_token)))
-                self.recorded_steps += 1
-            except Exception as exc:
-                log.warning("replay buffer push failed: %s", exc)
+        self.recorded_steps += count_and_record(self.engine, stats, sink, request_id, mode, version, start,
+                                                draft_tokens, res, target_logits, sampling, record_plain)
         return emitted
 
     def _draft_feed(self, tokens, keep: int, stats: GenerationStats) -> torch.Tensor:
@@ -1061,15 +1046,7 @@ class _RequestState:
         """The tree rule (greedy at T=0; otherwise the lossless deterministic-children rule, Medusa's typical
         acceptance with `rule` "typical", or MJSD's joint test with `rule` "mjsd" on the proposer's warped
         `node_logq`); the target cache then keeps the accepted path only."""
-        if sampling.temperature == 0:
-            res = verify_greedy(tree, logits)
-        elif spec.extra["rule"] == "typical":
-            res = verify_typical(tree, warp(logits).exp(), spec.extra["posterior_threshold"],
-                                 spec.extra["posterior_alpha"])
-        elif spec.extra["rule"] == "mjsd":
-            res = verify_mjsd(tree, warp(logits).exp(), node_logq, spec.extra["tau"], gen)
-        else:
-            res = verify_deterministic(tree, warp(logits).exp(), gen)
+        res = tree_verdict(tree, logits, sampling, spec, warp, gen, node_logq)
         keep_path(self.target.cache, prefix, res.path)
         self.target.length = prefix + 1 + len(res.path)
         return res
@@ -1123,24 +1100,13 @@ class _RequestState:
             self.target.length = prefix
             self.hidden, self.hidden_for = hid[-1], len(self.seq)
         t1 = time.perf_counter()
-        node_logq = None
         depth = min(spec.gamma, heads.config.num_heads)
         if self.depth is not None:                                    # the adaptive controller's choice
             depth = min(depth, self.depth)
-        if self.hidden_for == len(self.seq) and depth > 0:
-            branching = tree_branching(depth, spec.extra["width"], spec.extra["branch"])
-            floor = spec.extra["node_floor"]                            # the heads' doubt prunes the tree
-            if self._tree_mjsd(spec, sampling):                       # the heads' warped log q of every node
-                tree, node_logq = heads.propose_with_logq(self.hidden, self.seq[-1], branching, warp, floor)
-            else:
-                tree = heads.propose(self.hidden, self.seq[-1], branching, floor)
-        else:
-            tree = DraftTree((), ())           # depth 0 (a plain step), or a one-token prompt: nothing to read yet
-            node_logq = torch.zeros(0)
+        tree, node_logq = medusa_tree(heads, self.hidden if self.hidden_for == len(self.seq) else None,
+                                      self.seq[-1], depth, spec, sampling, warp)
         self.verified = 1 + len(tree.tokens)
-        self.depth_nodes = [0] * max(tree.depth, default=0)    # shallower than planned where the heads' doubt pruned it
-        for d in tree.depth:
-            self.depth_nodes[d - 1] += 1
+        self.depth_nodes = nodes_per_depth(tree)
         stats.draft_time_s += time.perf_counter() - t1
         logits, hid, res = self._verify_tree_hidden(tree, prefix, sampling, spec, warp, gen, node_logq, stats,
                                                     extra_s=t1 - t0)
@@ -1226,3 +1192,73 @@ class _RequestState:
         if self.draft.batch > 1:
             self.draft.select(torch.tensor([row]))
         return chains[row].tolist(), target_logits[int(inverse[row])], res
+
+
+def tree_verdict(tree: DraftTree, logits: torch.Tensor, sampling: SamplingParams, spec: SpecParams, warp, gen,
+                 node_logq: torch.Tensor | None = None) -> TreeVerifyResult:
+    """The tree rule of a tree step (`logits` [N + 1, vocab], row 0 the root's): greedy at T=0; otherwise the
+    lossless deterministic-children rule, Medusa's typical acceptance with `rule` "typical", or MJSD's joint
+    test with `rule` "mjsd" on the proposer's warped `node_logq`."""
+    if sampling.temperature == 0:
+        return verify_greedy(tree, logits)
+    if spec.extra["rule"] == "typical":
+        return verify_typical(tree, warp(logits).exp(), spec.extra["posterior_threshold"],
+                              spec.extra["posterior_alpha"])
+    if spec.extra["rule"] == "mjsd":
+        return verify_mjsd(tree, warp(logits).exp(), node_logq, spec.extra["tau"], gen)
+    return verify_deterministic(tree, warp(logits).exp(), gen)
+
+
+def medusa_tree(heads, hidden: torch.Tensor | None, root: int, depth: int, spec: SpecParams,
+                sampling: SamplingParams, warp) -> tuple[DraftTree, torch.Tensor | None]:
+    """The heads' tree under `root` from the target's hidden state before it (`width`, `branch`, `depth`,
+    pruned by `node_floor`), and for rule mjsd at T > 0 the heads' warped log q of every node (else None).
+    No hidden state (a one-token prompt, a request's first step in the batch) or depth 0: the empty tree,
+    a plain target step."""
+    if hidden is None or depth <= 0:
+        return DraftTree((), ()), torch.zeros(0)
+    branching = tree_branching(depth, spec.extra["width"], spec.extra["branch"])
+    floor = spec.extra["node_floor"]                            # the heads' doubt prunes the tree
+    if _RequestState._tree_mjsd(spec, sampling):               # the heads' warped log q of every node
+        return heads.propose_with_logq(hidden, root, branching, warp, floor)
+    return heads.propose(hidden, root, branching, floor), None
+
+
+def nodes_per_depth(tree: DraftTree) -> list[int]:
+    """The tree's nodes at depths 1..its deepest (shallower than planned where the heads' doubt pruned it)."""
+    out = [0] * max(tree.depth, default=0)
+    for d in tree.depth:
+        out[d - 1] += 1
+    return out
+
+
+def count_and_record(engine: "Engine", stats: GenerationStats, sink: RecordSink | None, request_id: str, mode: str,
+                     version: str, start: int, draft_tokens: list[int], res, target_logits: torch.Tensor,
+                     sampling: SamplingParams, record_plain: bool = False) -> int:
+    """A step's statistics, counted under the version that proposed it (a step that drafted nothing is a
+    target step, credited to no draft), and its record for the replay buffer (`record_plain`: a step that
+    proposed nothing is recorded too, so distillation learns the traffic on which the proposer is weak).
+    Returns the records pushed (0 or 1); a failed push is logged, never raised."""
+    n = res.num_accepted
+    stats.steps += 1
+    stats.draft_tokens += len(draft_tokens)
+    stats.accepted_tokens += n
+    for i in range(n):
+        stats.accepted_per_position[i] += 1
+    plain = not draft_tokens
+    if plain:
+        version = "none"
+    stats.count_version(version, len(draft_tokens), n)
+    if sink is None or not (draft_tokens or record_plain):
+        return 0
+    try:
+        ids, lps = _top_k_record(target_logits, engine.record_top_k)
+        sink.push_step(StepRecord(
+            request_id=request_id, position=start, draft_tokens=draft_tokens, num_accepted=n,
+            target_topk_ids=ids, target_topk_logprobs=lps, algorithm="target" if plain else mode,
+            draft_version=version, temperature=sampling.temperature, top_k=sampling.top_k,
+            top_p=sampling.top_p, timestamp=time.time(), next_token=int(res.next_token)))
+        return 1
+    except Exception as exc:  # noqa: BLE001 - a sink must never take a request down
+        log.warning("replay buffer push failed: %s", exc)
+        return 0

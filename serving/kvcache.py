@@ -240,6 +240,74 @@ class BatchKV:
             self.lengths[r] += len(b)
         return out.logits[:, -keep:].float()
 
+    def feed_tree(self, blocks: list[list[int]], block_masks: list[torch.Tensor], block_pos: list[torch.Tensor],
+                  keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`feed` for blocks that are trees (serving/scheduler.py, the heads' trees of several requests in one
+        target pass): row r's block of m tokens attends over itself by `block_masks[r]` (bool [m, m]: a chain
+        of context tokens is causal, a tree node sees its ancestors) and its tokens sit at positions
+        `lengths[r] + block_pos[r]` (a node's position is its depth, not its slot). Returns fp32 logits and
+        the last hidden states (after the final norm, what the heads read) of the last `keep` block
+        positions: [rows, keep, vocab], [rows, keep, d]. Every new slot is valid until `keep_new` keeps each
+        row's accepted slots only."""
+        if len(blocks) != self.rows or len(block_masks) != self.rows or len(block_pos) != self.rows:
+            raise ValueError(f"{len(blocks)} blocks for {self.rows} rows")
+        n = max(1, max(len(b) for b in blocks))
+        ids = torch.full((self.rows, n), PAD_ID, dtype=torch.long)
+        pos = torch.zeros(self.rows, n, dtype=torch.long)
+        block_valid = torch.zeros(self.rows, n, dtype=torch.bool)
+        inner = torch.eye(n, dtype=torch.bool).repeat(self.rows, 1, 1)   # padding queries see only themselves
+        for r, (b, bm, bp) in enumerate(zip(blocks, block_masks, block_pos)):
+            m = len(b)
+            pos[r] = self.lengths[r]
+            if not m:
+                continue
+            if bm.shape != (m, m) or len(bp) != m:
+                raise ValueError(f"row {r}: a block of {m} tokens needs a [{m}, {m}] mask and {m} positions")
+            ids[r, n - m:] = torch.as_tensor(b, dtype=torch.long)
+            pos[r, n - m:] = self.lengths[r] + torch.as_tensor(bp, dtype=torch.long)
+            block_valid[r, n - m:] = True
+            inner[r, n - m:, n - m:] = bm
+        past = self.valid.cpu()[:, None, :].expand(-1, n, -1) & block_valid[:, :, None]
+        allowed = torch.cat([past, inner], dim=2)                        # [rows, n, slots + n]
+        dtype = next(self.model.parameters()).dtype
+        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+        if self.cache is None:
+            self.cache = growable_cache()
+        with torch.no_grad():
+            out = self.model.get_decoder()(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                           position_ids=pos.to(self.device), past_key_values=self.cache,
+                                           use_cache=True)
+            hidden = out.last_hidden_state[:, -keep:]
+            logits = self.model.get_output_embeddings()(hidden)
+        self.cache = out.past_key_values
+        self.valid = torch.cat([self.valid, block_valid.to(self.device)], dim=1)
+        for r, b in enumerate(blocks):
+            self.lengths[r] += len(b)
+        return logits.float(), hidden
+
+    def keep_new(self, width: int, keeps: list[list[int]]) -> None:
+        """After a feed of `width` new slots (the cache's last `width`), row r keeps only its new slots
+        `keeps[r]` (indices into those `width`, increasing): they move, in order, to the first of the new
+        slots, every other new slot becomes a hole, and slots that no row holds any more are given back.
+        A tree step keeps the context it fed, the root and the accepted path."""
+        if len(keeps) != self.rows:
+            raise ValueError(f"{len(keeps)} keeps for {self.rows} rows")
+        start = self.slots - width
+        for r, keep in enumerate(keeps):
+            fed = int(self.valid[r, start:].sum())
+            if len(keep) > fed or any(not 0 <= k < width for k in keep):
+                raise ValueError(f"row {r}: cannot keep new slots {keep} of {fed}")
+            self.lengths[r] += len(keep) - fed
+            self.valid[r, start:] = False
+            self.valid[r, start: start + len(keep)] = True
+            if keep == list(range(len(keep))):
+                continue                                # already in place
+            src = torch.as_tensor(keep, dtype=torch.long, device=self.device) + start
+            for layer in _layers(self.cache):
+                layer.keys[r, :, start: start + len(keep)] = layer.keys[r, :, src]
+                layer.values[r, :, start: start + len(keep)] = layer.values[r, :, src]
+        self._trim_tail()
+
     # ------------------------------------------------------------------ rollback
     def drop_last(self, row: int, count: int) -> None:
         """Invalidate the row's `count` newest valid slots (rejected draft tokens)."""

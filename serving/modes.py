@@ -16,8 +16,9 @@ The engine and the batch scheduler look a mode up here instead of branching on i
 - `knobs`: the mode's extra parameters with defaults (serving/config.py MODE_KNOBS);
 - `batched`: whether the batch scheduler (serving/scheduler.py) runs it together with other requests in
   one forward per model. The others (staged, bild, spectr, tree, medusa, eagle: their proposals need per-request control
-  flow, a tree of rows or a tree mask) run alone, one step per scheduler round, between the batched steps, so they never
-  block the batch.
+  flow, a tree of rows or a tree mask) do not share that batch: medusa's requests step together in a batch of
+  their own, one target pass over all their trees (serving/config.py TREE_BATCHED_MODES), and the rest run
+  alone, one step per scheduler round, between the batched steps, so they never block the batch.
 """
 from __future__ import annotations
 

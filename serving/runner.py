@@ -57,6 +57,22 @@ class SequenceRunner:
         logits = full_vocab_logits(out.logits[:, -keep:], self.loaded, self.vocab_size)
         return logits if batched else logits[0]
 
+    def feed_hidden(self, tokens: list[int]) -> torch.Tensor:
+        """Append `tokens` (one sequence) to the cache and return the last position's hidden state [d] (after the
+        final norm: what Medusa heads read), without the output layer: a tree row's prompt prefill."""
+        from transformers import DynamicCache
+
+        ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device)[None]
+        if self.cache is None:
+            self.cache = DynamicCache()
+        with torch.no_grad():
+            out = self.model.get_decoder()(input_ids=ids, past_key_values=self.cache, use_cache=True)
+        self.cache = out.past_key_values
+        self.length += ids.shape[1]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return out.last_hidden_state[0, -1]
+
     def truncate(self, length: int) -> None:
         if self.cache is not None and self.length > length:
             self.cache.crop(-(self.length - length))

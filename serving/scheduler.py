@@ -13,8 +13,12 @@ One thread owns the models. Every round it
      and masks (serving/kvcache.py), so requests of any length and any k share the pass;
    - each request's own rule, sampling parameters and generator decide its accepted prefix; rejected
      slots become holes in both caches,
-4. runs one step of each request whose mode cannot batch (staged, bild, spectr) alone,
-5. emits tokens, retires finished or cancelled requests (their rows leave the caches) and squeezes the
+4. runs ONE target pass for every medusa request (the served default with heads): each row's controller
+   picks its tree's depth, its heads read the hidden state its last pass left, and the rows' blocks (the
+   context its cache lacks, its root, its tree) are verified together under per-row tree masks; each
+   row's rule keeps a path plus one target token and the cache keeps that path only (`_tree_step`),
+5. runs one step of each request whose mode cannot batch (staged, bild, spectr, tree, eagle) alone,
+6. emits tokens, retires finished or cancelled requests (their rows leave the caches) and squeezes the
    caches' holes out when they grow.
 
 Requests join and leave between rounds. A hot-swapped draft takes effect at the next round: the draft
@@ -49,10 +53,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from buffer.records import RecordSink, SequenceRecord, StepRecord
-from serving.config import ADAPTIVE_TREE_MODES, SamplingParams, SpecParams
+from serving.config import ADAPTIVE_TREE_MODES, TREE_BATCHED_MODES, SamplingParams, SpecParams
 from serving.controller import CostModel, Plan, RequestController, RowOption, plan_batch
 from serving.decoding.bild import bild_should_fallback
 from serving.decoding.mjsd import beam_sample_finalize, beam_sample_step
+from serving.decoding.tree import tree_branching, tree_size
 from serving.decoding.types import VerifyResult
 from serving.decoding.warp import sample, warp_logprobs
 from serving.kvcache import BatchKV, PrefixCache
@@ -107,6 +112,8 @@ class Request:
     seq: list[int] = field(default_factory=list)
     solo: object | None = None           # engine._RequestState of a mode that runs alone
     prefill: SequenceRunner | None = None
+    hidden: torch.Tensor | None = None   # a tree row (medusa): the target's last hidden state at seq[-2] ...
+    hidden_for: int = -1                 # ... valid while len(seq) equals this
     recorded_steps: int = 0
     t_start: float = 0.0
     energy0: object = None
@@ -144,7 +151,9 @@ class BatchScheduler:
         self.prefilling: list[Request] = []  # admitted, prompt being prefilled
         self.batch: list[Request] = []       # rows of tkv / dkv, in order
         self.solo: list[Request] = []        # modes that run alone
+        self.trees: list[Request] = []       # rows of tree_kv: the heads' trees, verified together (medusa)
         self.tkv: BatchKV | None = None
+        self.tree_kv: BatchKV | None = None  # the target's cache of the tree rows
         self.dkvs: list[BatchKV] = []        # one draft cache per live draft model (champion, canary)
         self.rounds = 0
         self._steady_draft = True
@@ -172,10 +181,10 @@ class BatchScheduler:
 
     @property
     def used_tokens(self) -> int:
-        return sum(r.footprint for r in self.prefilling + self.batch + self.solo)
+        return sum(r.footprint for r in self.prefilling + self.batch + self.solo + self.trees)
 
     def snapshot(self) -> dict:
-        return {"running": len(self.batch) + len(self.solo), "prefilling": len(self.prefilling),
+        return {"running": len(self.batch) + len(self.solo) + len(self.trees), "prefilling": len(self.prefilling),
                 "waiting": len(self.waiting), "kv_budget_tokens": self.max_batch_tokens,
                 "kv_reserved_tokens": self.used_tokens,
                 "target_cache_slots": self.tkv.slots if self.tkv else 0,
@@ -187,7 +196,7 @@ class BatchScheduler:
         idle_since = time.monotonic()
         pooled = False                  # a round ran since this thread last gave back its OpenMP workers
         while True:
-            active = self.waiting or self.prefilling or self.batch or self.solo
+            active = self.waiting or self.prefilling or self.batch or self.solo or self.trees
             if pooled and not active:
                 # about to wait idle: give back this thread's OpenMP workers (serving/models.py
                 # release_openmp_threads), so a calibration or a load in another thread meanwhile is not slowed
@@ -206,12 +215,12 @@ class BatchScheduler:
                     req = self._inbox.get_nowait()
             except queue.Empty:
                 pass
-            if not (self.waiting or self.prefilling or self.batch or self.solo):
+            if not (self.waiting or self.prefilling or self.batch or self.solo or self.trees):
                 if time.monotonic() - idle_since >= IDLE_EXIT_S:
                     with self._start_lock:
                         if self._inbox.empty():
                             self._thread = None
-                            self.tkv, self.dkvs = None, []
+                            self.tkv, self.dkvs, self.tree_kv = None, [], None
                             return
                 continue
             pooled = True
@@ -221,9 +230,9 @@ class BatchScheduler:
                 # a fault outside the guarded forwards (bookkeeping): fail what is running rather than
                 # repeat it every round, and start the caches afresh
                 log.exception("scheduler round failed; failing the running requests")
-                for req in self.prefilling + self.batch + self.solo:
+                for req in self.prefilling + self.batch + self.solo + self.trees:
                     self._fail(req, exc)
-                self.tkv, self.dkvs = None, []
+                self.tkv, self.dkvs, self.tree_kv = None, [], None
             idle_since = time.monotonic()
 
     def _round(self) -> None:
@@ -237,6 +246,8 @@ class BatchScheduler:
             self._solo_step(req)
         if self.batch:
             self._batch_step()
+        if self.trees:
+            self._tree_step()
         self._compact()
         if self.on_round is not None:
             with self.engine._lock:
@@ -251,7 +262,7 @@ class BatchScheduler:
             self.waiting.remove(req)
             req.t_start = time.perf_counter()
             req.energy0 = self.engine._energy.read_mj()
-            if MODE_TABLE[req.spec.mode].batched:
+            if MODE_TABLE[req.spec.mode].batched or self._tree_row(req):
                 self.prefilling.append(req)
             else:
                 from serving.engine import _RequestState
@@ -280,9 +291,11 @@ class BatchScheduler:
         for req in list(self.prefilling):
             if budget <= 0:
                 break
+            tree = self._tree_row(req)
             if req.prefill is None:
                 req.prefill = SequenceRunner(eng.target, eng.vocab_size)
-                hit, cache = self.prefix_cache.get(req.seq[: len(req.seq) - 1])
+                # a tree row's heads read the hidden state of the prompt's last fed token: it feeds at least one
+                hit, cache = self.prefix_cache.get(req.seq[: len(req.seq) - 1 - tree])
                 if hit:
                     req.prefill.cache, req.prefill.length = cache, hit
             todo = req.seq[req.prefill.length: len(req.seq) - 1]
@@ -291,7 +304,10 @@ class BatchScheduler:
                 try:
                     if chunk:
                         t0 = time.perf_counter()
-                        req.prefill.feed(chunk, keep=1)
+                        if tree and len(chunk) == len(todo):    # the prompt's last chunk: its hidden state too
+                            req.hidden, req.hidden_for = req.prefill.feed_hidden(chunk), len(req.seq)
+                        else:
+                            req.prefill.feed(chunk, keep=1)
                         req.stats.target_time_s += time.perf_counter() - t0
                     budget -= max(1, len(chunk))
                     if req.prefill.length == len(req.seq) - 1:
@@ -304,11 +320,19 @@ class BatchScheduler:
         """A prefilled request becomes a row of both batch caches."""
         eng = self.engine
         n = len(req.seq) - 1
+        if n:
+            self.prefix_cache.put(req.seq[:n], req.prefill.cache)
+        if self._tree_row(req):
+            if self.tree_kv is None:
+                self.tree_kv = BatchKV(eng.target.model, eng.target_device)
+            self.tree_kv.add_row(req.prefill.cache if n else None, n)
+            req.prefill = None
+            self.prefilling.remove(req)
+            self.trees.append(req)
+            return
         if self.tkv is None:
             self.tkv = BatchKV(eng.target.model, eng.target_device)
         self._sync_draft_cache()
-        if n:
-            self.prefix_cache.put(req.seq[:n], req.prefill.cache)
         self.tkv.add_row(req.prefill.cache if n else None, n)
         own = eng.draft_for(req)[0] if req.spec.needs_draft else None
         for dkv in self.dkvs:
@@ -351,7 +375,7 @@ class BatchScheduler:
 
     # ------------------------------------------------------------------ leaving
     def _retire_gone(self) -> None:
-        for req in [r for r in self.waiting + self.prefilling + self.solo + self.batch if r.gone]:
+        for req in [r for r in self.waiting + self.prefilling + self.solo + self.batch + self.trees if r.gone]:
             self._finish(req, "cancelled", [])
 
     def _remove(self, req: Request) -> None:
@@ -367,14 +391,22 @@ class BatchScheduler:
                     kv.remove(row)
             self.batch[row] = self.batch[-1]
             self.batch.pop()
+        if req in self.trees:
+            row = self.trees.index(req)
+            if self.tree_kv is not None:
+                self.tree_kv.remove(row)
+            self.trees[row] = self.trees[-1]
+            self.trees.pop()
 
     def _compact(self) -> None:
-        for kv in (self.tkv, *self.dkvs):
+        for kv in (self.tkv, self.tree_kv, *self.dkvs):
             if kv is not None and kv.rows:
                 kv.compact(self.compact_slack)
         if self.tkv is not None and not self.batch:
             self.tkv = BatchKV(self.engine.target.model, self.engine.target_device)
             self.dkvs = [BatchKV(kv.model, self.engine.target_device) for kv in self.dkvs]
+        if self.tree_kv is not None and not self.trees:
+            self.tree_kv = None
 
     # ------------------------------------------------------------------ output
     def _emit(self, req: Request, new: list[int]) -> None:
@@ -484,6 +516,102 @@ class BatchScheduler:
             if proposed:
                 costs.observe_draft(spec.mode, proposed, stats.draft_time_s - draft_s)
         return new
+
+    # ------------------------------------------------------------------ the heads' trees, batched
+    def _tree_row(self, req: Request) -> bool:
+        """Whether `req` steps as a row of the tree batch (mode medusa, unless the engine turns that off:
+        `Engine.batch_trees`, the A/B switch of scripts/bench_load.py) rather than alone."""
+        return req.spec.mode in TREE_BATCHED_MODES and self.engine.batch_trees
+
+    def _tree_step(self) -> None:
+        """One step of every tree row in ONE target pass: each row's heads read the hidden state its last
+        pass left and propose a tree under its last token (its controller picks the depth, 0: a plain step),
+        the rows' blocks (the context its cache lacks, the root, the nodes) are verified together under
+        per-row tree masks (serving/kvcache.py `BatchKV.feed_tree`), each row's own rule and generator keep
+        a path plus one target token, and the cache keeps that path only (`BatchKV.keep_new`). A request's
+        first step in the batch is a plain one: its prefill left no hidden state, and the plain pass does."""
+        from serving.engine import _RequestState, count_and_record, medusa_tree, nodes_per_depth, tree_verdict
+
+        eng = self.engine
+        with eng._lock:
+            reqs, kv = list(self.trees), self.tree_kv
+            try:
+                steps, blocks, masks, positions = [], [], [], []
+                for i, req in enumerate(reqs):
+                    t0 = time.perf_counter()
+                    spec, sampling = req.spec, req.sampling
+                    heads = eng.heads_for("medusa", req.arm)[0]
+                    plan = None
+                    depth = min(spec.gamma, heads.config.num_heads)
+                    if req.controller is not None:
+                        req.controller.version = eng.version_of(spec.mode, req.arm)
+                        plan = req.controller.plan(0)
+                        depth = min(depth, plan.k)
+                    room = eng.max_context - len(req.seq)
+                    if depth > 0 and room <= 1 + tree_size(tree_branching(depth, spec.extra["width"],
+                                                                          spec.extra["branch"])):
+                        depth = 0                                  # the last tokens before the context limit
+                    warp = _warper(sampling)
+                    hidden = req.hidden if req.hidden_for == len(req.seq) else None
+                    tree, node_logq = medusa_tree(heads, hidden, req.seq[-1], depth, spec, sampling, warp)
+                    context = req.seq[kv.lengths[i]:]             # ends with the root
+                    c, size = len(context), len(tree)
+                    mask = torch.ones(c + size, c + size, dtype=torch.bool).tril()
+                    if size:
+                        mask[c:, c:] = tree.ancestor_mask()
+                    pos = torch.cat([torch.arange(c), c - 1 + torch.tensor(tree.depth, dtype=torch.long)])
+                    blocks.append(context + list(tree.tokens))
+                    masks.append(mask)
+                    positions.append(pos)
+                    steps.append((plan, tree, node_logq, warp, c, time.perf_counter() - t0,
+                                  eng.version_of(spec.mode, req.arm)))
+                keep = max(1 + len(s[1]) for s in steps)
+                width = max(len(b) for b in blocks)
+                t1 = time.perf_counter()
+                logits, hidden = kv.feed_tree(blocks, masks, positions, keep)
+                logits = full_vocab_logits(logits, eng.target, eng.vocab_size)
+                if eng.target_device.type == "cuda":
+                    torch.cuda.synchronize(eng.target_device)
+                t_target = time.perf_counter() - t1
+                keeps, results = [], []
+                for i, (req, (plan, tree, node_logq, warp, c, draft_s, version)) in enumerate(zip(reqs, steps)):
+                    size, stats = len(tree), req.stats
+                    rows = logits[i, keep - size - 1:]                                  # root, then the nodes
+                    res = tree_verdict(tree, rows, req.sampling, req.spec, warp, req.gen, node_logq)
+                    pad = width - len(blocks[i])
+                    keeps.append([pad + j for j in range(c)] + [pad + c + p for p in res.path])
+                    req.hidden = hidden[i, keep - size - 1 + (res.path[-1] + 1 if res.path else 0)]
+                    draft_tokens, record_rows, vres = _RequestState._tree_record(tree, rows, res)
+                    start = len(req.seq)
+                    new = draft_tokens[: vres.num_accepted] + [int(vres.next_token)]
+                    req.seq.extend(new)
+                    req.hidden_for = len(req.seq)
+                    stats.draft_time_s += draft_s
+                    stats.target_time_s += t_target
+                    req.recorded_steps += count_and_record(eng, stats, req.sink, req.id, req.spec.mode, version,
+                                                           start, draft_tokens, vres, record_rows, req.sampling,
+                                                           record_plain=plan is not None)
+                    if plan is not None:
+                        if plan.k == 0:
+                            stats.zero_draft_steps += 1
+                        elif plan.probe:
+                            stats.probe_steps += 1
+                        # a depth the heads' doubt pruned counts as not accepted (as a step alone)
+                        req.controller.observe(plan, len(new) - 1, plan.k if size else 0,
+                                               nodes=nodes_per_depth(tree))
+                    if len(reqs) == 1 and c == 1:   # the cost model describes a request stepping alone
+                        costs = self._costs_for([req])
+                        costs.observe_target(1 + size, t_target)
+                        if draft_tokens:
+                            costs.observe_draft(req.spec.mode, len(draft_tokens), draft_s)
+                    results.append(new)
+                kv.keep_new(width, keeps)
+                eng._failures = 0
+            except Exception as exc:  # noqa: BLE001
+                self.tree_kv = None
+                self._fail_step(reqs, exc, "tree")
+                return
+        self._emit_step(reqs, results)
 
     # ------------------------------------------------------------------ the batched step
     def _plan(self, req: Request) -> _RowPlan:
@@ -599,12 +727,19 @@ class BatchScheduler:
                 self._observe_batch_costs(reqs, blocks, proposals, keep, t_draft, t_target, time.perf_counter() - wall0)
                 eng._failures = 0
             except Exception as exc:  # noqa: BLE001
-                eng._step_failed(exc)
-                log.error("batched step over %d requests failed; failing them", len(reqs))
                 self.tkv, self.dkvs = None, []
-                for req in reqs:
-                    self._fail(req, exc)
+                self._fail_step(reqs, exc, "batched")
                 return
+        self._emit_step(reqs, results)
+
+    def _fail_step(self, reqs: list[Request], exc: BaseException, what: str) -> None:
+        """A shared forward failed: every request of that step gets the error (their caches are gone)."""
+        self.engine._step_failed(exc)
+        log.error("%s step over %d requests failed; failing them", what, len(reqs))
+        for req in reqs:
+            self._fail(req, exc)
+
+    def _emit_step(self, reqs: list[Request], results: list[list[int]]) -> None:
         self.batch_sizes[len(reqs)] = self.batch_sizes.get(len(reqs), 0) + 1
         for req, new in zip(reqs, results):
             self._emit(req, new)

@@ -572,3 +572,64 @@ def test_a_script_that_decoded_exits_cleanly(tmp_path):
     for _ in range(3):
         r = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120)
         assert r.returncode == 0 and "decoded" in r.stdout, (r.returncode, r.stderr[-2000:])
+
+
+def test_tree_blocks_of_several_rows_score_each_path_and_keep_only_the_accepted_one():
+    """BatchKV.feed_tree (the heads' trees of several requests in one target pass): every node's logits and
+    hidden state equal a fresh forward over its row's tokens plus that node's path (ragged rows, a row that
+    also feeds context, a row with no tree); after keep_new each row's valid slots equal a fresh cache over
+    its accepted sequence, and the next plain feed continues it exactly."""
+    from serving.decoding.tree import DraftTree
+    from tests.serving.test_engine_rules import assert_rows_hold
+
+    model = tiny_models.make_model(0, layers=2, sharp=8.0)
+    fresh, prefill = _fresh_and_prefill(model)
+
+    def fresh_hidden(seq):
+        with torch.no_grad():
+            return model.get_decoder()(input_ids=torch.tensor([seq])).last_hidden_state[0, -1]
+
+    gen = torch.Generator().manual_seed(2)
+    A = torch.randint(0, 256, (11,), generator=gen).tolist()
+    B = torch.randint(0, 256, (6,), generator=gen).tolist()
+    C = torch.randint(0, 256, (4,), generator=gen).tolist()
+    kv = BatchKV(model, torch.device("cpu"))
+    kv.add_row(prefill(A[:-1]), len(A) - 1)                  # row 0: the root only, then a tree
+    kv.add_row(prefill(B[:-3]), len(B) - 3)                  # row 1: two context tokens before its root
+    kv.add_row(prefill(C[:-1]), len(C) - 1)                  # row 2: no tree (a plain step)
+    trees = [DraftTree((5, 6, 7, 8), (-1, -1, 0, 2)), DraftTree((9, 10), (-1, 0)), DraftTree((), ())]
+    contexts = [A[-1:], B[-3:], C[-1:]]
+    blocks, masks, positions = [], [], []
+    for ctx, tree in zip(contexts, trees):
+        c, n = len(ctx), len(tree)
+        mask = torch.ones(c + n, c + n, dtype=torch.bool).tril()
+        if n:
+            mask[c:, c:] = tree.ancestor_mask()
+        blocks.append(ctx + list(tree.tokens))
+        masks.append(mask)
+        positions.append(torch.cat([torch.arange(c), c - 1 + torch.tensor(tree.depth, dtype=torch.long)]))
+    keep = 1 + max(len(t) for t in trees)
+    logits, hidden = kv.feed_tree(blocks, masks, positions, keep)
+    assert logits.shape[:2] == hidden.shape[:2] == (3, keep)
+    for r, (seq, tree) in enumerate(zip((A, B, C), trees)):
+        for node in [-1, *range(len(tree))]:                 # -1: the root
+            path = [] if node == -1 else [tree.tokens[i] for i in tree.path_to(node)]
+            col = keep - len(tree) - 1 + (node + 1)
+            torch.testing.assert_close(logits[r, col], fresh(seq + path), atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(hidden[r, col], fresh_hidden(seq + path), atol=1e-4, rtol=1e-4)
+    width = max(len(b) for b in blocks)
+    accepted = [[0, 2, 3], [0], []]                          # row 0 keeps the path 5 -> 7 -> 8
+    keeps = []
+    for b, ctx, path in zip(blocks, contexts, accepted):
+        pad = width - len(b)
+        keeps.append([pad + j for j in range(len(ctx))] + [pad + len(ctx) + p for p in path])
+    kv.keep_new(width, keeps)
+    A, B = A + [5, 7, 8], B + [9]
+    for r, seq in enumerate((A, B, C)):
+        assert_rows_hold(kv, r, seq, f"row {r}")
+    assert kv.slots == len(A) - 4 + 4                        # the new slots past the longest kept run went back
+    lg = kv.feed([[1], [2], [3]], keep=1)
+    for r, seq in enumerate((A + [1], B + [2], C + [3])):
+        torch.testing.assert_close(lg[r, -1], fresh(seq), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="cannot keep"):
+        kv.keep_new(1, [[0, 1], [0], [0]])

@@ -340,3 +340,54 @@ def test_a_step_of_a_mode_that_runs_alone_is_counted_once_under_its_version(medu
     assert sum(v["draft_tokens"] for v in st.draft_versions.values()) == st.draft_tokens
     want = "medusa:tiny-heads" if mode == "medusa" else "v1"
     assert st.draft_versions[want]["draft_tokens"] == st.draft_tokens
+
+
+@pytest.mark.parametrize("batch_trees", [True, False])
+def test_concurrent_medusa_requests_share_one_tree_pass_and_stay_target_greedy(medusa_engine, monkeypatch,
+                                                                               batch_trees):
+    """Concurrent medusa requests (different prompt lengths, a one-token prompt, different tree shapes, beside a
+    batched chain request) verify their trees in ONE target pass per round (serving/scheduler.py `_tree_step`):
+    T=0 output equal to target greedy, and after every round each tree row's cache holds exactly its accepted
+    sequence. `Engine.batch_trees = False` (the benchmark's A/B arm) steps each alone, with the same output."""
+    from tests.serving.test_engine_rules import assert_rows_hold
+
+    monkeypatch.setattr(medusa_engine, "batch_trees", batch_trees)
+    p = ids(medusa_engine)
+    sampling = SamplingParams(temperature=0.0, max_tokens=24)
+    jobs = [(p, sampling, SpecParams(mode="medusa", gamma=3, adaptive=False)),
+            (p[:7], sampling, SpecParams(mode="medusa", gamma=3)),
+            (p[:1], sampling, SpecParams(mode="medusa", gamma=2, extra={"width": 2, "branch": 2})),
+            (p[:9], sampling, SpecParams(mode="speculative", gamma=3, adaptive=False))]
+    want = [reference_greedy(medusa_engine.target.model, prompt, 24) for prompt, _, _ in jobs]
+    rows, errors = [], []
+
+    def check(sched):
+        try:
+            rows.append(len(sched.trees))
+            for r, req in enumerate(sched.trees):
+                assert_rows_hold(sched.tree_kv, r, req.seq[:-1], f"tree row {r}")
+        except BaseException as exc:  # noqa: BLE001 - raised on the scheduler thread: hand it to the test
+            errors.append(exc)
+
+    medusa_engine.scheduler.on_round = check
+    try:
+        got = run_concurrently(medusa_engine, jobs)
+    finally:
+        medusa_engine.scheduler.on_round = None
+    assert not errors, errors[0]
+    assert [r.token_ids for r in got] == want
+    assert all(r.stats.steps > 0 for r in got)
+    assert (max(rows) >= 2) if batch_trees else (max(rows) == 0)
+
+
+@pytest.mark.parametrize("rule", ["exact", "mjsd"])
+def test_seeded_sampled_medusa_in_a_tree_batch_equals_alone(medusa_engine, rule):
+    """A seeded sampled medusa request draws from its own generator on its own tree: run beside another tree
+    row it gives the tokens it gives alone."""
+    p = ids(medusa_engine)
+    spec = SpecParams(mode="medusa", gamma=3, adaptive=False, extra={"rule": rule})
+    jobs = [(p, SamplingParams(temperature=0.9, max_tokens=24, seed=11), spec),
+            (p[:6], SamplingParams(temperature=0.7, max_tokens=24, seed=12), spec)]
+    alone = [medusa_engine.generate_all(*job).token_ids for job in jobs]
+    together = [r.token_ids for r in run_concurrently(medusa_engine, jobs)]
+    assert together == alone and all(len(t) == 24 or t[-1] == tiny_models.EOS_ID for t in alone)
