@@ -209,23 +209,28 @@ class BatchKV:
         return self.valid.shape[1]
 
     # ------------------------------------------------------------------ forward
-    def feed(self, blocks: list[list[int]], keep: int) -> torch.Tensor:
-        """Append one block per row (rows in order; a row may get []) and return fp32 logits of the
-        last `keep` block positions: [rows, keep, vocab]. Rows with fewer tokens are left-padded."""
-        if len(blocks) != self.rows:
+    def _block_inputs(self, blocks: list[list[int]], offsets: list[torch.Tensor] | None = None):
+        """Token ids, position ids and validity [rows, n] of one block per row, each left-padded to the longest
+        (n >= 1). A row's token i sits at position `lengths[r] + offsets[r][i]` (default i: a chain); padding
+        slots get the row's next position, harmless (masked as keys, ignored as queries)."""
+        if len(blocks) != self.rows or (offsets is not None and len(offsets) != self.rows):
             raise ValueError(f"{len(blocks)} blocks for {self.rows} rows")
         n = max(1, max(len(b) for b in blocks))
         ids = torch.full((self.rows, n), PAD_ID, dtype=torch.long)
         block_valid = torch.zeros(self.rows, n, dtype=torch.bool)
-        pos = torch.zeros(self.rows, n, dtype=torch.long)
+        pos = torch.tensor(self.lengths, dtype=torch.long)[:, None].repeat(1, n)
         for r, b in enumerate(blocks):
             m = len(b)
             if m:
                 ids[r, n - m:] = torch.as_tensor(b, dtype=torch.long)
                 block_valid[r, n - m:] = True
-                pos[r, n - m:] = torch.arange(self.lengths[r], self.lengths[r] + m)
-            # padding slots get the row's next position: harmless (masked as keys, ignored as queries)
-            pos[r, : n - m] = self.lengths[r]
+                pos[r, n - m:] += torch.arange(m) if offsets is None else torch.as_tensor(offsets[r], dtype=torch.long)
+        return ids, pos, block_valid
+
+    def feed(self, blocks: list[list[int]], keep: int) -> torch.Tensor:
+        """Append one block per row (rows in order; a row may get []) and return fp32 logits of the
+        last `keep` block positions: [rows, keep, vocab]. Rows with fewer tokens are left-padded."""
+        ids, pos, block_valid = self._block_inputs(blocks)
         block_valid = block_valid.to(self.device)
         mask = torch.cat([self.valid, block_valid], dim=1)
         if self.cache is None:
@@ -249,24 +254,18 @@ class BatchKV:
         the last hidden states (after the final norm, what the heads read) of the last `keep` block
         positions: [rows, keep, vocab], [rows, keep, d]. Every new slot is valid until `keep_new` keeps each
         row's accepted slots only."""
-        if len(blocks) != self.rows or len(block_masks) != self.rows or len(block_pos) != self.rows:
-            raise ValueError(f"{len(blocks)} blocks for {self.rows} rows")
-        n = max(1, max(len(b) for b in blocks))
-        ids = torch.full((self.rows, n), PAD_ID, dtype=torch.long)
-        pos = torch.zeros(self.rows, n, dtype=torch.long)
-        block_valid = torch.zeros(self.rows, n, dtype=torch.bool)
-        inner = torch.eye(n, dtype=torch.bool).repeat(self.rows, 1, 1)   # padding queries see only themselves
+        if len(block_masks) != self.rows:
+            raise ValueError(f"{len(block_masks)} masks for {self.rows} rows")
         for r, (b, bm, bp) in enumerate(zip(blocks, block_masks, block_pos)):
-            m = len(b)
-            pos[r] = self.lengths[r]
-            if not m:
-                continue
-            if bm.shape != (m, m) or len(bp) != m:
-                raise ValueError(f"row {r}: a block of {m} tokens needs a [{m}, {m}] mask and {m} positions")
-            ids[r, n - m:] = torch.as_tensor(b, dtype=torch.long)
-            pos[r, n - m:] = self.lengths[r] + torch.as_tensor(bp, dtype=torch.long)
-            block_valid[r, n - m:] = True
-            inner[r, n - m:, n - m:] = bm
+            if bm.shape != (len(b), len(b)) or len(bp) != len(b):
+                raise ValueError(f"row {r}: a block of {len(b)} tokens needs a [{len(b)}, {len(b)}] mask and "
+                                 f"{len(b)} positions")
+        ids, pos, block_valid = self._block_inputs(blocks, block_pos)
+        n = ids.shape[1]
+        inner = torch.eye(n, dtype=torch.bool).repeat(self.rows, 1, 1)   # padding queries see only themselves
+        for r, (b, bm) in enumerate(zip(blocks, block_masks)):
+            if b:
+                inner[r, n - len(b):, n - len(b):] = bm
         past = self.valid.cpu()[:, None, :].expand(-1, n, -1) & block_valid[:, :, None]
         allowed = torch.cat([past, inner], dim=2)                        # [rows, n, slots + n]
         dtype = next(self.model.parameters()).dtype

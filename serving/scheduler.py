@@ -128,6 +128,21 @@ class Request:
 
 
 @dataclass
+class _TreeStep:
+    """A tree row's proposal for one step of the tree batch (BatchScheduler._tree_block)."""
+    plan: Plan | None
+    tree: object                 # serving.decoding.tree.DraftTree
+    node_logq: torch.Tensor | None
+    warp: object
+    version: str                 # the heads version that proposed it
+    block: list[int]             # the context its cache lacks (ending with the root), then the nodes
+    mask: torch.Tensor           # [len(block), len(block)] bool
+    positions: torch.Tensor      # [len(block)] offsets from the row's next position
+    context: int                 # tokens of the block before the nodes
+    draft_s: float
+
+
+@dataclass
 class _RowPlan:
     proposer: str            # "none", "chain", "beams", "ngram"
     k: int
@@ -524,86 +539,30 @@ class BatchScheduler:
         return req.spec.mode in TREE_BATCHED_MODES and self.engine.batch_trees
 
     def _tree_step(self) -> None:
-        """One step of every tree row in ONE target pass: each row's heads read the hidden state its last
-        pass left and propose a tree under its last token (its controller picks the depth, 0: a plain step),
-        the rows' blocks (the context its cache lacks, the root, the nodes) are verified together under
-        per-row tree masks (serving/kvcache.py `BatchKV.feed_tree`), each row's own rule and generator keep
-        a path plus one target token, and the cache keeps that path only (`BatchKV.keep_new`). A request's
-        first step in the batch is a plain one: its prefill left no hidden state, and the plain pass does."""
-        from serving.engine import _RequestState, count_and_record, medusa_tree, nodes_per_depth, tree_verdict
-
+        """One step of every tree row in ONE target pass: each row proposes its tree (`_tree_block`), the rows'
+        blocks are verified together under per-row tree masks (serving/kvcache.py `BatchKV.feed_tree`), each
+        row's own rule and generator keep a path plus one target token (`_accept_tree`), and the cache keeps
+        those paths only (`BatchKV.keep_new`)."""
         eng = self.engine
         with eng._lock:
             reqs, kv = list(self.trees), self.tree_kv
             try:
-                steps, blocks, masks, positions = [], [], [], []
-                for i, req in enumerate(reqs):
-                    t0 = time.perf_counter()
-                    spec, sampling = req.spec, req.sampling
-                    heads = eng.heads_for("medusa", req.arm)[0]
-                    plan = None
-                    depth = min(spec.gamma, heads.config.num_heads)
-                    if req.controller is not None:
-                        req.controller.version = eng.version_of(spec.mode, req.arm)
-                        plan = req.controller.plan(0)
-                        depth = min(depth, plan.k)
-                    room = eng.max_context - len(req.seq)
-                    if depth > 0 and room <= 1 + tree_size(tree_branching(depth, spec.extra["width"],
-                                                                          spec.extra["branch"])):
-                        depth = 0                                  # the last tokens before the context limit
-                    warp = _warper(sampling)
-                    hidden = req.hidden if req.hidden_for == len(req.seq) else None
-                    tree, node_logq = medusa_tree(heads, hidden, req.seq[-1], depth, spec, sampling, warp)
-                    context = req.seq[kv.lengths[i]:]             # ends with the root
-                    c, size = len(context), len(tree)
-                    mask = torch.ones(c + size, c + size, dtype=torch.bool).tril()
-                    if size:
-                        mask[c:, c:] = tree.ancestor_mask()
-                    pos = torch.cat([torch.arange(c), c - 1 + torch.tensor(tree.depth, dtype=torch.long)])
-                    blocks.append(context + list(tree.tokens))
-                    masks.append(mask)
-                    positions.append(pos)
-                    steps.append((plan, tree, node_logq, warp, c, time.perf_counter() - t0,
-                                  eng.version_of(spec.mode, req.arm)))
-                keep = max(1 + len(s[1]) for s in steps)
-                width = max(len(b) for b in blocks)
+                steps = [self._tree_block(req, kv.lengths[i]) for i, req in enumerate(reqs)]
+                keep = max(1 + len(st.tree) for st in steps)
+                width = max(len(st.block) for st in steps)
                 t1 = time.perf_counter()
-                logits, hidden = kv.feed_tree(blocks, masks, positions, keep)
+                logits, hidden = kv.feed_tree([st.block for st in steps], [st.mask for st in steps],
+                                              [st.positions for st in steps], keep)
                 logits = full_vocab_logits(logits, eng.target, eng.vocab_size)
                 if eng.target_device.type == "cuda":
                     torch.cuda.synchronize(eng.target_device)
                 t_target = time.perf_counter() - t1
                 keeps, results = [], []
-                for i, (req, (plan, tree, node_logq, warp, c, draft_s, version)) in enumerate(zip(reqs, steps)):
-                    size, stats = len(tree), req.stats
-                    rows = logits[i, keep - size - 1:]                                  # root, then the nodes
-                    res = tree_verdict(tree, rows, req.sampling, req.spec, warp, req.gen, node_logq)
-                    pad = width - len(blocks[i])
-                    keeps.append([pad + j for j in range(c)] + [pad + c + p for p in res.path])
-                    req.hidden = hidden[i, keep - size - 1 + (res.path[-1] + 1 if res.path else 0)]
-                    draft_tokens, record_rows, vres = _RequestState._tree_record(tree, rows, res)
-                    start = len(req.seq)
-                    new = draft_tokens[: vres.num_accepted] + [int(vres.next_token)]
-                    req.seq.extend(new)
-                    req.hidden_for = len(req.seq)
-                    stats.draft_time_s += draft_s
-                    stats.target_time_s += t_target
-                    req.recorded_steps += count_and_record(eng, stats, req.sink, req.id, req.spec.mode, version,
-                                                           start, draft_tokens, vres, record_rows, req.sampling,
-                                                           record_plain=plan is not None)
-                    if plan is not None:
-                        if plan.k == 0:
-                            stats.zero_draft_steps += 1
-                        elif plan.probe:
-                            stats.probe_steps += 1
-                        # a depth the heads' doubt pruned counts as not accepted (as a step alone)
-                        req.controller.observe(plan, len(new) - 1, plan.k if size else 0,
-                                               nodes=nodes_per_depth(tree))
-                    if len(reqs) == 1 and c == 1:   # the cost model describes a request stepping alone
-                        costs = self._costs_for([req])
-                        costs.observe_target(1 + size, t_target)
-                        if draft_tokens:
-                            costs.observe_draft(req.spec.mode, len(draft_tokens), draft_s)
+                for i, (req, st) in enumerate(zip(reqs, steps)):
+                    kept, new = self._accept_tree(req, st, logits[i, keep - len(st.tree) - 1:],
+                                                  hidden[i, keep - len(st.tree) - 1:], t_target, alone=len(reqs) == 1)
+                    pad = width - len(st.block)
+                    keeps.append([pad + j for j in kept])
                     results.append(new)
                 kv.keep_new(width, keeps)
                 eng._failures = 0
@@ -612,6 +571,74 @@ class BatchScheduler:
                 self._fail_step(reqs, exc, "tree")
                 return
         self._emit_step(reqs, results)
+
+    def _tree_block(self, req: Request, cached: int) -> "_TreeStep":
+        """A tree row's proposal: its controller's depth (0: a plain step; also for the last tokens before the
+        context limit), the heads' tree from the hidden state its last pass (or its prompt's prefill) left, and
+        its block: the context its cache (`cached` tokens) lacks, ending with the root, then the nodes, with
+        the block's mask (causal context, each node over its ancestors) and position offsets (a node's depth)."""
+        from serving.engine import medusa_tree
+
+        eng, spec, sampling = self.engine, req.spec, req.sampling
+        t0 = time.perf_counter()
+        heads = eng.heads_for("medusa", req.arm)[0]
+        version = eng.version_of(spec.mode, req.arm)
+        plan = None
+        depth = min(spec.gamma, heads.config.num_heads)
+        if req.controller is not None:
+            req.controller.version = version
+            plan = req.controller.plan(0)
+            depth = min(depth, plan.k)
+        room = eng.max_context - len(req.seq)
+        if depth > 0 and room <= 1 + tree_size(tree_branching(depth, spec.extra["width"], spec.extra["branch"])):
+            depth = 0
+        warp = _warper(sampling)
+        hidden = req.hidden if req.hidden_for == len(req.seq) else None
+        tree, node_logq = medusa_tree(heads, hidden, req.seq[-1], depth, spec, sampling, warp)
+        context = req.seq[cached:]
+        c = len(context)
+        mask = torch.ones(c + len(tree), c + len(tree), dtype=torch.bool).tril()
+        if len(tree):
+            mask[c:, c:] = tree.ancestor_mask()
+        positions = torch.cat([torch.arange(c), c - 1 + torch.tensor(tree.depth, dtype=torch.long)])
+        return _TreeStep(plan, tree, node_logq, warp, version, context + list(tree.tokens), mask, positions, c,
+                         time.perf_counter() - t0)
+
+    def _accept_tree(self, req: Request, st: "_TreeStep", rows: torch.Tensor, hidden: torch.Tensor,
+                     t_target: float, alone: bool) -> tuple[list[int], list[int]]:
+        """The row's rule on its slice of the pass (`rows`, `hidden`: the root's, then each node's), its
+        statistics and record under the version that proposed, its controller's observation, and for a request
+        stepping alone the cost model's. Returns the block slots to keep (the context, the root, the accepted
+        path) and the emitted tokens."""
+        from serving.engine import _RequestState, count_and_record, nodes_per_depth, tree_verdict
+
+        tree, stats = st.tree, req.stats
+        res = tree_verdict(tree, rows, req.sampling, req.spec, st.warp, req.gen, st.node_logq)
+        req.hidden = hidden[res.path[-1] + 1 if res.path else 0]
+        draft_tokens, record_rows, vres = _RequestState._tree_record(tree, rows, res)
+        start = len(req.seq)
+        new = draft_tokens[: vres.num_accepted] + [int(vres.next_token)]
+        req.seq.extend(new)
+        req.hidden_for = len(req.seq)
+        stats.draft_time_s += st.draft_s
+        stats.target_time_s += t_target
+        req.recorded_steps += count_and_record(self.engine, stats, req.sink, req.id, req.spec.mode, st.version, start,
+                                               draft_tokens, vres, record_rows, req.sampling,
+                                               record_plain=st.plan is not None)
+        if st.plan is not None:
+            if st.plan.k == 0:
+                stats.zero_draft_steps += 1
+            elif st.plan.probe:
+                stats.probe_steps += 1
+            # a depth the heads' doubt pruned counts as not accepted (as a step alone)
+            req.controller.observe(st.plan, len(new) - 1, st.plan.k if len(tree) else 0, nodes=nodes_per_depth(tree))
+        if alone and st.context == 1:   # the cost model describes a request stepping alone
+            costs = self._costs_for([req])
+            costs.observe_target(1 + len(tree), t_target)
+            if draft_tokens:
+                costs.observe_draft(req.spec.mode, len(draft_tokens), st.draft_s)
+        kept = list(range(st.context)) + [st.context + p for p in res.path]
+        return kept, new
 
     # ------------------------------------------------------------------ the batched step
     def _plan(self, req: Request) -> _RowPlan:
