@@ -75,7 +75,6 @@ def engine_baseline(prompts: list[str], args, threads: int | None = None, client
         if args.medusa_heads is not None:      # the served default drafts with them where they pay
             eng.load_heads(args.medusa_heads, version="local")
         eng.batch_trees = not args.solo_trees
-        eng.plan_tree_batches = not args.row_tree_plans
         _ENGINES[threads] = (eng, version)
     spec = _spec(eng, args)
     for j in range(2):   # warm-up (first calls pay for kernel selection and allocations)
@@ -410,9 +409,6 @@ def main() -> int:
     p.add_argument("--solo-trees", action="store_true",
                    help="in-process levels: medusa requests step alone, one target pass each (the scheduler before "
                         "tree batching), instead of sharing one pass over all their trees: the A/B arm")
-    p.add_argument("--row-tree-plans", action="store_true",
-                   help="in-process levels: in the tree batch each row's controller prices its tree as if it stepped "
-                        "alone, instead of one depth priced by the whole pass (controller.plan_tree_batch): the A/B arm")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "load")
     args = p.parse_args()
     from training.prompts import load_prompts

@@ -93,12 +93,6 @@ counts a depth the floor cut as not accepted: both sides of the rate, tokens and
 depth k gets. (The twenty-fourth session priced the full shape and counted only the depths a tree reached: an
 upper bound on both.)
 
-Batches (`plan_batch`, `plan_tree_batch`): requests that step together share one target pass whose block is
-padded to its widest row, so a row's plan made as if alone prices its proposal at its own width while it pays
-for the pass's. A chain batch picks one draft length K for its adaptive rows, a tree batch one depth K, each
-maximising the batch's expected tokens over the cost of the whole pass (rows x widest block); on a 2-core CPU
-four 17-token trees make a 68-token pass, dearer per row than a lone tree is. Seeded rows still plan alone.
-
 What the controller never touches: the acceptance rule. It only chooses, from the history of earlier
 steps, how many tokens to propose and which proposer makes them; every rule verifies whatever is
 proposed as it always does, so lossless modes stay exactly lossless (the choice never depends on the
@@ -962,51 +956,3 @@ def plan_batch(rows: list[RowOption], costs: CostModel, *, fixed_width: int = 0,
     if best is not plans0 and best_rate < rate0 * (1 + min_gain):
         return plans0
     return best
-
-
-@dataclass
-class TreeRowOption:
-    """What one tree row (Medusa heads) of a batch could do this step (input of `plan_tree_batch`)."""
-
-    curve: Sequence[float]           # its heads' acceptance per depth (RequestController.curve)
-    nodes: Callable[[int], float]    # tokens a tree planned k deep puts in the pass, root included (tree_nodes)
-    depth: int                       # its deepest tree (its controller's gamma)
-    context: int = 1                 # tokens of its block up to and including the root (more after a gap)
-
-
-def plan_tree_batch(rows: list[TreeRowOption], costs: CostModel, draft_key: str, *, fixed_width: int = 0,
-                    min_gain: float = MIN_GAIN) -> list[Plan]:
-    """One tree depth K for a batch of tree rows verified in one target pass.
-
-    The pass pads every row's block to the widest, so each row's controller pricing its tree as if alone
-    (target_s(its nodes)) overspends: four rows of 17-token trees make a 68-token pass, far dearer on a CPU
-    than four times a 17-token pass's share of a plain batched step. The batch picks the K in 0..max depth
-    with the largest  sum_r E(curve_r, min(K, depth_r)) / T(K)  where
-    T(K) = target_s(rows * W(K)) + sum_r min(K, depth_r) * draft_token_s + overhead,
-    W(K) = max(fixed_width, max_r(context_r - 1 + nodes_r(min(K, depth_r)))): `plan_batch` for trees.
-    `fixed_width`: the widest block of rows that plan for themselves (seeded requests), paid anyway.
-    Drafting must beat K = 0 by `min_gain`."""
-    n = len(rows)
-    if n == 0:
-        return []
-    per_token = costs.draft_token_s(draft_key)
-
-    def rate(K: int) -> float:
-        tokens, width, drafted = 0.0, fixed_width, 0
-        for r in rows:
-            k = min(K, r.depth)
-            tokens += expected_tokens(r.curve, k)
-            width = max(width, r.context - 1 + (r.nodes(k) if k else 1))
-            drafted += k
-        return tokens / (costs.target_s(n * int(math.ceil(width))) + drafted * per_token
-                         + costs.overhead_s(K > 0, n))
-
-    rate0 = rate(0)
-    best_k, best_rate = 0, rate0
-    for K in range(1, max(r.depth for r in rows) + 1):
-        r = rate(K)
-        if r > best_rate * (1 + 1e-9):
-            best_k, best_rate = K, r
-    if best_k and best_rate < rate0 * (1 + min_gain):
-        best_k = 0
-    return [Plan("draft", min(best_k, r.depth)) if best_k and r.depth else Plan("none", 0) for r in rows]

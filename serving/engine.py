@@ -292,9 +292,6 @@ class Engine:
         # medusa requests step together, one target pass over all their trees (serving/scheduler.py
         # `_tree_step`); False: each steps alone (`_solo_tree_step`), the A/B arm of scripts/bench_load.py
         self.batch_trees = True
-        # in that pass the adaptive rows share one depth priced by the whole pass's width (controller.py
-        # `plan_tree_batch`); False: each row's controller prices its tree as if alone (the A/B arm)
-        self.plan_tree_batches = True
         self.tokenizer = target.tokenizer
         self.vocab_size = len(self.tokenizer)
         self.draft = draft

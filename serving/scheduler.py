@@ -54,8 +54,7 @@ import torch
 
 from buffer.records import RecordSink, SequenceRecord, StepRecord
 from serving.config import ADAPTIVE_TREE_MODES, TREE_BATCHED_MODES, SamplingParams, SpecParams
-from serving.controller import (CostModel, Plan, RequestController, RowOption, TreeRowOption, plan_batch,
-                                plan_tree_batch)
+from serving.controller import CostModel, Plan, RequestController, RowOption, plan_batch
 from serving.decoding.bild import bild_should_fallback
 from serving.decoding.mjsd import beam_sample_finalize, beam_sample_step
 from serving.decoding.tree import tree_branching, tree_size
@@ -548,8 +547,7 @@ class BatchScheduler:
         with eng._lock:
             reqs, kv = list(self.trees), self.tree_kv
             try:
-                plans = self._tree_plans(reqs, [len(req.seq) - kv.lengths[i] for i, req in enumerate(reqs)])
-                steps = [self._tree_block(req, kv.lengths[i], plan) for i, (req, plan) in enumerate(zip(reqs, plans))]
+                steps = [self._tree_block(req, kv.lengths[i]) for i, req in enumerate(reqs)]
                 keep = max(1 + len(st.tree) for st in steps)
                 width = max(len(st.block) for st in steps)
                 t1 = time.perf_counter()
@@ -559,8 +557,6 @@ class BatchScheduler:
                 if eng.target_device.type == "cuda":
                     torch.cuda.synchronize(eng.target_device)
                 t_target = time.perf_counter() - t1
-                if len(reqs) > 1 and all(st.context == 1 for st in steps):   # a steady batch: the pass by its tokens
-                    eng.costs.observe_target(len(reqs) * width, t_target)
                 keeps, results = [], []
                 for i, (req, st) in enumerate(zip(reqs, steps)):
                     kept, new = self._accept_tree(req, st, logits[i, keep - len(st.tree) - 1:],
@@ -576,53 +572,22 @@ class BatchScheduler:
                 return
         self._emit_step(reqs, results)
 
-    def _tree_plans(self, reqs: list[Request], contexts: list[int]) -> list[Plan | None]:
-        """Each tree row's plan this step (None: no controller, the full depth). Alone, a request's controller
-        plans for itself; in a batch, the adaptive rows on the replica's costs share one depth chosen for the
-        whole pass (controller.plan_tree_batch: every row pays for the widest block), while seeded rows (whose
-        output must not depend on other traffic) keep planning for themselves. `contexts`: each row's tokens
-        before its nodes (the root, and whatever its cache lacks)."""
-        eng = self.engine
-        plans: list[Plan | None] = [None] * len(reqs)
-        shared, options = [], []
-        for i, req in enumerate(reqs):
-            ctrl = req.controller
-            if ctrl is None:
-                continue
-            ctrl.version = eng.version_of(req.spec.mode, req.arm)
-            if len(reqs) == 1 or ctrl.costs is not eng.costs or not eng.plan_tree_batches:
-                plans[i] = ctrl.plan(0)
-                continue
-            shared.append(i)
-            options.append(TreeRowOption(curve=ctrl.curve("draft"), nodes=ctrl.tree_nodes, depth=ctrl.gamma,
-                                         context=contexts[i]))
-        if shared:
-            def shape(i: int, k: int) -> int:          # the block a self-planning row puts in the pass
-                spec = reqs[i].spec
-                return contexts[i] + (tree_size(tree_branching(k, spec.extra["width"], spec.extra["branch"]))
-                                      if k else 0)
-            fixed = max((shape(i, p.k if p is not None else
-                               min(reqs[i].spec.gamma, eng.heads_for("medusa", reqs[i].arm)[0].config.num_heads))
-                         for i, p in enumerate(plans) if i not in shared), default=0)
-            for i, plan in zip(shared, plan_tree_batch(options, eng.costs, reqs[shared[0]].spec.mode,
-                                                       fixed_width=fixed)):
-                plans[i] = reqs[i].controller.take(plan)
-        return plans
-
-    def _tree_block(self, req: Request, cached: int, plan: Plan | None) -> "_TreeStep":
-        """A tree row's proposal: its plan's depth (0: a plain step; also for the last tokens before the context
-        limit; no plan: the full depth), the heads' tree from the hidden state its last pass (or its prompt's
-        prefill) left, and its block: the context its cache (`cached` tokens) lacks, ending with the root, then
-        the nodes, with the block's mask (causal context, each node over its ancestors) and position offsets (a
-        node's depth)."""
+    def _tree_block(self, req: Request, cached: int) -> "_TreeStep":
+        """A tree row's proposal: its controller's depth (0: a plain step; also for the last tokens before the
+        context limit), the heads' tree from the hidden state its last pass (or its prompt's prefill) left, and
+        its block: the context its cache (`cached` tokens) lacks, ending with the root, then the nodes, with
+        the block's mask (causal context, each node over its ancestors) and position offsets (a node's depth)."""
         from serving.engine import medusa_tree
 
         eng, spec, sampling = self.engine, req.spec, req.sampling
         t0 = time.perf_counter()
         heads = eng.heads_for("medusa", req.arm)[0]
         version = eng.version_of(spec.mode, req.arm)
+        plan = None
         depth = min(spec.gamma, heads.config.num_heads)
-        if plan is not None:
+        if req.controller is not None:
+            req.controller.version = version
+            plan = req.controller.plan(0)
             depth = min(depth, plan.k)
         room = eng.max_context - len(req.seq)
         if depth > 0 and room <= 1 + tree_size(tree_branching(depth, spec.extra["width"], spec.extra["branch"])):

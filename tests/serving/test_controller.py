@@ -822,44 +822,6 @@ def test_plan_batch_uses_the_ngram_lookup_where_it_beats_the_draft_and_respects_
     assert plans[2].proposer == "none" and plans[2].k == 0
 
 
-def test_plan_tree_batch_prices_the_whole_pass_and_picks_the_best_shared_depth():
-    from serving.controller import TreeRowOption, expected_tokens, plan_tree_batch
-
-    # a CPU-like pass: every verified token adds 10% of a one-token step
-    c = _costs(target_per_token=0.004, target_fixed=0.04)
-    for n in (64, 128, 256):
-        c.observe_target(n, 0.04 + 0.004 * n)
-    shape = {0: 1, 1: 5, 2: 9, 3: 13}                       # tokens a tree k deep verifies, root included
-    row = lambda curve, depth=3, context=1: TreeRowOption(curve=curve, nodes=lambda k: shape[k], depth=depth,
-                                                         context=context)
-
-    def best(rows, fixed=0):
-        n = len(rows)
-
-        def rate(K):
-            width = max([fixed] + [r.context - 1 + shape[min(K, r.depth)] for r in rows])
-            return (sum(expected_tokens(r.curve, min(K, r.depth)) for r in rows)
-                    / (c.target_s(n * width) + sum(min(K, r.depth) for r in rows) * c.draft_token_s("medusa")
-                       + c.overhead_s(K > 0, n)))
-        rates = [rate(K) for K in range(4)]
-        K = max(range(4), key=lambda K: rates[K])
-        return K if rates[K] >= rates[0] * 1.05 else 0
-
-    good = [0.7, 0.5, 0.4]
-    alone = plan_tree_batch([row(good)], c, "medusa")
-    assert alone[0].proposer == "draft" and alone[0].k == best([row(good)]) >= 1
-    # eight such rows: one 8 x W pass is far dearer than one row's, so the batch drafts shallower (or not at all)
-    eight = plan_tree_batch([row(good)] * 8, c, "medusa")
-    assert len({p.k for p in eight}) == 1 and eight[0].k == best([row(good)] * 8) < alone[0].k
-    # a row that plans for itself already pays for a wide block: the others' trees up to that width are free
-    wide = plan_tree_batch([row(good)] * 8, c, "medusa", fixed_width=13)
-    assert wide[0].k == best([row(good)] * 8, fixed=13) > eight[0].k
-    # a shallow row drafts no deeper than its own depth; heads that agree with nothing draft nothing
-    mixed = plan_tree_batch([row(good), row(good, depth=1)], c, "medusa", fixed_width=13)
-    assert mixed[0].k == 3 and mixed[1].k == 1
-    assert all(p.k == 0 and p.proposer == "none" for p in plan_tree_batch([row([0.02, 0.01, 0.0])] * 2, c, "medusa"))
-
-
 # ---------------------------------------------------------------------------- the draft-confidence stop
 def always_draft(monkeypatch, k: int):
     """Every step plans the draft model at k tokens, so only the confidence stop can shorten a chain."""

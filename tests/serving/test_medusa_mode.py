@@ -380,53 +380,6 @@ def test_concurrent_medusa_requests_share_one_tree_pass_and_stay_target_greedy(m
     assert (max(rows) >= 2) if batch_trees else (max(rows) == 0)
 
 
-@pytest.mark.parametrize("plan_batches", [True, False])
-def test_adaptive_tree_rows_share_one_depth_priced_by_the_whole_pass(medusa_engine, monkeypatch, plan_batches):
-    """Adaptive medusa rows stepping together plan ONE depth for the pass (controller.plan_tree_batch, given every
-    adaptive row and the widest block of a row that plans for itself), each row's tree is cut to it, and the
-    output stays target greedy. `Engine.plan_tree_batches = False` (the benchmark's A/B arm): each row's
-    controller plans as if alone and the batch planner is never asked."""
-    import serving.scheduler as scheduler_module
-
-    monkeypatch.setattr(medusa_engine, "plan_tree_batches", plan_batches)
-    calls, depths = [], []
-    real = scheduler_module.plan_tree_batch
-
-    def spy(options, costs, draft_key, **kw):
-        plans = real(options, costs, draft_key, **kw)
-        calls.append((len(options), kw.get("fixed_width", 0), [p.k for p in plans]))
-        return plans
-
-    monkeypatch.setattr(scheduler_module, "plan_tree_batch", spy)
-    block = scheduler_module.BatchScheduler._tree_block
-
-    def record(self, req, cached, plan):
-        st = block(self, req, cached, plan)
-        depths.append((len(self.trees), req.controller is not None, plan.k if plan is not None else None,
-                       max(st.tree.depth, default=0)))
-        return st
-
-    monkeypatch.setattr(scheduler_module.BatchScheduler, "_tree_block", record)
-    p = ids(medusa_engine)
-    sampling = SamplingParams(temperature=0.0, max_tokens=20)
-    jobs = [(p, sampling, SpecParams(mode="medusa", gamma=3)),
-            (p[:6], sampling, SpecParams(mode="medusa", gamma=3)),
-            (p[:9], sampling, SpecParams(mode="medusa", gamma=2, adaptive=False))]
-    want = [reference_greedy(medusa_engine.target.model, prompt, 20) for prompt, _, _ in jobs]
-    got = run_concurrently(medusa_engine, jobs)
-    assert [r.token_ids for r in got] == want
-    assert all(tree_depth <= k for _, adaptive, k, tree_depth in depths if adaptive)   # a tree never outgrows its plan
-    if not plan_batches:
-        assert calls == []
-        return
-    assert calls and all(n in (1, 2) for n, _, _ in calls)
-    assert any(n == 2 for n, _, _ in calls)                   # the two adaptive rows planned together
-    # while the fixed row was in the pass, its block (its root plus a full 2-deep tree) was the floor of the width
-    assert any(fixed >= 1 + 2 for _, fixed, _ in calls)
-    for _, _, ks in calls:
-        assert len(set(ks)) == 1                               # one depth (both rows are 3 deep)
-
-
 @pytest.mark.parametrize("rule", ["exact", "mjsd"])
 def test_seeded_sampled_medusa_in_a_tree_batch_equals_alone(medusa_engine, rule):
     """A seeded sampled medusa request draws from its own generator on its own tree: run beside another tree
