@@ -79,6 +79,10 @@ def progress(msg: str) -> None:
 
 
 # ----------------------------------------------------------------------------- modes
+# row variants that set one knob of the heads' tree: name -> (knob, parser, what it takes)
+VARIANT_KNOBS = {"floor": ("node_floor", float, "a number in [0, 1)"), "lookup": ("lookup_ngram", int, "an integer >= 0")}
+
+
 def make_spec(label: str, args):
     """SpecParams for a row label: default / default-fixed / speculative / speculative-fixed / any engine mode;
     `tree+typical` / `medusa+typical` / `eagle+typical` (or `+mjsd`): that mode with Medusa's typical acceptance on the tree;
@@ -86,7 +90,9 @@ def make_spec(label: str, args):
     `medusa+fp32heads` / `eagle+fp32heads`: that mode with its heads in fp32 (the engine runs them in the
     target's dtype; the row measures what that buys on a bf16 machine);
     `default+floor=X` / `medusa+floor=X`: that mode with the heads' tree pruned at node_floor X (0: the full
-    shape; serving/decoding/medusa.py)."""
+    shape; serving/decoding/medusa.py);
+    `default+lookup=N` / `medusa+lookup=N`: that mode with the prompt lookup's branch grafted onto the heads' tree
+    from context n-grams of at least N tokens (0: the heads' tree alone; serving/engine.py `medusa_tree`)."""
     from serving.config import (ADAPTIVE_TREE_MODES, AUTO_MODE, DRAFT_FREE_MODES, SpecParams, served_knobs,
                                 served_mode)
 
@@ -99,12 +105,13 @@ def make_spec(label: str, args):
     kw = dict(mode=mode, gamma=args.gamma, beams=args.beams, tau=args.tau)
     if base == "default":
         kw["extra"] = served_knobs(mode)
-    if variant.startswith("floor="):
+    name, eq, value = variant.partition("=")
+    if eq and name in VARIANT_KNOBS:                        # `+floor=X`, `+lookup=N`: one knob of the tree
+        knob, kind, what = VARIANT_KNOBS[name]
         try:
-            floor = float(variant[len("floor="):])
+            kw["extra"] = {**kw.get("extra", {}), knob: kind(value)}
         except ValueError:
-            raise ValueError(f"row {label}+{variant}: floor= takes a number in [0, 1)") from None
-        kw["extra"] = {**kw.get("extra", {}), "node_floor": floor}
+            raise ValueError(f"row {label}+{variant}: {name}= takes {what}") from None
     elif variant and variant not in ("nostop", "fp32heads"):     # knobs of the engine, not of the request
         kw["extra"] = {"rule": variant}
     if mode not in DRAFT_FREE_MODES or mode in ADAPTIVE_TREE_MODES:

@@ -73,7 +73,11 @@ def served_knobs(mode: str) -> dict:
 #             deeper, depth gamma; verified in one target pass with a tree mask (serving/decoding/tree.py)
 #   medusa    the same width / branch, the tree read off the Medusa heads (depth min(gamma, heads)); node_floor
 #             in [0, 1): a node whose path probability under the heads is below it is left out of the tree, with
-#             its subtree (the root's first child always stays; 0: the full shape; serving/decoding/medusa.py)
+#             its subtree (the root's first child always stays; 0: the full shape; serving/decoding/medusa.py);
+#             lookup_ngram n >= 0: the prompt lookup's continuation (of the longest suffix n-gram of 3 down to n
+#             tokens that occurred earlier in the context, as mode ngram) joins the tree as one more branch from
+#             the root, as deep as the tree (0: off; under rule mjsd its nodes' log q is 0, a point mass;
+#             serving/engine.py `medusa_tree`)
 #   eagle     the same width / branch, the tree grown by the EAGLE-style head (depth gamma: one head forward
 #             per depth, each depth reading the features the head predicted for the depth above)
 #   tree, medusa, eagle also: rule "exact" (greedy at T=0, the lossless deterministic-children rule otherwise) or
@@ -84,6 +88,9 @@ DEFAULT_TAU = 0.1   # MJSD's joint-ratio threshold (the paper's tau): mode mjsd'
 # Mode medusa's node_floor: 0 keeps the full (width, branch) shape; the served value is measured by
 # scripts/bench_tree_floor.py (docs/benchmarks.md, the twenty-fourth session)
 MEDUSA_NODE_FLOOR = 0.05
+# Mode medusa's lookup_ngram: the shortest context n-gram whose earlier continuation joins the heads' tree (0: off);
+# the served value is measured by scripts/bench_traffic.py --medusa-knobs (docs/benchmarks.md, the thirty-second session)
+MEDUSA_LOOKUP_NGRAM = 2
 MODE_KNOBS: dict[str, dict[str, float | int | str]] = {
     "typical": {"posterior_threshold": 0.09, "posterior_alpha": 0.3},
     "mentored": {"kl_budget": 0.1},
@@ -94,7 +101,7 @@ MODE_KNOBS: dict[str, dict[str, float | int | str]] = {
     "tree": {"width": 2, "branch": 1, "rule": "exact", "posterior_threshold": 0.09, "posterior_alpha": 0.3,
              "tau": DEFAULT_TAU},
     "medusa": {"width": 2, "branch": 1, "rule": "exact", "posterior_threshold": 0.09, "posterior_alpha": 0.3,
-               "tau": DEFAULT_TAU, "node_floor": MEDUSA_NODE_FLOOR},
+               "tau": DEFAULT_TAU, "node_floor": MEDUSA_NODE_FLOOR, "lookup_ngram": MEDUSA_LOOKUP_NGRAM},
     "eagle": {"width": 2, "branch": 1, "rule": "exact", "posterior_threshold": 0.09, "posterior_alpha": 0.3,
               "tau": DEFAULT_TAU},
 }
@@ -222,6 +229,8 @@ class SpecParams:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v < 1.0:
                 raise ValueError(f"node_floor must be a number in [0, 1), got {v!r}")
             knobs["node_floor"] = float(v)
+        if "lookup_ngram" in knobs:
+            _int_in("lookup_ngram", knobs["lookup_ngram"], 0, MAX_NGRAM)
         if "max_ngram" in knobs:
             _int_in("max_ngram", knobs["max_ngram"], 1, MAX_NGRAM)
             _int_in("min_ngram", knobs["min_ngram"], 1, knobs["max_ngram"])

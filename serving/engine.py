@@ -66,7 +66,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 
@@ -567,8 +567,9 @@ class Engine:
             fan = spec.beams
         elif spec.mode == "spectr":
             fan = spec.extra["num_drafts"]
-        elif spec.mode in TREE_MODES:
-            return context + tree_size(tree_branching(spec.gamma, spec.extra["width"], spec.extra["branch"]))
+        elif spec.mode in TREE_MODES:      # the tree's nodes, and a lookup branch as deep (medusa_tree)
+            return context + tree_size(tree_branching(spec.gamma, spec.extra["width"], spec.extra["branch"])) \
+                + (spec.gamma if spec.extra.get("lookup_ngram") else 0)
         return context * fan
 
     def generate(
@@ -1104,7 +1105,7 @@ class _RequestState:
         if self.depth is not None:                                    # the adaptive controller's choice
             depth = min(depth, self.depth)
         tree, node_logq = medusa_tree(heads, self.hidden if self.hidden_for == len(self.seq) else None,
-                                      self.seq[-1], depth, spec, sampling, warp)
+                                      self.seq[-1], depth, spec, sampling, warp, context=self.seq)
         self.verified = 1 + len(tree.tokens)
         self.depth_nodes = nodes_per_depth(tree)
         stats.draft_time_s += time.perf_counter() - t1
@@ -1209,19 +1210,39 @@ def tree_verdict(tree: DraftTree, logits: torch.Tensor, sampling: SamplingParams
     return verify_deterministic(tree, warp(logits).exp(), gen)
 
 
+LOOKUP_MAX_NGRAM = 3      # the longest context suffix medusa's lookup branch matches (as the controller's n-gram)
+
+
 def medusa_tree(heads, hidden: torch.Tensor | None, root: int, depth: int, spec: SpecParams,
-                sampling: SamplingParams, warp) -> tuple[DraftTree, torch.Tensor | None]:
+                sampling: SamplingParams, warp, context: Sequence[int] | None = None
+                ) -> tuple[DraftTree, torch.Tensor | None]:
     """The heads' tree under `root` from the target's hidden state before it (`width`, `branch`, `depth`,
     pruned by `node_floor`), and for rule mjsd at T > 0 the heads' warped log q of every node (else None).
     No hidden state (a one-token prompt, a request's first step in the batch) or depth 0: the empty tree,
-    a plain target step."""
+    a plain target step. With knob `lookup_ngram` n > 0 and the request's `context` (ending with `root`), the
+    prompt lookup's continuation of the context's longest earlier suffix n-gram (LOOKUP_MAX_NGRAM down to n
+    tokens), cut to `depth`, joins the tree as one more branch (`DraftTree.graft`). The greedy and
+    deterministic-children rules stay exact on any tree whose nodes are fixed before the pass: the heads' are,
+    and the lookup's depend on the context alone. For MJSD's joint test a new node's log q is 0: the lookup is
+    a deterministic proposer, q a point mass on its token, so such a node passes where the target's joint
+    probability of its path (times the heads' q of the ancestors it shares with their tree) exceeds tau."""
     if hidden is None or depth <= 0:
         return DraftTree((), ()), torch.zeros(0)
     branching = tree_branching(depth, spec.extra["width"], spec.extra["branch"])
     floor = spec.extra["node_floor"]                            # the heads' doubt prunes the tree
+    node_logq = None
     if _RequestState._tree_mjsd(spec, sampling):               # the heads' warped log q of every node
-        return heads.propose_with_logq(hidden, root, branching, warp, floor)
-    return heads.propose(hidden, root, branching, floor), None
+        tree, node_logq = heads.propose_with_logq(hidden, root, branching, warp, floor)
+    else:
+        tree = heads.propose(hidden, root, branching, floor)
+    n = spec.extra.get("lookup_ngram", 0)
+    path = ngram_propose(list(context), max(n, LOOKUP_MAX_NGRAM), depth, n) if n and context else []
+    if path:
+        grown = tree.graft(path)
+        if node_logq is not None and len(grown) > len(tree):
+            node_logq = torch.cat([node_logq, node_logq.new_zeros(len(grown) - len(tree))])
+        tree = grown
+    return tree, node_logq
 
 
 def nodes_per_depth(tree: DraftTree) -> list[int]:

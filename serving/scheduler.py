@@ -590,11 +590,12 @@ class BatchScheduler:
             plan = req.controller.plan(0)
             depth = min(depth, plan.k)
         room = eng.max_context - len(req.seq)
-        if depth > 0 and room <= 1 + tree_size(tree_branching(depth, spec.extra["width"], spec.extra["branch"])):
+        if depth > 0 and room <= 1 + tree_size(tree_branching(depth, spec.extra["width"], spec.extra["branch"])) \
+                + (depth if spec.extra.get("lookup_ngram") else 0):
             depth = 0
         warp = _warper(sampling)
         hidden = req.hidden if req.hidden_for == len(req.seq) else None
-        tree, node_logq = medusa_tree(heads, hidden, req.seq[-1], depth, spec, sampling, warp)
+        tree, node_logq = medusa_tree(heads, hidden, req.seq[-1], depth, spec, sampling, warp, context=req.seq)
         context = req.seq[cached:]
         c = len(context)
         mask = torch.ones(c + len(tree), c + len(tree), dtype=torch.bool).tril()

@@ -98,6 +98,26 @@ class DraftTree:
                 parent = index[key]
         return cls(tuple(tokens), tuple(parents))
 
+    def graft(self, path: Sequence[int]) -> "DraftTree":
+        """This tree with the candidate continuation `path` added under the root: it follows existing nodes
+        while their tokens match and appends the rest as one new branch (each new node the last child of its
+        parent, so every existing node keeps its index and its children their order)."""
+        tokens, parents = list(self.tokens), list(self.parents)
+        node = ROOT
+        for i, t in enumerate(path):
+            t = int(t)
+            child = next((c for c in range(len(tokens)) if parents[c] == node and tokens[c] == t), None)
+            if child is None:
+                for t in path[i:]:
+                    tokens.append(int(t))
+                    parents.append(node)
+                    node = len(tokens) - 1
+                break
+            node = child
+        if len(tokens) == len(self.tokens):
+            return self
+        return DraftTree(tuple(tokens), tuple(parents))
+
     # ------------------------------------------------------------------ shape
     def __len__(self) -> int:
         return len(self.tokens)

@@ -51,3 +51,21 @@ def test_an_even_number_of_repeats_averages_the_two_middle_runs():
             dict(prompt_index=1, tokens=20, wall_s=2.0)]
     tokens, wall = repeat_medians(recs)
     assert tokens == 30 and abs(wall - (2.0 + 2.0)) < 1e-9
+
+
+def test_row_variants_set_one_knob_of_the_heads_tree():
+    import argparse
+
+    import pytest
+
+    from scripts.bench_traffic import make_spec
+
+    args = argparse.Namespace(medusa_heads="h", eagle_head=None, gamma=3, beams=4, tau=0.1)
+    assert make_spec("default+lookup=0", args).extra["lookup_ngram"] == 0
+    spec = make_spec("default+floor=0.2", args)
+    assert spec.mode == "medusa" and spec.extra["node_floor"] == 0.2 and spec.extra["rule"] == "mjsd"
+    assert make_spec("medusa+typical", args).extra["rule"] == "typical"
+    with pytest.raises(ValueError, match="lookup= takes an integer"):
+        make_spec("default+lookup=two", args)
+    with pytest.raises(ValueError, match="lookup_ngram must be an integer in"):
+        make_spec("default+lookup=-1", args)
