@@ -161,3 +161,44 @@ def test_contention_rows_split_requests_by_the_share_of_their_time_a_job_ran():
     assert rows["no job"]["requests"] == 2
     assert rows["no job"]["drafted_per_step"] == 40 / 20 and rows["no job"]["accepted_per_step"] == 8 / 20
     assert abs(rows["no job"]["ms_per_step"] - 1000 * 17 / 20) < 1e-9 and rows["no job"]["acceptance"] == 8 / 40
+
+
+def test_the_issues_rolling_reading_and_the_rescore_of_saved_runs(tmp_path):
+    """Issue 15's acceptance gain read two ways: first / last 300 s, and the first / last rolling window of
+    `window` requests (a promotion inside the first 300 s lowers only the first reading's baseline); --rescore
+    scores saved runs from their responses and summaries without touching them, and skips short runs."""
+    import argparse
+
+    from scripts.bench_online import rescore, targets
+
+    def req(t, drafted, accepted, cat="sql", tps=10.0):
+        return {"t": t, "t_start": t - 1, "category": cat, "draft_tokens": drafted, "accepted_tokens": accepted,
+                "tokens_per_s": tps}
+
+    # 0.2 for the first 4 requests (t 1-4), 0.6 from t 100 (a promotion inside the first 300 s), 0.7 at the end
+    records = ([req(t, 10, 2) for t in (1, 2, 3, 4)] + [req(100 + t, 10, 6) for t in range(8)]
+               + [req(1500 + t, 10, 7, tps=20.0) for t in range(4)])
+    args = argparse.Namespace(phase1={"sql": 0.75, "known": 0.25}, window=4, early_s=300.0, shift_at=1800.0,
+                              duration=1800.0)
+    tg = targets(records, args)
+    assert tg["start_rolling_acceptance"] == pytest.approx(0.2) and tg["end_rolling_acceptance"] == pytest.approx(0.7)
+    assert tg["acceptance_gain_rolling"] == pytest.approx(0.5)
+    assert tg["early_acceptance"] == pytest.approx((8 + 48) / 120)       # the first 300 s hold the promotion
+    assert tg["acceptance_gain_late"] == pytest.approx(0.7 - 56 / 120)
+    assert targets(records[:6], args).get("acceptance_gain_rolling") is None   # fewer than two windows
+    run = tmp_path / "online-run"
+    run.mkdir()
+    (run / "responses.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    summary = {"args": {**vars(args), "heads": "h", "no_heads": False}, "failed_requests": 0}
+    (run / "summary.json").write_text(json.dumps(summary))
+    short = tmp_path / "online-smoke"
+    short.mkdir()
+    (short / "responses.jsonl").write_text((run / "responses.jsonl").read_text())
+    (short / "summary.json").write_text(json.dumps({**summary, "args": {**summary["args"], "duration": 60.0}}))
+    before = (run / "summary.json").read_text()
+    assert rescore(tmp_path / "out" / "t.md", [run, short]) == 0
+    rows = json.loads((tmp_path / "out" / "t.json").read_text())
+    assert [r["run"] for r in rows] == ["online-run"] and rows[0]["kind"] == "heads"
+    assert rows[0]["gain_rolling"] == pytest.approx(0.5) and rows[0]["tokens_per_s_ratio"] == pytest.approx(2.0)
+    assert rows[0]["all_met_rolling"] is False      # no shift in this run: the forgetting figure is missing
+    assert "online-run" in (tmp_path / "out" / "t.md").read_text() and (run / "summary.json").read_text() == before
