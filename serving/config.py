@@ -89,7 +89,8 @@ DEFAULT_TAU = 0.1   # MJSD's joint-ratio threshold (the paper's tau): mode mjsd'
 # scripts/bench_tree_floor.py (docs/benchmarks.md, the twenty-fourth session)
 MEDUSA_NODE_FLOOR = 0.05
 # Mode medusa's lookup_ngram: the shortest context n-gram whose earlier continuation joins the heads' tree (0: off);
-# the served value is measured by scripts/bench_traffic.py --medusa-knobs (docs/benchmarks.md, the thirty-second session)
+# the served value is measured by scripts/bench_traffic.py's rows default+lookup=N (docs/benchmarks.md, the
+# thirty-second session)
 MEDUSA_LOOKUP_NGRAM = 2
 MODE_KNOBS: dict[str, dict[str, float | int | str]] = {
     "typical": {"posterior_threshold": 0.09, "posterior_alpha": 0.3},
