@@ -66,7 +66,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator
 
 import torch
 
@@ -1210,19 +1210,16 @@ def tree_verdict(tree: DraftTree, logits: torch.Tensor, sampling: SamplingParams
     return verify_deterministic(tree, warp(logits).exp(), gen)
 
 
-LOOKUP_MAX_NGRAM = 3      # the longest context suffix medusa's lookup branch matches (as the controller's n-gram)
-
-
 def medusa_tree(heads, hidden: torch.Tensor | None, root: int, depth: int, spec: SpecParams,
-                sampling: SamplingParams, warp, context: Sequence[int] | None = None
+                sampling: SamplingParams, warp, context: list[int] | None = None
                 ) -> tuple[DraftTree, torch.Tensor | None]:
     """The heads' tree under `root` from the target's hidden state before it (`width`, `branch`, `depth`,
     pruned by `node_floor`), and for rule mjsd at T > 0 the heads' warped log q of every node (else None).
     No hidden state (a one-token prompt, a request's first step in the batch) or depth 0: the empty tree,
     a plain target step. With knob `lookup_ngram` n > 0 and the request's `context` (ending with `root`), the
-    prompt lookup's continuation of the context's longest earlier suffix n-gram (LOOKUP_MAX_NGRAM down to n
-    tokens), cut to `depth`, joins the tree as one more branch (`DraftTree.graft`). The greedy and
-    deterministic-children rules stay exact on any tree whose nodes are fixed before the pass: the heads' are,
+    prompt lookup's continuation of the context's longest earlier suffix n-gram (the controller's longest,
+    Engine.CONTROLLER_NGRAM[0], down to n tokens), cut to `depth`, joins the tree as one more branch
+    (`DraftTree.graft`). The greedy and deterministic-children rules stay exact on any tree whose nodes are fixed before the pass: the heads' are,
     and the lookup's depend on the context alone. For MJSD's joint test a new node's log q is 0: the lookup is
     a deterministic proposer, q a point mass on its token, so such a node passes where the target's joint
     probability of its path (times the heads' q of the ancestors it shares with their tree) exceeds tau."""
@@ -1236,7 +1233,7 @@ def medusa_tree(heads, hidden: torch.Tensor | None, root: int, depth: int, spec:
     else:
         tree = heads.propose(hidden, root, branching, floor)
     n = spec.extra.get("lookup_ngram", 0)
-    path = ngram_propose(list(context), max(n, LOOKUP_MAX_NGRAM), depth, n) if n and context else []
+    path = ngram_propose(context, max(n, Engine.CONTROLLER_NGRAM[0]), depth, n) if n and context else []
     if path:
         grown = tree.graft(path)
         if node_logq is not None and len(grown) > len(tree):
