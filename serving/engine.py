@@ -1219,8 +1219,8 @@ def medusa_tree(heads, hidden: torch.Tensor | None, root: int, depth: int, spec:
     a plain target step. With knob `lookup_ngram` n > 0 and the request's `context` (ending with `root`), the
     prompt lookup's continuation of the context's longest earlier suffix n-gram (the controller's longest,
     Engine.CONTROLLER_NGRAM[0], down to n tokens), cut to `depth`, joins the tree as one more branch
-    (`DraftTree.graft`). The greedy and deterministic-children rules stay exact on any tree whose nodes are fixed before the pass: the heads' are,
-    and the lookup's depend on the context alone. For MJSD's joint test a new node's log q is 0: the lookup is
+    (`DraftTree.graft`). The greedy and deterministic-children rules stay exact on any tree whose nodes are
+    fixed before the pass: the heads' are, and the lookup's depend on the context alone. For MJSD's joint test a new node's log q is 0: the lookup is
     a deterministic proposer, q a point mass on its token, so such a node passes where the target's joint
     probability of its path (times the heads' q of the ancestors it shares with their tree) exceeds tau."""
     if hidden is None or depth <= 0:
