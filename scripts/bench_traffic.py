@@ -80,7 +80,8 @@ def progress(msg: str) -> None:
 
 # ----------------------------------------------------------------------------- modes
 # row variants that set one knob of the heads' tree: name -> (knob, parser, what it takes)
-VARIANT_KNOBS = {"floor": ("node_floor", float, "a number in [0, 1)"), "lookup": ("lookup_ngram", int, "an integer >= 0")}
+VARIANT_KNOBS = {"floor": ("node_floor", float, "a number in [0, 1)"), "lookup": ("lookup_ngram", int, "an integer >= 0"),
+                 "suffix": ("suffix", int, "0 or 1")}
 
 
 def make_spec(label: str, args):
@@ -92,7 +93,8 @@ def make_spec(label: str, args):
     `default+floor=X` / `medusa+floor=X`: that mode with the heads' tree pruned at node_floor X (0: the full
     shape; serving/decoding/medusa.py);
     `default+lookup=N` / `medusa+lookup=N`: that mode with the prompt lookup's branch grafted onto the heads' tree
-    from context n-grams of at least N tokens (0: the heads' tree alone; serving/engine.py `medusa_tree`)."""
+    from context n-grams of at least N tokens (0: the heads' tree alone; serving/engine.py `medusa_tree`);
+    `default+suffix=0` / `medusa+suffix=0`: that mode without the suffix store's branch (serving/decoding/suffix.py)."""
     from serving.config import (ADAPTIVE_TREE_MODES, AUTO_MODE, DRAFT_FREE_MODES, SpecParams, served_knobs,
                                 served_mode)
 
@@ -306,6 +308,38 @@ def plot(rows: list[dict], gm: dict, temps: list[float], cats: list[str], labels
 
 
 # ----------------------------------------------------------------------------- in-process run
+class SuffixStores:
+    """What the engine's suffix store (serving/decoding/suffix.py) holds for each prompt of the run. A run replays
+    each prompt (rows, repeats), so a store that learned from the run as a replica does would propose a
+    prompt's own earlier answer: a cache hit, not a measurement. Here the store holds the seed's answers (the
+    bootstrap's teacher data) and, with `learn`, the run's answers to its OTHER prompts (leave one prompt out):
+    the state a replica reaches after serving other traffic."""
+
+    def __init__(self, seed: str | None, learn: bool) -> None:
+        from serving.decoding.suffix import teacher_answers
+
+        self.pairs = teacher_answers(seed) if seed else []
+        self.learn_on = learn
+        self.learned: dict = {}
+        self.shared = self._build([])
+
+    def _build(self, extra: list):
+        from serving.decoding.suffix import SuffixStore
+
+        store = SuffixStore()
+        store.add_many(self.pairs + extra)
+        return store
+
+    def for_prompt(self, key):
+        if not self.learn_on:
+            return self.shared
+        return self._build([pa for k, pa in self.learned.items() if k != key])
+
+    def learn(self, key, prompt: list[int], answer: list[int]) -> None:
+        if self.learn_on and answer:
+            self.learned[key] = (list(prompt), list(answer))
+
+
 def run_engine(args) -> int:
     import torch
 
@@ -359,6 +393,8 @@ def run_engine(args) -> int:
              f"{len(temps)} temperatures, {args.max_tokens} tokens each")
 
     warm_each = args.warm_each if args.warm_each is not None else str(args.device).startswith("cuda")
+    stores = SuffixStores(args.suffix_seed, args.suffix_learn)
+    engine.suffix_learn = False                 # the bench decides what the store holds (SuffixStores)
     records: list[dict] = []
     total = len(temps) * sum(len(v) for v in ids.values())
     done, t_run = 0, time.perf_counter()
@@ -373,6 +409,7 @@ def run_engine(args) -> int:
                     engine.generate_all(prompt, sampling(T, args.max_tokens, seed), specs["target"], log_mode="none")
                 for rep in range(args.repeats):
                     outs = {}
+                    engine.suffix_store = stores.for_prompt((cat, i))
                     for label in (order if rep % 2 == 0 else order[::-1]):    # ABBA over the rounds
                         if not args.keep_prefix_cache:    # every row prefills its prompt (the tree modes always do)
                             engine.scheduler.prefix_cache.clear()
@@ -395,6 +432,7 @@ def run_engine(args) -> int:
                                                                           - {"mean_accepted_length", "acceptance_rate",
                                                                              "overhead_time_s", "tokens_per_s"}),
                             output_ids=list(res.token_ids)))
+                    stores.learn((cat, i), prompt, next(iter(outs.values())))
                     if T == 0 and "target" in outs:
                         for r in records[-len(order):]:
                             r["same_as_target"] = None if r["mode"] == "target" else outs[r["mode"]] == outs["target"]
@@ -617,6 +655,11 @@ def main(argv=None) -> int:
     ap.add_argument("--stop-confidence", type=float, default=None,
                     help="adaptive chains end after a token the draft doubts below this (default: the engine's, "
                          "serving/controller.py STOP_CONFIDENCE; rows `+nostop` turn it off)")
+    ap.add_argument("--suffix-seed", default=None,
+                    help="teacher data whose answers seed the suffix store (default: the bootstrap's "
+                         "<data>/bootstrap/teacher.safetensors where it exists; 'none': an empty store)")
+    ap.add_argument("--suffix-learn", action="store_true",
+                    help="the suffix store also holds this run's answers to the OTHER prompts (leave one out)")
     ap.add_argument("--tau", type=float, default=0.1)
     ap.add_argument("--device", default="cpu")
     from scripts.bench_decode import add_row_fairness_flags
@@ -629,6 +672,13 @@ def main(argv=None) -> int:
     ap.add_argument("--url", default=None, help="with --http: an already running server (default: start one)")
     ap.add_argument("--smoke", action="store_true", help="1 prompt per category, 8 tokens, temperature 0 only")
     args = ap.parse_args(argv)
+    if args.suffix_seed is None:
+        from buffer.paths import data_dir
+
+        teacher = data_dir() / "bootstrap" / "teacher.safetensors"
+        args.suffix_seed = str(teacher) if teacher.is_file() else None
+    elif args.suffix_seed.lower() == "none":
+        args.suffix_seed = None
     if args.smoke:
         args.n, args.max_tokens, args.temperatures = 1, 8, [0.0]
     if not 1 <= args.n <= 12:

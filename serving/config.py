@@ -77,7 +77,9 @@ def served_knobs(mode: str) -> dict:
 #             lookup_ngram n >= 0: the prompt lookup's continuation (of the longest suffix n-gram of 3 down to n
 #             tokens that occurred earlier in the context, as mode ngram) joins the tree as one more branch from
 #             the root, as deep as the tree (0: off; under rule mjsd its nodes' log q is 0, a point mass;
-#             serving/engine.py `medusa_tree`)
+#             serving/engine.py `medusa_tree`); suffix 0 / 1: the continuation the replica's store of earlier
+#             answers proposes for the context (serving/decoding/suffix.py) joins the tree as a branch too (lookup's
+#             log q under rule mjsd; nothing where the replica keeps no store, DRAFTSMITH_SUFFIX_STORE=0)
 #   eagle     the same width / branch, the tree grown by the EAGLE-style head (depth gamma: one head forward
 #             per depth, each depth reading the features the head predicted for the depth above)
 #   tree, medusa, eagle also: rule "exact" (greedy at T=0, the lossless deterministic-children rule otherwise) or
@@ -92,6 +94,10 @@ MEDUSA_NODE_FLOOR = 0.05
 # the served value is measured by scripts/bench_traffic.py's rows default+lookup=N (docs/benchmarks.md, the
 # thirty-second session)
 MEDUSA_LOOKUP_NGRAM = 2
+# Mode medusa's suffix: 1 grafts the cross-request store's continuation onto the heads' tree (measured by
+# scripts/bench_suffix.py offline and bench_traffic.py's rows default+suffix=N; docs/benchmarks.md, the thirty-third
+# session)
+MEDUSA_SUFFIX = 1
 MODE_KNOBS: dict[str, dict[str, float | int | str]] = {
     "typical": {"posterior_threshold": 0.09, "posterior_alpha": 0.3},
     "mentored": {"kl_budget": 0.1},
@@ -102,7 +108,8 @@ MODE_KNOBS: dict[str, dict[str, float | int | str]] = {
     "tree": {"width": 2, "branch": 1, "rule": "exact", "posterior_threshold": 0.09, "posterior_alpha": 0.3,
              "tau": DEFAULT_TAU},
     "medusa": {"width": 2, "branch": 1, "rule": "exact", "posterior_threshold": 0.09, "posterior_alpha": 0.3,
-               "tau": DEFAULT_TAU, "node_floor": MEDUSA_NODE_FLOOR, "lookup_ngram": MEDUSA_LOOKUP_NGRAM},
+               "tau": DEFAULT_TAU, "node_floor": MEDUSA_NODE_FLOOR, "lookup_ngram": MEDUSA_LOOKUP_NGRAM,
+               "suffix": MEDUSA_SUFFIX},
     "eagle": {"width": 2, "branch": 1, "rule": "exact", "posterior_threshold": 0.09, "posterior_alpha": 0.3,
               "tau": DEFAULT_TAU},
 }
@@ -232,6 +239,8 @@ class SpecParams:
             knobs["node_floor"] = float(v)
         if "lookup_ngram" in knobs:
             _int_in("lookup_ngram", knobs["lookup_ngram"], 0, MAX_NGRAM)
+        if "suffix" in knobs:
+            _int_in("suffix", knobs["suffix"], 0, 1)
         if "max_ngram" in knobs:
             _int_in("max_ngram", knobs["max_ngram"], 1, MAX_NGRAM)
             _int_in("min_ngram", knobs["min_ngram"], 1, knobs["max_ngram"])

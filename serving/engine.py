@@ -78,6 +78,7 @@ from serving.decoding.bild import bild_should_fallback
 from serving.decoding.eagle import EagleDrafter, EagleHead
 from serving.decoding.ngram import ngram_propose, staged_accept
 from serving.decoding.spectr import spectr_verify
+from serving.decoding.suffix import SuffixStore, suffix_store_enabled
 from serving.decoding.tree import ROOT as TREE_ROOT
 from serving.decoding.tree import (DraftTree, TreeDrafter, TreeVerifyResult, feed_masked_hidden, keep_path,
                                    tree_branching, tree_forward, tree_forward_hidden, tree_node_logq, tree_size,
@@ -337,6 +338,11 @@ class Engine:
         self._calibration_lock = threading.Lock()
         self._broken: str | None = None
         self._failures = 0
+        # earlier answers, proposing across requests (serving/decoding/suffix.py; mode medusa's knob `suffix`):
+        # every finished answer joins it (`learn_answer`) unless `suffix_learn` is off (benchmarks that replay
+        # one prompt turn it off); None where DRAFTSMITH_SUFFIX_STORE=0
+        self.suffix_store: SuffixStore | None = SuffixStore() if suffix_store_enabled() else None
+        self.suffix_learn = True
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -364,6 +370,40 @@ class Engine:
         if eagle:
             engine.load_eagle(eagle)
         return engine
+
+    def seed_suffix_store(self, path: str | Path) -> int:
+        """Seed the suffix store with a teacher-data file's answers (serving/decoding/suffix.py); returns how
+        many. Data written for another vocabulary (a token id this target lacks) is refused and logged."""
+        if self.suffix_store is None:
+            return 0
+        from serving.decoding.suffix import teacher_answers
+
+        try:
+            pairs = teacher_answers(path)
+        except Exception as e:  # noqa: BLE001 - seeding is an optimisation: the store learns from traffic anyway
+            log.warning("suffix store not seeded from %s: %s", path, e)
+            return 0
+        top = max((max(p + a, default=-1) for p, a in pairs), default=-1)
+        if top >= self.vocab_size:
+            log.warning("suffix store not seeded from %s: token id %d is outside this target's vocabulary (%d); "
+                        "it was written for another tokenizer", path, top, self.vocab_size)
+            return 0
+        n = self.suffix_store.add_many(pairs)
+        log.info("suffix store seeded with %d answers (%d tokens) from %s", n, len(self.suffix_store), path)
+        return n
+
+    def store_for(self, sampling: SamplingParams) -> SuffixStore | None:
+        """The suffix store a request's trees read: none for a seeded sampled request, whose output must not
+        depend on what other requests taught the store in between (the tree's shape steers which random draws
+        its rule makes); greedy output is the target's argmax whatever the tree holds."""
+        if sampling.seed is not None and sampling.temperature > 0:
+            return None
+        return self.suffix_store
+
+    def learn_answer(self, prompt: list[int], answer: list[int]) -> None:
+        """A finished answer joins the suffix store (a no-op without one or with `suffix_learn` off)."""
+        if self.suffix_store is not None and self.suffix_learn and answer:
+            self.suffix_store.add(prompt, answer)
 
     @_gives_back_openmp_threads
     def load_eagle(self, path: str | Path, version: str | None = None) -> str:
@@ -567,9 +607,9 @@ class Engine:
             fan = spec.beams
         elif spec.mode == "spectr":
             fan = spec.extra["num_drafts"]
-        elif spec.mode in TREE_MODES:      # the tree's nodes, and a lookup branch as deep (medusa_tree)
+        elif spec.mode in TREE_MODES:      # the tree's nodes, and the grafted branches as deep (medusa_tree)
             return context + tree_size(tree_branching(spec.gamma, spec.extra["width"], spec.extra["branch"])) \
-                + (spec.gamma if spec.extra.get("lookup_ngram") else 0)
+                + grafted_nodes(spec, spec.gamma)
         return context * fan
 
     def generate(
@@ -1105,7 +1145,8 @@ class _RequestState:
         if self.depth is not None:                                    # the adaptive controller's choice
             depth = min(depth, self.depth)
         tree, node_logq = medusa_tree(heads, self.hidden if self.hidden_for == len(self.seq) else None,
-                                      self.seq[-1], depth, spec, sampling, warp, context=self.seq)
+                                      self.seq[-1], depth, spec, sampling, warp, context=self.seq,
+                                      store=eng.store_for(sampling))
         self.verified = 1 + len(tree.tokens)
         self.depth_nodes = nodes_per_depth(tree)
         stats.draft_time_s += time.perf_counter() - t1
@@ -1211,8 +1252,8 @@ def tree_verdict(tree: DraftTree, logits: torch.Tensor, sampling: SamplingParams
 
 
 def medusa_tree(heads, hidden: torch.Tensor | None, root: int, depth: int, spec: SpecParams,
-                sampling: SamplingParams, warp, context: list[int] | None = None
-                ) -> tuple[DraftTree, torch.Tensor | None]:
+                sampling: SamplingParams, warp, context: list[int] | None = None,
+                store: SuffixStore | None = None) -> tuple[DraftTree, torch.Tensor | None]:
     """The heads' tree under `root` from the target's hidden state before it (`width`, `branch`, `depth`,
     pruned by `node_floor`), and for rule mjsd at T > 0 the heads' warped log q of every node (else None).
     No hidden state (a one-token prompt, a request's first step in the batch) or depth 0: the empty tree,
@@ -1220,9 +1261,12 @@ def medusa_tree(heads, hidden: torch.Tensor | None, root: int, depth: int, spec:
     prompt lookup's continuation of the context's longest earlier suffix n-gram (the controller's longest,
     Engine.CONTROLLER_NGRAM[0], down to n tokens), cut to `depth`, joins the tree as one more branch
     (`DraftTree.graft`). The greedy and deterministic-children rules stay exact on any tree whose nodes are
-    fixed before the pass: the heads' are, and the lookup's depend on the context alone. For MJSD's joint test a new node's log q is 0: the lookup is
-    a deterministic proposer, q a point mass on its token, so such a node passes where the target's joint
-    probability of its path (times the heads' q of the ancestors it shares with their tree) exceeds tau."""
+    fixed before the pass: the heads' are, and the lookup's depend on the context alone. With knob `suffix` 1 and
+    a `store` (the replica's SuffixStore), the continuation its earlier answers propose for the context joins
+    the tree the same way, and stays exact for the same reason (the store changes between requests, never
+    during a pass). For MJSD's joint test a grafted node's log q is 0: both are deterministic proposers, q a
+    point mass on its token, so such a node passes where the target's joint probability of its path (times the
+    heads' q of the ancestors it shares with their tree) exceeds tau."""
     if hidden is None or depth <= 0:
         return DraftTree((), ()), torch.zeros(0)
     branching = tree_branching(depth, spec.extra["width"], spec.extra["branch"])
@@ -1233,13 +1277,22 @@ def medusa_tree(heads, hidden: torch.Tensor | None, root: int, depth: int, spec:
     else:
         tree = heads.propose(hidden, root, branching, floor)
     n = spec.extra.get("lookup_ngram", 0)
-    path = ngram_propose(context, max(n, Engine.CONTROLLER_NGRAM[0]), depth, n) if n and context else []
-    if path:
+    paths = [ngram_propose(context, max(n, Engine.CONTROLLER_NGRAM[0]), depth, n) if n and context else []]
+    if store is not None and spec.extra.get("suffix") and context:
+        paths.append(store.propose(context, depth))
+    for path in paths:
+        if not path:
+            continue
         grown = tree.graft(path)
         if node_logq is not None and len(grown) > len(tree):
             node_logq = torch.cat([node_logq, node_logq.new_zeros(len(grown) - len(tree))])
         tree = grown
     return tree, node_logq
+
+
+def grafted_nodes(spec: SpecParams, depth: int) -> int:
+    """The most nodes `medusa_tree` grafts beside the heads' tree of `depth`: a branch as deep per proposer on."""
+    return depth * ((1 if spec.extra.get("lookup_ngram") else 0) + (1 if spec.extra.get("suffix") else 0))
 
 
 def nodes_per_depth(tree: DraftTree) -> list[int]:

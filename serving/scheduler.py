@@ -454,6 +454,7 @@ class BatchScheduler:
         stats = req.stats
         if req.t_start:
             self.engine._finish_stats(stats, req.t_start, req.energy0)
+        self.engine.learn_answer(req.prompt, self._seq(req)[len(req.prompt): len(req.prompt) + stats.tokens])
         self._push_sequence(req)    # before the answer: whoever reads the finish finds the record there
         req.out.put(("step", out, reason))
 
@@ -577,7 +578,7 @@ class BatchScheduler:
         context limit), the heads' tree from the hidden state its last pass (or its prompt's prefill) left, and
         its block: the context its cache (`cached` tokens) lacks, ending with the root, then the nodes, with
         the block's mask (causal context, each node over its ancestors) and position offsets (a node's depth)."""
-        from serving.engine import medusa_tree
+        from serving.engine import grafted_nodes, medusa_tree
 
         eng, spec, sampling = self.engine, req.spec, req.sampling
         t0 = time.perf_counter()
@@ -591,11 +592,12 @@ class BatchScheduler:
             depth = min(depth, plan.k)
         room = eng.max_context - len(req.seq)
         if depth > 0 and room <= 1 + tree_size(tree_branching(depth, spec.extra["width"], spec.extra["branch"])) \
-                + (depth if spec.extra.get("lookup_ngram") else 0):
+                + grafted_nodes(spec, depth):
             depth = 0
         warp = _warper(sampling)
         hidden = req.hidden if req.hidden_for == len(req.seq) else None
-        tree, node_logq = medusa_tree(heads, hidden, req.seq[-1], depth, spec, sampling, warp, context=req.seq)
+        tree, node_logq = medusa_tree(heads, hidden, req.seq[-1], depth, spec, sampling, warp, context=req.seq,
+                                      store=eng.store_for(sampling))
         context = req.seq[cached:]
         c = len(context)
         mask = torch.ones(c + len(tree), c + len(tree), dtype=torch.bool).tril()

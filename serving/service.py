@@ -105,6 +105,10 @@ class ServiceSettings:
     draft: str | None = None                # explicit draft folder: served as version "local", no watching
     medusa_heads: str | None = None         # Medusa heads folder for mode "medusa" (python -m training.heads)
     eagle_head: str | None = None           # EAGLE-style head folder for mode "eagle" (training.heads --kind eagle)
+    # teacher data whose answers seed each replica's suffix store (serving/decoding/suffix.py); settings_from_env:
+    # $DRAFTSMITH_SUFFIX_SEED ("none": no seed), default the bootstrap's <data>/bootstrap/teacher.safetensors where
+    # it exists
+    suffix_seed: str | None = None
     served_model_name: str | None = None    # the `model` clients send (default: the target's name)
     registry_model: str | None = None       # registered model name (default draftsmith-<target>-draft)
     tracking_uri: str | None = None         # MLflow (default MLFLOW_TRACKING_URI or the local SQLite store)
@@ -279,6 +283,8 @@ class Service:
             except Exception as e:  # noqa: BLE001 - a bad head costs mode "eagle" only, never the endpoint
                 log.error("serving without an EAGLE head: %s", e)
                 self.eagle_error = str(e)
+        if self.s.suffix_seed:
+            engine.seed_suffix_store(self.s.suffix_seed)
         if self.s.draft is not None:
             engine.swap_draft(self.s.draft, "local")
         else:
@@ -868,8 +874,12 @@ def settings_from_env(**overrides) -> ServiceSettings:
             kw[name] = conv(v)
     if env.get("DRAFTSMITH_ADMIN_KEY"):
         kw["admin_api_key"] = env["DRAFTSMITH_ADMIN_KEY"]
-    from buffer.paths import cache_dir
+    from buffer.paths import cache_dir, data_dir
 
     kw["profile_dir"] = env.get("DRAFTSMITH_PROFILE_DIR") or str(cache_dir() / "cost-profiles")
+    seed = data_dir() / "bootstrap" / "teacher.safetensors"
+    chosen = env.get("DRAFTSMITH_SUFFIX_SEED", "").strip()
+    kw["suffix_seed"] = None if chosen.lower() in ("none", "off", "0") else chosen or (
+        str(seed) if seed.is_file() else None)
     kw.update({k: v for k, v in overrides.items() if v is not None})
     return ServiceSettings(**kw)

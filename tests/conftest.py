@@ -17,6 +17,8 @@ os.environ.setdefault("DRAFTSMITH_HIDDEN_CACHE_DIR", tempfile.mkdtemp(prefix="dr
 # Tiny-model forwards are dominated by thread hand-offs: on a shared 2-core machine two torch threads
 # per process made them up to 30x slower than one. Every test process runs torch on one thread.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# the suffix store of a served engine is not seeded from a developer's bootstrap data (tests use tiny vocabularies)
+os.environ.setdefault("DRAFTSMITH_SUFFIX_SEED", "none")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)

@@ -123,11 +123,12 @@ def test_the_engine_prunes_by_the_floor_and_stays_greedy(pair, heads_dir):
     drafted = {}
     for floor in (0.0, 0.3):
         res = eng.generate_all(prompt, GREEDY, SpecParams(mode="medusa", gamma=3, adaptive=False,
-                                                          extra={"node_floor": floor}))
+                                                          extra={"node_floor": floor, "suffix": 0}))
         assert res.token_ids == expected
         drafted[floor] = res.stats.draft_tokens / res.stats.steps
     assert drafted[0.3] < drafted[0.0] == 3.0
-    res = eng.generate_all(prompt, GREEDY, SpecParams(mode="medusa", gamma=3, extra={"node_floor": 0.99}))
+    # the store's branch off: it learned this prompt's answer from the requests above
+    res = eng.generate_all(prompt, GREEDY, SpecParams(mode="medusa", gamma=3, extra={"node_floor": 0.99, "suffix": 0}))
     assert res.token_ids == expected
     assert res.stats.draft_tokens <= res.stats.steps          # at most the root's first child per step
 

@@ -114,7 +114,7 @@ def test_hidden_state_is_recomputed_after_a_step_that_left_none(medusa_engine):
     prompt = ids(medusa_engine)
     state = _RequestState(medusa_engine, prompt)
     gen = torch.Generator().manual_seed(0)
-    stats = medusa_engine.generate_all(prompt, GREEDY, SpecParams(mode="target")).stats
+    stats = medusa_engine.generate_all(prompt, GREEDY, SpecParams(mode="medusa", gamma=3)).stats
     out = []
     out += state.spec_step(GREEDY, SpecParams(mode="medusa", gamma=3), gen, stats, "r", None)
     out += state.target_step(GREEDY, gen, stats)
@@ -136,9 +136,10 @@ def test_without_heads_the_engine_refuses_and_a_bad_folder_keeps_the_old_heads(m
     with pytest.raises(ModelLoadError, match="hidden size 64"):
         medusa_engine.load_heads(tmp_path / "wide")
     assert medusa_engine.heads_version == "medusa:tiny-heads"
-    # a request's footprint counts the tree's nodes, as mode tree's does, and the lookup branch's (gamma)
+    # a request's footprint counts the tree's nodes, as mode tree's does, and the lookup's and store's branches
+    # (gamma each)
     spec = SpecParams(mode="medusa", gamma=3, extra={"width": 2, "branch": 2})
-    assert medusa_engine.footprint(10, GREEDY, spec) == 10 + 40 + 3 + 1 + (2 + 4 + 4) + 3
+    assert medusa_engine.footprint(10, GREEDY, spec) == 10 + 40 + 3 + 1 + (2 + 4 + 4) + 3 + 3
 
 
 def _service(target, **settings) -> Service:
@@ -307,7 +308,7 @@ def test_adaptive_medusa_is_target_greedy_at_t0_under_any_depths(pair, heads_dir
         assert st.draft_versions["none"]["steps"] >= st.zero_draft_steps
 
 
-HEADS_ONLY = {"lookup_ngram": 0}     # the heads' tree alone, without the prompt lookup's branch
+HEADS_ONLY = {"lookup_ngram": 0, "suffix": 0}   # the heads' tree alone, without the lookup's or the store's branch
 
 
 def test_hopeless_heads_stop_drafting_and_a_seed_reproduces_the_output(pair, heads_dir, monkeypatch):

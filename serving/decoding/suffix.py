@@ -1,0 +1,176 @@
+"""A store of the target's earlier answers that proposes continuations across requests.
+
+Prompt lookup (ngram.py) finds a continuation only inside the request's own context. Served answers
+repeat each other far more than they repeat their prompts: a small instruct model opens, structures and
+closes its answers with the same phrases ("Here's a step-by-step ...", code boilerplate, list markup), and
+a category of traffic repeats its own vocabulary. This is the idea of SuffixDecoding (Oliaro et al., 2024;
+served by Snowflake's Arctic Inference) and REST (He et al., 2024): keep the text the model has produced,
+match the request's suffix against it, and propose what followed. It learns from traffic the moment an
+answer finishes, so it is the part of the service that gets faster without a training job.
+
+Data structure (a suffix tree's cheap relative). `tokens` is the stored text, answers separated by SEP (-1),
+each answer preceded by the last `max_match` tokens of its prompt (the chat template's assistant header
+among them, so the store can propose an answer's opening). `index` maps every `key_len`-token window
+(no SEP inside) to the positions that followed it, the newest `per_key` kept. `propose(context, depth)`
+takes the candidates under the context's last `key_len` tokens, scores each by how many more tokens
+of the context it matches going backwards (up to `max_match`), keeps the longest matches, and walks their
+continuations forward by majority vote: the next token is the one most of the surviving candidates
+continue with, and the walk stops when its share falls below `min_support` or the depth is reached.
+
+Memory and time. One dict entry per stored token; `capacity` tokens at most (the oldest half is dropped
+and the index rebuilt when it fills, amortised O(1) per token). A proposal costs O(per_key * max_match)
+Python steps, about 0.1 ms: nothing beside a target step of tens of milliseconds.
+
+Exactness. A proposal depends on the context and the store, both fixed before the verification pass, so
+the greedy and lossless rules on a tree that carries it stay exact (the prompt-lookup argument in
+ngram.py). What it changes is speed, and under MJSD's joint test which paths pass. It never carries one
+request's text into another's output: the target decides every token. What crosses requests is timing
+(a request whose answer repeats an earlier one runs faster), as with any prefix or suffix cache; a
+deployment for mutually distrustful tenants turns it off (`DRAFTSMITH_SUFFIX_STORE=0`).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import Counter
+from pathlib import Path
+from typing import Iterable, Sequence
+
+SEP = -1
+log = logging.getLogger(__name__)
+
+
+def suffix_store_enabled() -> bool:
+    """Whether replicas keep a store (on unless DRAFTSMITH_SUFFIX_STORE is 0 / false / no / off)."""
+    return os.environ.get("DRAFTSMITH_SUFFIX_STORE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def teacher_answers(path: str | Path) -> list[tuple[list[int], list[int]]]:
+    """(prompt, answer) token lists of a teacher-data file (training/teacher.py `save_examples`: the target's
+    own answers to the bootstrap's prompts), in file order."""
+    from safetensors.numpy import load_file
+
+    d = load_file(str(path))
+    toks, pairs, s = d["tokens"], [], 0
+    for L, P in zip(d["seq_lens"].tolist(), d["prompt_lens"].tolist()):
+        seq = toks[s: s + L].tolist()
+        pairs.append((seq[:P], seq[P:]))
+        s += L
+    return pairs
+
+
+class SuffixStore:
+    """Earlier answers, indexed for cross-request proposals (module docstring). Thread-safe."""
+
+    def __init__(self, capacity: int = 262_144, key_len: int = 2, per_key: int = 64, max_match: int = 12,
+                 min_support: float = 0.3) -> None:
+        if key_len < 1 or per_key < 1 or max_match < key_len or capacity < 16 * max_match:
+            raise ValueError(f"bad SuffixStore settings: key_len={key_len}, per_key={per_key}, "
+                             f"max_match={max_match}, capacity={capacity}")
+        if not 0.0 < min_support <= 1.0:
+            raise ValueError(f"min_support must be in (0, 1], got {min_support}")
+        self.capacity, self.key_len, self.per_key = int(capacity), int(key_len), int(per_key)
+        self.max_match, self.min_support = int(max_match), float(min_support)
+        self.tokens: list[int] = []
+        self.index: dict[tuple[int, ...], list[int]] = {}
+        self.answers = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    # ------------------------------------------------------------------ learning
+    def add(self, prompt: Sequence[int], answer: Sequence[int]) -> None:
+        """Store one finished answer (with its prompt's last `max_match` tokens as the lead-in)."""
+        answer = [int(t) for t in answer]
+        if not answer:
+            return
+        text = [int(t) for t in prompt[-self.max_match:]] + answer
+        with self._lock:
+            if len(self.tokens) + len(text) + 1 > self.capacity:
+                self._evict(len(text) + 1)
+            start = len(self.tokens)
+            self.tokens.extend(text)
+            self.tokens.append(SEP)
+            self._index_answer(start, len(self.tokens) - 1)
+            self.answers += 1
+
+    def add_many(self, pairs: Iterable[tuple[Sequence[int], Sequence[int]]]) -> int:
+        n = 0
+        for prompt, answer in pairs:
+            self.add(prompt, answer)
+            n += 1
+        return n
+
+    def seed(self, path: str | Path) -> int:
+        """Add the answers of a teacher-data file (`teacher_answers`); returns how many. A missing or
+        unreadable file adds nothing and is logged: the store then learns from traffic alone."""
+        try:
+            pairs = teacher_answers(path)
+        except Exception as e:  # noqa: BLE001 - seeding is an optimisation, never a failure
+            log.warning("suffix store not seeded from %s: %s", path, e)
+            return 0
+        return self.add_many(pairs)
+
+    def _index_answer(self, start: int, sep: int) -> None:
+        """Index the continuation positions of the answer at tokens[start:sep] (tokens[sep] is its SEP: a
+        window at the answer's end continues with SEP, a vote for stopping)."""
+        toks, k, cap = self.tokens, self.key_len, self.per_key
+        for p in range(start + k, sep + 1):
+            key = tuple(toks[p - k:p])
+            bucket = self.index.get(key)
+            if bucket is None:
+                self.index[key] = [p]
+            else:
+                bucket.append(p)
+                if len(bucket) > 2 * cap:           # amortised trim to the newest `per_key`
+                    del bucket[: len(bucket) - cap]
+
+    def _evict(self, need: int) -> None:
+        """Drop the oldest answers until half the capacity (and `need`) is free, and rebuild the index."""
+        keep_from = max(len(self.tokens) - self.capacity // 2 + need, 0)
+        while 0 < keep_from < len(self.tokens) and self.tokens[keep_from - 1] != SEP:
+            keep_from += 1                          # start at an answer's boundary
+        self.tokens = self.tokens[keep_from:]
+        self.index = {}
+        start = 0
+        for i, t in enumerate(self.tokens):
+            if t == SEP:
+                self._index_answer(start, i)
+                start = i + 1
+
+    # ------------------------------------------------------------------ proposing
+    def propose(self, context: Sequence[int], depth: int) -> list[int]:
+        """Up to `depth` tokens continuing `context`, from the earlier answers that match its suffix the
+        longest; [] when no stored window matches or the continuations disagree from the first token."""
+        k = self.key_len
+        if depth <= 0 or len(context) < k:
+            return []
+        with self._lock:
+            toks = self.tokens
+            cands = self.index.get(tuple(int(t) for t in context[len(context) - k:]))
+            if not cands:
+                return []
+            cands = cands[-self.per_key:]
+            limit = min(self.max_match, len(context))
+            best, scored = 0, []
+            for p in cands:
+                m = k
+                while m < limit and p - m - 1 >= 0 and toks[p - m - 1] == context[len(context) - m - 1]:
+                    m += 1
+                scored.append((m, p))
+                best = max(best, m)
+            alive = [p for m, p in scored if m == best]
+            path: list[int] = []
+            n_toks = len(toks)
+            while len(path) < depth and alive:
+                votes = Counter(toks[p] for p in alive if p < n_toks and toks[p] != SEP)
+                if not votes:
+                    break
+                tok, count = votes.most_common(1)[0]
+                if count < self.min_support * len(alive):
+                    break
+                path.append(tok)
+                alive = [p + 1 for p in alive if p < n_toks and toks[p] == tok]
+            return path

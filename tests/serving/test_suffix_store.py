@@ -1,0 +1,103 @@
+"""The cross-request suffix store (serving/decoding/suffix.py): what it proposes, when it declines, and
+its bounded memory."""
+import threading
+
+import pytest
+
+from serving.decoding.suffix import SEP, SuffixStore
+
+
+def test_proposes_what_followed_an_earlier_answer():
+    s = SuffixStore()
+    s.add([1, 2], [10, 11, 12, 13, 14])
+    assert s.propose([7, 10, 11], 3) == [12, 13, 14]
+    assert s.propose([7, 10, 11], 2) == [12, 13]
+    assert s.propose([1, 2], 2) == [10, 11]            # the prompt's tail leads into the answer's opening
+    assert s.propose([5, 6], 3) == []                   # never seen
+    assert s.propose([11], 3) == []                     # shorter than the key
+    assert s.propose([10, 11], 0) == []
+
+
+def test_stops_at_the_end_of_an_answer():
+    s = SuffixStore()
+    s.add([], [3, 4, 5])
+    assert s.propose([3, 4], 5) == [5]                  # then SEP: nothing beyond the answer
+    assert SEP not in s.propose([4, 5], 5)
+
+
+def test_majority_vote_and_min_support():
+    s = SuffixStore(min_support=0.5)
+    for _ in range(3):
+        s.add([], [1, 2, 3, 4])
+    s.add([], [1, 2, 9, 9])
+    assert s.propose([1, 2], 2) == [3, 4]               # 3 of 4 continue with 3
+    tie = SuffixStore(min_support=0.6)
+    tie.add([], [1, 2, 3])
+    tie.add([], [1, 2, 7])
+    assert tie.propose([1, 2], 2) == []                 # 1 of 2 is below 0.6: decline
+
+
+def test_longest_match_wins_over_the_majority():
+    s = SuffixStore()
+    for _ in range(3):
+        s.add([], [8, 1, 2, 3])
+    s.add([], [9, 5, 1, 2, 7])
+    # the context's last three tokens (5, 1, 2) match only the last answer: its continuation wins
+    assert s.propose([0, 5, 1, 2], 1) == [7]
+    assert s.propose([0, 8, 1, 2], 1) == [3]
+
+
+def test_capacity_is_bounded_and_keeps_the_newest():
+    s = SuffixStore(capacity=16 * 12, max_match=12)
+    for i in range(200):
+        s.add([], [1000 + i, 1, 2, 2000 + i])
+    assert len(s) <= s.capacity
+    assert s.propose([1199, 1, 2], 1) == [2199]          # the newest survives
+    assert s.propose([1000, 1, 2], 1) != [2000]          # the oldest was evicted
+    assert all(len(b) <= 2 * s.per_key for b in s.index.values())
+    assert s.tokens[-1] == SEP and (s.tokens[0] != SEP)
+
+
+def test_per_key_keeps_the_newest_candidates():
+    s = SuffixStore(per_key=4)
+    for i in range(20):
+        s.add([], [1, 2, 100 + i])
+    assert len(s.index[(1, 2)]) <= 8
+    assert s.propose([1, 2], 1) == []                    # the 4 newest disagree (one vote each)
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError):
+        SuffixStore(key_len=0)
+    with pytest.raises(ValueError):
+        SuffixStore(min_support=0)
+    with pytest.raises(ValueError):
+        SuffixStore(capacity=10)
+
+
+def test_concurrent_adds_and_proposals():
+    s = SuffixStore(capacity=4096)
+    errors = []
+
+    def writer(base):
+        try:
+            for i in range(300):
+                s.add([base], [base, i % 7, (i + 1) % 7, (i + 2) % 7])
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    def reader():
+        try:
+            for i in range(2000):
+                out = s.propose([i % 7, (i + 1) % 7], 2)
+                assert all(t >= 0 for t in out)
+        except Exception as e:  # pragma: no cover
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer, args=(b,)) for b in (100, 200)] + [threading.Thread(target=reader)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert len(s) <= s.capacity
