@@ -631,6 +631,9 @@ def parse_args(argv=None):
                          "draft folder when it exists, as `draftsmith bootstrap` leaves them)")
     ap.add_argument("--no-heads", action="store_true",
                     help="register no heads: the served default drafts with the draft, and the draft is distilled")
+    ap.add_argument("--no-suffix-store", action="store_true",
+                    help="serve without the replicas' suffix store (DRAFTSMITH_SUFFIX_STORE=0), for an A/B; by "
+                         "default it is on and seeded from the bootstrap's teacher data beside the draft")
     ap.add_argument("--target", default=None, help="target model folder (default: the served default)")
     ap.add_argument("--data", type=Path, default=ROOT / "data" / "bench-online", help="data dir (wiped first)")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "online")
@@ -775,6 +778,14 @@ def main(argv=None) -> int:
     env = {**os.environ, "DRAFTSMITH_DATA": str(data), "PYTHONUNBUFFERED": "1"}
     for k in ("REDIS_URL", "MLFLOW_TRACKING_URI", "DRAFTSMITH_API_KEY"):
         env.pop(k, None)
+    # the README's defaults: the replicas' suffix store seeded from the bootstrap's teacher data (serve reads it
+    # under the data dir, and this run's data dir is a fresh one)
+    teacher = draft.parent / "bootstrap" / "teacher.safetensors"
+    if args.no_suffix_store:
+        env["DRAFTSMITH_SUFFIX_STORE"] = "0"
+    elif "DRAFTSMITH_SUFFIX_SEED" not in env and teacher.is_file():
+        env["DRAFTSMITH_SUFFIX_SEED"] = str(teacher)
+    args.suffix_store = "off" if args.no_suffix_store else env.get("DRAFTSMITH_SUFFIX_SEED", "on, not seeded")
     common = ["--target", args.target] if args.target else []
     t_setup = time.time()
     cli(env, "register", str(draft), *common)

@@ -109,6 +109,9 @@ def main(argv=None) -> int:
         label = f"v{v}" + (f" ({name})" if not name.isdigit() else "")
         if engine is None:
             engine = Engine.from_paths(target, None if args.kind == "medusa" else str(path))
+            # each version's own proposals: a suffix store would replay the earlier versions' answers to
+            # these very prompts (serving/decoding/suffix.py)
+            engine.suffix_store = None
             sets = {c: prompts_for(engine.tokenizer, c, args.prompts, args.seed, engine.max_context, args.max_tokens)
                     for c in args.categories}
         if args.kind == "medusa":

@@ -339,8 +339,9 @@ class Engine:
         self._broken: str | None = None
         self._failures = 0
         # earlier answers, proposing across requests (serving/decoding/suffix.py; mode medusa's knob `suffix`):
-        # every finished answer joins it (`learn_answer`) unless `suffix_learn` is off (benchmarks that replay
-        # one prompt turn it off); None where DRAFTSMITH_SUFFIX_STORE=0
+        # every finished answer joins it (`learn_answer`; not a request with log_mode "none", which the
+        # replay buffer keeps nothing of either) unless `suffix_learn` is off (benchmarks that replay one prompt
+        # turn it off); None where DRAFTSMITH_SUFFIX_STORE=0
         self.suffix_store: SuffixStore | None = SuffixStore() if suffix_store_enabled() else None
         self.suffix_learn = True
 

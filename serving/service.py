@@ -625,8 +625,17 @@ class Service:
                            "error": self._watch_state().get("canary", {}).get("error")},
                 "heads_canary": {k: self._heads_canary_health(k) for k in HEADS_KINDS},
                 "buffer": None if self.sink is None else {k: v for k, v in self.sink.stats().items()
-                                                          if k in ("written", "dropped", "queued")}}
+                                                          if k in ("written", "dropped", "queued")},
+                "suffix_store": self._suffix_health()}
         return ok, info
+
+    def _suffix_health(self) -> dict | None:
+        """The replica's suffix store (serving/decoding/suffix.py): answers and tokens held; None when off."""
+        store = getattr(self.engine, "suffix_store", None)
+        if store is None:
+            return None
+        return {"answers": store.answers, "tokens": len(store), "capacity": store.capacity,
+                "seed": self.s.suffix_seed}
 
     # ------------------------------------------------------------------ what callers may read
     @property

@@ -171,3 +171,36 @@ def test_a_seeded_sampled_request_does_not_read_the_store(pair, heads_dir):  # n
         eng.generate_all(prompt, SamplingParams(temperature=0.9, max_tokens=24, seed=100 + i), spec)
     assert eng.suffix_store.answers == 4
     assert eng.generate_all(prompt, seeded, spec).token_ids == first
+
+
+def test_http_replica_seeds_learns_and_reports_its_store(pair, heads_dir, tmp_path):  # noqa: F811
+    """Over HTTP: a replica seeded from teacher data reports its store in /health, every finished completion
+    adds an answer (not one whose `log_mode` is "none", nor the replica's own calibration requests), the knob
+    travels in `speculative.params`, and a bad value is a 400 naming it."""
+    import httpx
+
+    from tests.api_helpers import LiveServer
+    from tests.serving.test_medusa_mode import _service
+    from training.teacher import save_examples
+
+    ids_, lps = torch.zeros(3, 2, dtype=torch.int32).numpy(), torch.zeros(3, 2, dtype=torch.float16).numpy()
+    seed = tmp_path / "teacher.safetensors"
+    save_examples([{"tokens": [5, 6, 7, 10, 11, 12], "prompt_len": 3, "topk_ids": ids_, "topk_logprobs": lps}], seed)
+    srv = LiveServer(_service(pair[0], medusa_heads=str(heads_dir), suffix_seed=str(seed))).start()
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            store = c.get("/health").json()["suffix_store"]
+            assert store["answers"] == 1 and store["tokens"] == 7 and store["seed"] == str(seed)
+            for params in ({}, {"suffix": 0}):
+                r = c.post("/v1/completions", json={"prompt": "the cat sat", "max_tokens": 6, "temperature": 0,
+                                                    "speculative": {"mode": "medusa", "params": params}})
+                assert r.status_code == 200, r.text
+            assert c.get("/health").json()["suffix_store"]["answers"] == 3
+            r = c.post("/v1/completions", json={"prompt": "the dog ran", "max_tokens": 6, "log_mode": "none"})
+            assert r.status_code == 200, r.text
+            assert c.get("/health").json()["suffix_store"]["answers"] == 3     # kept nowhere: not in the store
+            r = c.post("/v1/completions", json={"prompt": "the cat sat", "max_tokens": 6,
+                                                "speculative": {"mode": "medusa", "params": {"suffix": 2}}})
+            assert r.status_code == 400 and "suffix must be an integer in [0, 1]" in r.json()["error"]["message"]
+    finally:
+        srv.stop()
