@@ -375,23 +375,7 @@ class Engine:
     def seed_suffix_store(self, path: str | Path) -> int:
         """Seed the suffix store with a teacher-data file's answers (serving/decoding/suffix.py); returns how
         many. Data written for another vocabulary (a token id this target lacks) is refused and logged."""
-        if self.suffix_store is None:
-            return 0
-        from serving.decoding.suffix import teacher_answers
-
-        try:
-            pairs = teacher_answers(path)
-        except Exception as e:  # noqa: BLE001 - seeding is an optimisation: the store learns from traffic anyway
-            log.warning("suffix store not seeded from %s: %s", path, e)
-            return 0
-        top = max((max(p + a, default=-1) for p, a in pairs), default=-1)
-        if top >= self.vocab_size:
-            log.warning("suffix store not seeded from %s: token id %d is outside this target's vocabulary (%d); "
-                        "it was written for another tokenizer", path, top, self.vocab_size)
-            return 0
-        n = self.suffix_store.add_many(pairs)
-        log.info("suffix store seeded with %d answers (%d tokens) from %s", n, len(self.suffix_store), path)
-        return n
+        return 0 if self.suffix_store is None else self.suffix_store.seed(path, self.vocab_size)
 
     def store_for(self, sampling: SamplingParams) -> SuffixStore | None:
         """The suffix store a request's trees read: none for a seeded sampled request, whose output must not

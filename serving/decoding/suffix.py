@@ -103,15 +103,23 @@ class SuffixStore:
             n += 1
         return n
 
-    def seed(self, path: str | Path) -> int:
+    def seed(self, path: str | Path, vocab_size: int | None = None) -> int:
         """Add the answers of a teacher-data file (`teacher_answers`); returns how many. A missing or
-        unreadable file adds nothing and is logged: the store then learns from traffic alone."""
+        unreadable file, or one holding a token id >= `vocab_size` (data written for another tokenizer), adds
+        nothing and is logged: the store then learns from traffic alone."""
         try:
             pairs = teacher_answers(path)
         except Exception as e:  # noqa: BLE001 - seeding is an optimisation, never a failure
             log.warning("suffix store not seeded from %s: %s", path, e)
             return 0
-        return self.add_many(pairs)
+        top = max((max(p + a, default=-1) for p, a in pairs), default=-1)
+        if vocab_size is not None and top >= vocab_size:
+            log.warning("suffix store not seeded from %s: token id %d is outside the target's vocabulary (%d); "
+                        "it was written for another tokenizer", path, top, vocab_size)
+            return 0
+        n = self.add_many(pairs)
+        log.info("suffix store seeded with %d answers (%d tokens) from %s", n, len(self), path)
+        return n
 
     def _index_answer(self, start: int, sep: int) -> None:
         """Index the continuation positions of the answer at tokens[start:sep] (tokens[sep] is its SEP: a
