@@ -271,6 +271,10 @@ def main(argv=None) -> int:
     ap.add_argument("--full-vocab", action=argparse.BooleanOptionalAction, default=True,
                     help="with 'speculative' in --modes and a draft with a vocabulary cut, also run our engine on "
                          "the same draft over its full vocabulary (row 'speculative (full-vocab draft)')")
+    ap.add_argument("--suffix-seed", default=None,
+                    help="teacher data whose answers seed the engine's suffix store, as a replica's is (default: "
+                         "the bootstrap's <data>/bootstrap/teacher.safetensors where it exists; 'none': an empty "
+                         "store); the store never learns the run's own answers (each prompt runs once per row)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, choices=[None, "bfloat16", "float16", "float32"])
     ap.add_argument("--threads", type=int, default=None)
@@ -295,9 +299,14 @@ def main(argv=None) -> int:
 
 
 def _run(args, dtype, stack: contextlib.ExitStack) -> int:
+    from serving.decoding.suffix import resolve_seed
+
     modes = args.modes.split(",")
     engine = Engine.from_paths(args.target, args.draft, device=args.device, dtype=dtype, heads=args.medusa_heads,
                                 eagle=args.eagle_head)
+    seed = resolve_seed(args.suffix_seed)
+    seeded = engine.seed_suffix_store(seed) if seed else 0
+    engine.suffix_learn = False       # (the runs pass log_mode "none", which learns nothing either)
     prompts = [chat_prompt_ids(engine.tokenizer, t) for t in load_prompts(args.prompts, "heldout", args.n)]
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               max_tokens=args.max_tokens)
@@ -352,7 +361,7 @@ def _run(args, dtype, stack: contextlib.ExitStack) -> int:
              f"dtype={next(engine.target.model.parameters()).dtype} threads={torch.get_num_threads()} "
              f"prompts={args.prompts}-heldout x{len(prompts)} max_tokens={args.max_tokens} T={args.temperature} "
              f"top_k={args.top_k} top_p={args.top_p} gamma={args.gamma} beams={args.beams} tau={args.tau} "
-             f"draft_vocab={draft_vocab}")
+             f"draft_vocab={draft_vocab} suffix_seed={seed or 'none'} ({seeded} answers)")
     md = to_markdown(table)
     print(setup)
     print(md)

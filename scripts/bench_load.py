@@ -75,6 +75,9 @@ def engine_baseline(prompts: list[str], args, threads: int | None = None, client
         if args.medusa_heads is not None:      # the served default drafts with them where they pay
             eng.load_heads(args.medusa_heads, version="local")
         eng.batch_trees = not args.solo_trees
+        # clients cycle 200 prompts, so a store that learned the run's answers would replay a prompt's own
+        # earlier answer at the next level: the store stays empty (heads and prompt lookup only)
+        eng.suffix_learn = False
         _ENGINES[threads] = (eng, version)
     spec = _spec(eng, args)
     for j in range(2):   # warm-up (first calls pay for kernel selection and allocations)

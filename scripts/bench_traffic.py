@@ -672,13 +672,9 @@ def main(argv=None) -> int:
     ap.add_argument("--url", default=None, help="with --http: an already running server (default: start one)")
     ap.add_argument("--smoke", action="store_true", help="1 prompt per category, 8 tokens, temperature 0 only")
     args = ap.parse_args(argv)
-    if args.suffix_seed is None:
-        from buffer.paths import data_dir
+    from serving.decoding.suffix import resolve_seed
 
-        teacher = data_dir() / "bootstrap" / "teacher.safetensors"
-        args.suffix_seed = str(teacher) if teacher.is_file() else None
-    elif args.suffix_seed.lower() == "none":
-        args.suffix_seed = None
+    args.suffix_seed = resolve_seed(args.suffix_seed)
     if args.smoke:
         args.n, args.max_tokens, args.temperatures = 1, 8, [0.0]
     if not 1 <= args.n <= 12:

@@ -385,10 +385,12 @@ class Engine:
             return None
         return self.suffix_store
 
-    def learn_answer(self, prompt: list[int], answer: list[int]) -> None:
-        """A finished answer joins the suffix store (a no-op without one or with `suffix_learn` off)."""
+    def learn_answer(self, prompt: list[int], answer: list[int], key: str | None = None) -> None:
+        """A finished answer joins the suffix store (a no-op without one or with `suffix_learn` off). `key`, the
+        request id, keeps the answer from being added again when it comes back through the replay buffer
+        (serving/decoding/suffix.py `BufferFollower`)."""
         if self.suffix_store is not None and self.suffix_learn and answer:
-            self.suffix_store.add(prompt, answer)
+            self.suffix_store.add(prompt, answer, key=key)
 
     @_gives_back_openmp_threads
     def load_eagle(self, path: str | Path, version: str | None = None) -> str:

@@ -455,7 +455,8 @@ class BatchScheduler:
         if req.t_start:
             self.engine._finish_stats(stats, req.t_start, req.energy0)
         if req.log_mode != "none":       # a request that keeps nothing in the buffer leaves nothing in the store
-            self.engine.learn_answer(req.prompt, self._seq(req)[len(req.prompt): len(req.prompt) + stats.tokens])
+            self.engine.learn_answer(req.prompt, self._seq(req)[len(req.prompt): len(req.prompt) + stats.tokens],
+                                     key=req.id)
         self._push_sequence(req)    # before the answer: whoever reads the finish finds the record there
         req.out.put(("step", out, reason))
 

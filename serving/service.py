@@ -109,6 +109,10 @@ class ServiceSettings:
     # $DRAFTSMITH_SUFFIX_SEED ("none": no seed), default the bootstrap's <data>/bootstrap/teacher.safetensors where
     # it exists
     suffix_seed: str | None = None
+    # how often the replica adds to its suffix store the answers the replay buffer holds from the other replicas
+    # (and, once at start, the newest ones from before a restart): serving/decoding/suffix.py `BufferFollower`;
+    # 0: never ($DRAFTSMITH_SUFFIX_FOLLOW_S)
+    suffix_follow_s: float = 5.0
     served_model_name: str | None = None    # the `model` clients send (default: the target's name)
     registry_model: str | None = None       # registered model name (default draftsmith-<target>-draft)
     tracking_uri: str | None = None         # MLflow (default MLFLOW_TRACKING_URI or the local SQLite store)
@@ -146,6 +150,8 @@ class ServiceSettings:
             v = getattr(self, name)
             if not isinstance(v, int) or v < (0 if name == "max_waiting" else 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if not self.suffix_follow_s >= 0:
+            raise ValueError(f"suffix_follow_s must be >= 0, got {self.suffix_follow_s!r}")
         for name in ("request_timeout_s", "watch_interval_s", "live_interval_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
@@ -241,6 +247,12 @@ class Service:
         if ((self.registry is not None and self.s.draft is None) or self.heads_source is not None
                 or self.eagle_source is not None):
             self._threads.append(threading.Thread(target=self._watch_loop, name="draft-watcher", daemon=True))
+        self.suffix_follower = self._make_follower()
+        if self.suffix_follower is not None:
+            learning = lambda: getattr(self.engine, "suffix_learn", True)  # noqa: E731
+            self._threads.append(threading.Thread(target=self.suffix_follower.run, name="suffix-follower",
+                                                  args=(self._stop, self.s.suffix_follow_s),
+                                                  kwargs={"enabled": learning}, daemon=True))
         for t in self._threads:
             t.start()
 
@@ -262,6 +274,18 @@ class Service:
             log.warning("replay buffer unavailable (%s); serving without logging verification steps", e)
             self.telemetry.set_gauge("buffer_available", 0)
             return None
+
+    def _make_follower(self):
+        """The thread that fills the suffix store from the replay buffer (None: no store, no Redis buffer, or
+        following off)."""
+        from buffer.redis_store import ReplayBufferReader, ReplayBufferWriter
+        from serving.decoding.suffix import BufferFollower
+
+        store = getattr(self.engine, "suffix_store", None)
+        if store is None or not self.s.suffix_follow_s or not isinstance(self.sink, ReplayBufferWriter):
+            return None
+        reader = ReplayBufferReader(self.sink.client, self.sink.config, stream="sequences")
+        return BufferFollower(store, reader, vocab_size=getattr(self.engine, "vocab_size", None))
 
     def _make_engine(self):
         import torch
@@ -634,8 +658,10 @@ class Service:
         store = getattr(self.engine, "suffix_store", None)
         if store is None:
             return None
+        f = getattr(self, "suffix_follower", None)
         return {"answers": store.answers, "tokens": len(store), "capacity": store.capacity,
-                "seed": self.s.suffix_seed}
+                "seed": self.s.suffix_seed, "from_buffer": None if f is None else f.added,
+                "buffer_error": None if f is None else f.error}
 
     # ------------------------------------------------------------------ what callers may read
     @property
@@ -877,18 +903,16 @@ def settings_from_env(**overrides) -> ServiceSettings:
     for name, conv in (("max_running", int), ("max_waiting", int), ("max_batch_tokens", int), ("request_timeout_s", float),
                        ("max_tokens_limit", int), ("watch_interval_s", float), ("torch_threads", int),
                        ("prefill_threads", int), ("calibrate", lambda v: v.strip().lower() not in ("0", "false", "no", "off")),
-                       ("live_interval_s", float), ("default_mode", str)):
+                       ("live_interval_s", float), ("default_mode", str), ("suffix_follow_s", float)):
         v = env.get(f"DRAFTSMITH_{name.upper()}")
         if v:
             kw[name] = conv(v)
     if env.get("DRAFTSMITH_ADMIN_KEY"):
         kw["admin_api_key"] = env["DRAFTSMITH_ADMIN_KEY"]
-    from buffer.paths import cache_dir, data_dir
+    from buffer.paths import cache_dir
+    from serving.decoding.suffix import resolve_seed
 
     kw["profile_dir"] = env.get("DRAFTSMITH_PROFILE_DIR") or str(cache_dir() / "cost-profiles")
-    seed = data_dir() / "bootstrap" / "teacher.safetensors"
-    chosen = env.get("DRAFTSMITH_SUFFIX_SEED", "").strip()
-    kw["suffix_seed"] = None if chosen.lower() in ("none", "off", "0") else chosen or (
-        str(seed) if seed.is_file() else None)
+    kw["suffix_seed"] = resolve_seed(env.get("DRAFTSMITH_SUFFIX_SEED"))
     kw.update({k: v for k, v in overrides.items() if v is not None})
     return ServiceSettings(**kw)

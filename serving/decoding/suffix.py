@@ -27,13 +27,20 @@ ngram.py). What it changes is speed, and under MJSD's joint test which paths pas
 request's text into another's output: the target decides every token. What crosses requests is timing
 (a request whose answer repeats an earlier one runs faster), as with any prefix or suffix cache; a
 deployment for mutually distrustful tenants turns it off (`DRAFTSMITH_SUFFIX_STORE=0`).
+
+Restarts and replicas (`BufferFollower`). A replica adds its own answers as they finish; the replay buffer holds
+every replica's (the sequences stream, prompt and answer token ids). A follower thread reads that stream: at
+start the newest answers up to half the store, so a restarted or added replica proposes what the service
+already served, then every few seconds the answers written since, so each replica learns from all of the
+service's traffic and not only its share. An answer is added once whichever way it arrives (`add`'s `key`, the
+request id). Requests whose `log_mode` is "none" are in neither place.
 """
 from __future__ import annotations
 
 import logging
 import os
 import threading
-from collections import Counter
+from collections import Counter, OrderedDict
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -44,6 +51,21 @@ log = logging.getLogger(__name__)
 def suffix_store_enabled() -> bool:
     """Whether replicas keep a store (on unless DRAFTSMITH_SUFFIX_STORE is 0 / false / no / off)."""
     return os.environ.get("DRAFTSMITH_SUFFIX_STORE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def resolve_seed(choice: str | None) -> str | None:
+    """The teacher data a store is seeded from: `choice` where it names a file; None for "none", "off" or "0";
+    by default (None or "") the bootstrap's <data>/bootstrap/teacher.safetensors where it exists (the served
+    default, $DRAFTSMITH_SUFFIX_SEED; the benchmarks' --suffix-seed)."""
+    chosen = (choice or "").strip()
+    if chosen.lower() in ("none", "off", "0"):
+        return None
+    if chosen:
+        return chosen
+    from buffer.paths import data_dir
+
+    seed = data_dir() / "bootstrap" / "teacher.safetensors"
+    return str(seed) if seed.is_file() else None
 
 
 def teacher_answers(path: str | Path) -> list[tuple[list[int], list[int]]]:
@@ -75,19 +97,30 @@ class SuffixStore:
         self.tokens: list[int] = []
         self.index: dict[tuple[int, ...], list[int]] = {}
         self.answers = 0
+        self._keys: OrderedDict[str, None] = OrderedDict()   # request ids already added, the newest MAX_KEYS
         self._lock = threading.Lock()
+
+    MAX_KEYS = 65_536
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     # ------------------------------------------------------------------ learning
-    def add(self, prompt: Sequence[int], answer: Sequence[int]) -> None:
-        """Store one finished answer (with its prompt's last `max_match` tokens as the lead-in)."""
+    def add(self, prompt: Sequence[int], answer: Sequence[int], key: str | None = None) -> bool:
+        """Store one finished answer (with its prompt's last `max_match` tokens as the lead-in). `key` (the
+        request id) makes adding idempotent: an answer whose key was added before is not added again (the
+        replica's own answers come back through the buffer). Returns whether it was added."""
         answer = [int(t) for t in answer]
         if not answer:
-            return
+            return False
         text = [int(t) for t in prompt[-self.max_match:]] + answer
         with self._lock:
+            if key is not None:
+                if key in self._keys:
+                    return False
+                self._keys[key] = None
+                if len(self._keys) > self.MAX_KEYS:
+                    self._keys.popitem(last=False)
             if len(self.tokens) + len(text) + 1 > self.capacity:
                 self._evict(len(text) + 1)
             start = len(self.tokens)
@@ -95,6 +128,7 @@ class SuffixStore:
             self.tokens.append(SEP)
             self._index_answer(start, len(self.tokens) - 1)
             self.answers += 1
+        return True
 
     def add_many(self, pairs: Iterable[tuple[Sequence[int], Sequence[int]]]) -> int:
         n = 0
@@ -182,3 +216,80 @@ class SuffixStore:
                 path.append(tok)
                 alive = [p + 1 for p in alive if p < n_toks and toks[p] == tok]
             return path
+
+
+class BufferFollower:
+    """Keeps a replica's store in step with the replay buffer's sequences stream (module docstring, "Restarts
+    and replicas"). `reader` is a buffer.redis_store.ReplayBufferReader (any object with its `sequence_cursor`,
+    `sequences_after` and `newest`). `warm` adds the newest answers the buffer holds, up to `warm_tokens`
+    (default half the store), oldest first; `poll` adds those written since the last call. A sequence holding a
+    token id outside `vocab_size` (the buffer of another target) is skipped. Both raise what the reader raises
+    (buffer.redis_store.BufferUnavailable when Redis is down); `run` retries them until stopped."""
+
+    def __init__(self, store: SuffixStore, reader, *, vocab_size: int | None = None,
+                 warm_tokens: int | None = None, page: int = 500) -> None:
+        self.store, self.reader, self.vocab_size, self.page = store, reader, vocab_size, int(page)
+        self.warm_tokens = store.capacity // 2 if warm_tokens is None else int(warm_tokens)
+        self.cursor: str | None = None          # the newest sequence already read (None: not warmed yet)
+        self.added = 0                          # answers this follower put in the store
+        self.skipped = 0                        # sequences refused (token ids outside the vocabulary)
+        self.error: str | None = None           # why the last warm / poll failed (None: it worked)
+
+    def _learn(self, rec) -> bool:
+        toks, p = rec.token_ids, int(rec.prompt_len)
+        if p >= len(toks):
+            return False
+        if int(toks.min()) < 0 or (self.vocab_size is not None and int(toks.max()) >= self.vocab_size):
+            self.skipped += 1
+            return False
+        ok = self.store.add(toks[:p].tolist(), toks[p:].tolist(), key=rec.request_id)
+        self.added += ok
+        return ok
+
+    def warm(self) -> int:
+        """Add the newest stored answers (up to `warm_tokens`), oldest first; returns how many were added."""
+        cursor = self.reader.sequence_cursor()      # taken first: whatever is written later, `poll` reads
+        chosen, budget, before = [], self.warm_tokens, None
+        while budget > 0:
+            page = self.reader.newest(self.page, stream="sequences", before_id=before)
+            if not page:
+                break
+            for e in page:
+                cost = len(e.record.token_ids) - e.record.prompt_len + min(e.record.prompt_len,
+                                                                           self.store.max_match) + 1
+                if cost > budget:
+                    budget = 0
+                    break
+                chosen.append(e.record)
+                budget -= cost
+            before = page[-1].stream_id
+        n = sum(self._learn(r) for r in reversed(chosen))
+        self.cursor = cursor
+        return n
+
+    def poll(self, n: int = 10_000) -> int:
+        """Add the answers written since the last `warm` / `poll` (warming first if it never ran)."""
+        if self.cursor is None:
+            return self.warm()
+        cursor = self.reader.sequence_cursor()
+        if cursor == self.cursor:
+            return 0
+        records = self.reader.sequences_after(self.cursor, n)
+        self.cursor = cursor                        # (a record read twice is added once: its key)
+        return sum(self._learn(r) for r in records)
+
+    def run(self, stop: threading.Event, interval_s: float, enabled=lambda: True) -> None:
+        """`poll` every `interval_s` seconds until `stop` is set; a failure is logged once and retried."""
+        while not stop.is_set():
+            if enabled():
+                try:
+                    took = self.poll()
+                    if took:
+                        log.debug("suffix store: %d answers from the replay buffer", took)
+                    self.error = None
+                except Exception as e:  # noqa: BLE001 - Redis down costs the sharing, never the replica
+                    if self.error is None:
+                        log.warning("suffix store: cannot read the replay buffer (%s); retrying every %.0f s",
+                                    e, interval_s)
+                    self.error = f"{type(e).__name__}: {e}"
+            stop.wait(interval_s)
