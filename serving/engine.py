@@ -563,9 +563,13 @@ class Engine:
     CONTROLLER_NGRAM = (3, 2)
 
     def ngram_tokens(self, seq: list[int], gamma: int, max_ngram: int | None = None,
-                     min_ngram: int | None = None) -> list[int]:
-        """Prompt lookup over seq: up to gamma tokens, cut after a stop token."""
+                     min_ngram: int | None = None, store: SuffixStore | None = None) -> list[int]:
+        """Prompt lookup over seq: up to gamma tokens, cut after a stop token. With a `store` (the controller's
+        deterministic proposer in the chain modes: `store_for(sampling)`), where the context proposes nothing
+        the suffix store's continuation from earlier answers is proposed instead."""
         tokens = ngram_propose(seq, max_ngram or self.CONTROLLER_NGRAM[0], gamma, min_ngram or self.CONTROLLER_NGRAM[1])
+        if not tokens and store is not None:
+            tokens = store.propose(seq, gamma)
         for i, tok in enumerate(tokens):
             if tok in self.eos_token_ids:
                 return tokens[: i + 1]

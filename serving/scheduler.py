@@ -655,7 +655,8 @@ class BatchScheduler:
         ctrl = req.controller
         if ctrl is not None:
             ctrl.version = eng.draft_for(req)[1]
-            ngram = eng.ngram_tokens(req.seq, spec.gamma) if ctrl.use_ngram else []
+            ngram = (eng.ngram_tokens(req.seq, spec.gamma, store=eng.store_for(req.sampling))
+                     if ctrl.use_ngram else [])
             plan = ctrl.plan(len(ngram))
             if plan.proposer == "ngram":
                 return _RowPlan("ngram", plan.k, plan, ngram[: plan.k])
@@ -684,7 +685,8 @@ class BatchScheduler:
                 plans[i] = self._plan(req)
                 continue
             ctrl.version = eng.draft_for(req)[1]
-            ngram = eng.ngram_tokens(req.seq, spec.gamma) if ctrl.use_ngram else []
+            ngram = (eng.ngram_tokens(req.seq, spec.gamma, store=eng.store_for(req.sampling))
+                     if ctrl.use_ngram else [])
             ngrams[i] = ngram
             has_draft = spec.needs_draft and eng.draft_for(req)[0] is not None
             prop = proposer(spec, req.sampling)

@@ -657,6 +657,34 @@ def test_adaptive_greedy_equals_target_greedy(engines, monkeypatch, mode, plans)
             assert st.zero_draft_steps > 0 and (st.ngram_steps > 0) == (mode in NGRAM_SWITCH_MODES)
 
 
+@pytest.mark.parametrize("mode", NGRAM_SWITCH_MODES)
+def test_the_ngram_switch_proposes_from_the_suffix_store(engines, monkeypatch, mode):
+    """Where the context proposes nothing, the chain modes' deterministic proposer takes the suffix store's
+    continuation (serving/engine.py `ngram_tokens`): T=0 output stays target greedy whether the store is empty,
+    holds a wrong continuation or the right one (random plans: whatever is offered gets used), and with the right
+    one stored the lookup is offered, and taken, at many more steps."""
+    from serving.decoding.suffix import SuffixStore
+
+    eng = engines["random"]
+    prompt = eng.tokenizer("zz top zq")["input_ids"]
+    expected = reference_greedy(eng.target.model, prompt, GREEDY.max_tokens)
+    monkeypatch.setattr(eng, "suffix_learn", False)
+    stats = {}
+    for name, answer in (("empty", []), ("wrong", [(t + 7) % 200 for t in expected]), ("right", expected)):
+        store = SuffixStore()
+        if answer:
+            store.add(prompt, answer)
+        monkeypatch.setattr(eng, "suffix_store", store)
+        random_plans(monkeypatch, seed=11)
+        res = eng.generate_all(prompt, GREEDY, SpecParams(mode=mode, gamma=4, beams=3))
+        assert res.token_ids == expected, (mode, name)
+        stats[name] = res.stats
+    assert stats["right"].ngram_steps > stats["empty"].ngram_steps + 2, {k: v.ngram_steps for k, v in stats.items()}
+    gaps = [t for t in range(1, len(expected) - 1) if not eng.ngram_tokens(prompt + expected[:t], 4)]
+    assert gaps and all(eng.ngram_tokens(prompt + expected[:t], 4, store=store)[:1] == expected[t: t + 1]
+                        for t in gaps)
+
+
 def test_fixed_gamma_when_adaptive_is_off(engines):
     eng = engines["random"]
     prompt = eng.tokenizer(PROMPT)["input_ids"]
