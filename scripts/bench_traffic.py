@@ -94,7 +94,9 @@ def make_spec(label: str, args):
     shape; serving/decoding/medusa.py);
     `default+lookup=N` / `medusa+lookup=N`: that mode with the prompt lookup's branch grafted onto the heads' tree
     from context n-grams of at least N tokens (0: the heads' tree alone; serving/engine.py `medusa_tree`);
-    `default+suffix=0` / `medusa+suffix=0`: that mode without the suffix store's branch (serving/decoding/suffix.py)."""
+    `default+suffix=0` / `medusa+suffix=0`: that mode without the suffix store's branch (serving/decoding/suffix.py);
+    `mjsd+nostore` (any mode): that mode on an engine without a suffix store (the chain modes' n-gram proposer reads
+    it where the context proposes nothing)."""
     from serving.config import (ADAPTIVE_TREE_MODES, AUTO_MODE, DRAFT_FREE_MODES, SpecParams, served_knobs,
                                 served_mode)
 
@@ -114,7 +116,7 @@ def make_spec(label: str, args):
             kw["extra"] = {**kw.get("extra", {}), knob: kind(value)}
         except ValueError:
             raise ValueError(f"row {label}+{variant}: {name}= takes {what}") from None
-    elif variant and variant not in ("nostop", "fp32heads"):     # knobs of the engine, not of the request
+    elif variant and variant not in ("nostop", "fp32heads", "nostore"):   # knobs of the engine, not of the request
         kw["extra"] = {"rule": variant}
     if mode not in DRAFT_FREE_MODES or mode in ADAPTIVE_TREE_MODES:
         kw["adaptive"] = not fixed
@@ -409,8 +411,9 @@ def run_engine(args) -> int:
                     engine.generate_all(prompt, sampling(T, args.max_tokens, seed), specs["target"], log_mode="none")
                 for rep in range(args.repeats):
                     outs = {}
-                    engine.suffix_store = stores.for_prompt((cat, i))
+                    store = stores.for_prompt((cat, i))
                     for label in (order if rep % 2 == 0 else order[::-1]):    # ABBA over the rounds
+                        engine.suffix_store = None if label.endswith("+nostore") else store
                         if not args.keep_prefix_cache:    # every row prefills its prompt (the tree modes always do)
                             engine.scheduler.prefix_cache.clear()
                         t0 = time.perf_counter()

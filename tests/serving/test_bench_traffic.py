@@ -69,3 +69,5 @@ def test_row_variants_set_one_knob_of_the_heads_tree():
         make_spec("default+lookup=two", args)
     with pytest.raises(ValueError, match="lookup_ngram must be an integer in"):
         make_spec("default+lookup=-1", args)
+    # engine knobs leave the request's spec as the plain mode's
+    assert make_spec("mjsd+nostore", args) == make_spec("mjsd", args)
