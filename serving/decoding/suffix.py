@@ -17,8 +17,9 @@ of the context it matches going backwards (up to `max_match`), keeps the longest
 continuations forward by majority vote: the next token is the one most of the surviving candidates
 continue with, and the walk stops when its share falls below `min_support` or the depth is reached.
 
-Memory and time. One dict entry per stored token; `capacity` tokens at most (the oldest half is dropped
-and the index rebuilt when it fills, amortised O(1) per token). A proposal costs O(per_key * max_match)
+Memory and time. One dict entry per stored token; `capacity` tokens at most once an add returns (the oldest
+answers are dropped down to half the capacity when it fills, amortised O(1) per token). The index is rebuilt
+then off the lock (about 0.3 s of Python for a full store), so proposals never wait for it. A proposal costs O(per_key * max_match)
 Python steps, about 0.1 ms: nothing beside a target step of tens of milliseconds.
 
 Exactness. A proposal depends on the context and the store, both fixed before the verification pass, so
@@ -98,6 +99,8 @@ class SuffixStore:
         self.index: dict[tuple[int, ...], list[int]] = {}
         self.answers = 0
         self._keys: OrderedDict[str, None] = OrderedDict()   # request ids already added, the newest MAX_KEYS
+        self.compactions = 0                    # times the oldest half was dropped (`_compact`)
+        self._compacting = False                # a thread is rebuilding the index (off the lock)
         self._lock = threading.Lock()
 
     MAX_KEYS = 65_536
@@ -121,13 +124,16 @@ class SuffixStore:
                 self._keys[key] = None
                 if len(self._keys) > self.MAX_KEYS:
                     self._keys.popitem(last=False)
-            if len(self.tokens) + len(text) + 1 > self.capacity:
-                self._evict(len(text) + 1)
             start = len(self.tokens)
             self.tokens.extend(text)
             self.tokens.append(SEP)
-            self._index_answer(start, len(self.tokens) - 1)
+            self._index_into(self.index, self.tokens, start, len(self.tokens) - 1)
             self.answers += 1
+            compact = len(self.tokens) > self.capacity and not self._compacting
+            if compact:
+                self._compacting = True
+        if compact:
+            self._compact()
         return True
 
     def add_many(self, pairs: Iterable[tuple[Sequence[int], Sequence[int]]]) -> int:
@@ -155,32 +161,56 @@ class SuffixStore:
         log.info("suffix store seeded with %d answers (%d tokens) from %s", n, len(self), path)
         return n
 
-    def _index_answer(self, start: int, sep: int) -> None:
-        """Index the continuation positions of the answer at tokens[start:sep] (tokens[sep] is its SEP: a
-        window at the answer's end continues with SEP, a vote for stopping)."""
-        toks, k, cap = self.tokens, self.key_len, self.per_key
+    def _index_into(self, index: dict, toks: list[int], start: int, sep: int) -> None:
+        """Index into `index` the continuation positions of the answer at toks[start:sep] (toks[sep] is its SEP:
+        a window at the answer's end continues with SEP, a vote for stopping)."""
+        k, cap = self.key_len, self.per_key
         for p in range(start + k, sep + 1):
             key = tuple(toks[p - k:p])
-            bucket = self.index.get(key)
+            bucket = index.get(key)
             if bucket is None:
-                self.index[key] = [p]
+                index[key] = [p]
             else:
                 bucket.append(p)
                 if len(bucket) > 2 * cap:           # amortised trim to the newest `per_key`
                     del bucket[: len(bucket) - cap]
 
-    def _evict(self, need: int) -> None:
-        """Drop the oldest answers until half the capacity (and `need`) is free, and rebuild the index."""
-        keep_from = max(len(self.tokens) - self.capacity // 2 + need, 0)
-        while 0 < keep_from < len(self.tokens) and self.tokens[keep_from - 1] != SEP:
-            keep_from += 1                          # start at an answer's boundary
-        self.tokens = self.tokens[keep_from:]
-        self.index = {}
-        start = 0
-        for i, t in enumerate(self.tokens):
-            if t == SEP:
-                self._index_answer(start, i)
+    def _index_all(self, index: dict, toks: list[int], start: int = 0) -> None:
+        """Index every whole answer of toks[start:] (each ends with its SEP)."""
+        for i in range(start, len(toks)):
+            if toks[i] == SEP:
+                self._index_into(index, toks, start, i)
                 start = i + 1
+
+    def _compact(self) -> None:
+        """Drop the oldest answers until the store holds about half its capacity, and rebuild the index. The
+        rebuild (about 0.3 s of Python for a full store) runs off the lock: proposals and adds go on meanwhile,
+        against the old index, and the answers added meanwhile are carried over and indexed at the swap. Only
+        the thread that set `_compacting` runs it; it repeats while the store is still over its capacity."""
+        finished = False
+        try:
+            while not finished:
+                with self._lock:
+                    n = len(self.tokens)
+                    keep_from = max(n - self.capacity // 2, 0)
+                    while 0 < keep_from < n and self.tokens[keep_from - 1] != SEP:
+                        keep_from += 1              # start at an answer's boundary
+                    kept = self.tokens[keep_from:n]
+                index: dict[tuple[int, ...], list[int]] = {}
+                self._index_all(index, kept)
+                with self._lock:
+                    carried = len(kept)
+                    kept.extend(self.tokens[n:])    # whole answers added during the rebuild
+                    self._index_all(index, kept, carried)
+                    self.tokens, self.index = kept, index
+                    self.compactions += 1
+                    finished = len(self.tokens) <= self.capacity
+                    if finished:
+                        self._compacting = False    # under the lock: an add after this compacts itself
+        finally:
+            if not finished:                        # an error: let the next add try again
+                with self._lock:
+                    self._compacting = False
 
     # ------------------------------------------------------------------ proposing
     def propose(self, context: Sequence[int], depth: int) -> list[int]:

@@ -101,3 +101,45 @@ def test_concurrent_adds_and_proposals():
         t.join()
     assert not errors
     assert len(s) <= s.capacity
+
+
+def test_the_rebuild_runs_off_the_lock_and_keeps_answers_added_meanwhile():
+    s = SuffixStore(capacity=16 * 12, max_match=12)
+    rebuild = s._index_all
+    seen = {}
+
+    def slow_rebuild(index, toks, start=0):
+        if toks is not s.tokens and start == 0 and not seen:
+            # another replica thread, while this one rebuilds: it must neither wait nor be lost
+            newest = s.answers - 1                           # the answer whose add triggered the rebuild
+
+            def other():
+                seen["proposal"] = (s.propose([1000 + newest, 1, 2], 1), [2000 + newest])
+                seen["added"] = s.add([], [7777, 5, 6, 8888])
+            t = threading.Thread(target=other)
+            t.start()
+            t.join(timeout=10)
+            seen["waited"] = t.is_alive()
+        rebuild(index, toks, start)
+
+    s._index_all = slow_rebuild
+    i = 0
+    while s.compactions == 0:
+        s.add([], [1000 + i, 1, 2, 2000 + i])
+        i += 1
+    assert s.compactions == 1 and seen["waited"] is False    # the other thread finished during the rebuild
+    assert seen["proposal"][0] == seen["proposal"][1] and seen["added"] is True
+    assert s.propose([7777, 5, 6], 1) == [8888]              # the answer added meanwhile survived the swap
+    assert len(s) <= s.capacity and s.tokens[-1] == SEP
+    # the index after the swap matches one built from scratch over the same tokens
+    fresh = {}
+    rebuild(fresh, s.tokens)
+    assert fresh == s.index
+
+
+def test_an_answer_longer_than_the_store_is_not_kept():
+    s = SuffixStore(capacity=16 * 12, max_match=12)
+    s.add([], [1, 2, 3])
+    s.add([], list(range(100, 100 + 400)))
+    assert len(s) <= s.capacity
+    assert s.propose([100, 101], 1) == []
