@@ -240,11 +240,31 @@ HELDOUT_PER_SOURCE = 6
 MAX_PROMPT_TOKENS = 400
 
 
+RESERVE_PROMPTS = 2000
+
+
+def reserve_prompts(rest: dict[str, list[str]], shares: dict[str, float], limit: int) -> list[tuple[str, str]]:
+    """(text, source) of the packaged prompts the mix left unused, interleaved in rounds by `shares` (per round of
+    20: 7 gsm8k, 5 humaneval, 2 gpqa, 1 aime with GENERAL_MIX), at most `limit`. The mix is sized by how many chat
+    prompts the target synthesised; where that is slow (an AVX2-only host synthesised 84 of 640 and answered the
+    whole mix of 125 prompts by 70% of its time), the teacher goes on with these instead of idling."""
+    pools = {s: list(texts) for s, texts in rest.items()}
+    out: list[tuple[str, str]] = []
+    while len(out) < limit and any(pools.values()):
+        for source, share in shares.items():
+            take = max(1, round(share * 20))
+            pool = pools.get(source) or []
+            out += [(t, source) for t in pool[:take]]
+            pools[source] = pool[take:]
+    return out[:limit]
+
+
 def _general_teacher_data(target, tok, *, teacher_s: float, t_start: float, max_new_tokens: int,
                           synth_prompts: int, progress) -> tuple[list[dict], list[dict]]:
     """Teacher data for broad traffic within `teacher_s` seconds (phases by share of that time):
     ~20% self-synthesised user requests; held-out examples per category; ~68% answers to a shuffled mix of
-    synthesised and packaged prompts (maths, science, code); the rest multi-turn: follow-up requests the
+    synthesised and packaged prompts (maths, science, code), then, if time is left, the packaged prompts the
+    mix did not use (`reserve_prompts`); the rest multi-turn: follow-up requests the
     target writes for finished conversations, and their answers. Every example carries its "source"."""
     from training.prompts import chat_prompt_ids, load_prompts
     from training.teacher import synthesize_prompts
@@ -262,16 +282,22 @@ def _general_teacher_data(target, tok, *, teacher_s: float, t_start: float, max_
     held = [(ids_of(m), "chat") for _, m in synth[:2 * HELDOUT_PER_SOURCE]]
     train = [(ids_of(m), "chat") for _, m in synth[2 * HELDOUT_PER_SOURCE:]]
     n_chat = len(train)
+    rest = {}
     for source, share in GENERAL_MIX.items():
         texts = load_prompts(source, "train")
         random.shuffle(texts)
-        train += short([(chat_prompt_ids(tok, t), source) for t in texts[:max(1, round(share * n_chat))]])
+        used = max(1, round(share * n_chat))
+        train += short([(chat_prompt_ids(tok, t), source) for t in texts[:used]])
+        rest[source] = texts[used:]
         if source != "aime":
             held += short([(chat_prompt_ids(tok, t), source)
                            for t in load_prompts(source, "heldout", HELDOUT_PER_SOURCE)])
     random.shuffle(train)
+    reserve = short([(chat_prompt_ids(tok, t), s) for t, s in reserve_prompts(rest, GENERAL_MIX, RESERVE_PROMPTS)])
     progress(f"[bootstrap] prompts: {len(train)} train, {len(held)} held-out "
-             f"({', '.join(f'{s} {sum(1 for _, x in train if x == s)}' for s in ['chat', *GENERAL_MIX])})")
+             f"({', '.join(f'{s} {sum(1 for _, x in train if x == s)}' for s in ['chat', *GENERAL_MIX])}); "
+             f"{len(reserve)} packaged prompts in reserve")
+    train += reserve        # answered after the mix, only while the teacher's time lasts
     hidden = records_final_states(target)     # the Medusa heads' rows, kept from the generation itself
     held_ex = generate_teacher_data(target, tok, [p for p, _ in held], sources=[s for _, s in held],
                                     max_new_tokens=max_new_tokens, batch_size=16, hidden=hidden, progress=progress)

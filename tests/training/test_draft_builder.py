@@ -169,3 +169,18 @@ def test_a_row_whose_top_k_lies_outside_the_kept_vocabulary_leaves_the_loss_fini
     ref.backward()
     assert torch.isfinite(loss) and torch.allclose(loss, ref)
     assert torch.allclose(rows.grad[:3], kept.grad) and torch.count_nonzero(rows.grad[3]) == 0
+
+
+def test_the_reserve_interleaves_the_unused_packaged_prompts_by_share():
+    """The teacher's reserve (answered after the mix while its time lasts): rounds of 20 by share, each prompt
+    once, sources that run out dropped from later rounds, at most `limit`."""
+    from training.draft_builder import GENERAL_MIX, reserve_prompts
+
+    rest = {"gsm8k": [f"g{i}" for i in range(30)], "humaneval": [f"h{i}" for i in range(6)],
+            "gpqa": [f"q{i}" for i in range(10)], "aime": []}
+    out = reserve_prompts(rest, GENERAL_MIX, limit=1000)
+    assert [s for _, s in out[:15]] == ["gsm8k"] * 7 + ["humaneval"] * 5 + ["gpqa"] * 2 + ["gsm8k"]   # aime: none
+    assert sorted(t for t, _ in out) == sorted(sum(rest.values(), []))          # every unused prompt, once
+    assert [t for t, s in out if s == "gsm8k"] == rest["gsm8k"]                 # in the shuffled order given
+    assert len(reserve_prompts(rest, GENERAL_MIX, limit=10)) == 10
+    assert reserve_prompts({s: [] for s in GENERAL_MIX}, GENERAL_MIX, limit=10) == []
