@@ -15,6 +15,9 @@ on 2 cores) to --traffic-n requests of each online-traffic category (scripts/onl
 application traffic the bootstrap never saw), in stream order, with the figures per quarter of the stream: how
 fast the store learns a new category, alone and spread over replicas.
 
+--compaction N times proposals from a second thread while the teacher's answers, cycled, fill a full-size store N
+times over: how long a proposal waits while the store drops its oldest half and rebuilds its index.
+
     .venv/bin/python scripts/bench_suffix.py --out docs/results/suffix-offline
 """
 from __future__ import annotations
@@ -120,8 +123,16 @@ def main(argv=None) -> int:
     ap.add_argument("--traffic", default=None, help="comma-separated online-traffic categories (e.g. sql,json)")
     ap.add_argument("--traffic-n", type=int, default=48, help="requests per --traffic category")
     ap.add_argument("--max-tokens", type=int, default=96, help="answer length for --traffic")
+    ap.add_argument("--compaction", type=int, default=0, metavar="N",
+                    help="instead: time proposals from a second thread while teacher answers fill a full-size store "
+                         "N times over (how long a proposal waits while the oldest half is dropped)")
+    ap.add_argument("--no-gc", action="store_true",
+                    help="with --compaction: Python's cyclic GC off during the run, so a full collection of the "
+                         "process (torch's objects among them) does not hide how long the store's lock is held")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
+    if args.compaction:
+        return run_compaction(args)
     if args.traffic:
         return run_traffic(args)
     train = load_examples(args.teacher)
@@ -138,6 +149,62 @@ def main(argv=None) -> int:
     (args.out / "suffix_offline.json").write_text(json.dumps({"depth": args.depth, "train_examples": len(train),
                                                               "heldout_examples": len(held), "rows": rows},
                                                              indent=1))
+    return 0
+
+
+def run_compaction(args) -> int:
+    """Proposal latency while the store fills and compacts: a writer adds the teacher's answers (cycled) until a
+    default-capacity store has taken `--compaction` times its capacity; a reader thread proposes continuously on
+    held-out contexts. Reports each proposal's wall time (p50 / p99 / max) and the writer's slowest add."""
+    import threading
+
+    import numpy as np
+
+    from training.teacher import load_examples
+
+    train = load_examples(args.teacher)
+    held = load_examples(args.teacher.with_suffix(".heldout.safetensors")) or train
+    pairs = [(e["tokens"][: e["prompt_len"]], e["tokens"][e["prompt_len"]:]) for e in train]
+    contexts = [e["tokens"][: e["prompt_len"] + k] for e in held for k in range(4, len(e["tokens"]) - e["prompt_len"], 7)]
+    store = SuffixStore(max_match=args.max_match, min_support=args.min_support[0])
+    stop, waits, adds = threading.Event(), [], []
+
+    def reader():
+        i = 0
+        while not stop.is_set():
+            t = time.perf_counter()
+            store.propose(contexts[i % len(contexts)], args.depth)
+            waits.append(time.perf_counter() - t)
+            i += 1
+
+    import gc
+
+    th = threading.Thread(target=reader)
+    if args.no_gc:
+        gc.disable()
+    t0 = time.time()
+    th.start()
+    added, goal, i = 0, args.compaction * store.capacity, 0
+    while added < goal:
+        p, a = pairs[i % len(pairs)]
+        t = time.perf_counter()
+        store.add(p, a)
+        adds.append(time.perf_counter() - t)
+        added += min(len(p), store.max_match) + len(a) + 1
+        i += 1
+    stop.set()
+    th.join()
+    gc.enable()
+    w, ad = np.array(waits) * 1e3, np.array(adds) * 1e3
+    res = {"capacity": store.capacity, "tokens_added": added, "answers_added": i, "seconds": round(time.time() - t0, 1),
+           "compactions": getattr(store, "compactions", None), "gc": not args.no_gc, "proposals": len(w),
+           "propose_ms": {"p50": round(float(np.percentile(w, 50)), 3), "p99": round(float(np.percentile(w, 99)), 3),
+                          "max": round(float(w.max()), 1)},
+           "add_ms": {"p50": round(float(np.percentile(ad, 50)), 3), "max": round(float(ad.max()), 1)}}
+    print(json.dumps(res), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = "suffix_compaction_nogc.json" if args.no_gc else "suffix_compaction.json"
+    (args.out / name).write_text(json.dumps(res, indent=1))
     return 0
 
 

@@ -17,10 +17,11 @@ of the context it matches going backwards (up to `max_match`), keeps the longest
 continuations forward by majority vote: the next token is the one most of the surviving candidates
 continue with, and the walk stops when its share falls below `min_support` or the depth is reached.
 
-Memory and time. One dict entry per stored token; `capacity` tokens at most once an add returns (the oldest
-answers are dropped down to half the capacity when it fills, amortised O(1) per token). The index is rebuilt
-then off the lock (about 0.3 s of Python for a full store), so proposals never wait for it. A proposal costs O(per_key * max_match)
-Python steps, about 0.1 ms: nothing beside a target step of tens of milliseconds.
+Memory and time. Tokens and positions are int32 arrays, one index entry per distinct window (`key_of`), nothing
+Python's cyclic garbage collector walks; `capacity` tokens at most once an add returns (the oldest answers are
+dropped down to half the capacity when it fills, amortised O(1) per token). The index is rebuilt then off the
+lock (0.15-0.3 s of Python for a full store), so proposals never wait for it. A proposal costs O(per_key * max_match) Python steps, about 0.1 ms:
+nothing beside a target step of tens of milliseconds.
 
 Exactness. A proposal depends on the context and the store, both fixed before the verification pass, so
 the greedy and lossless rules on a tree that carries it stay exact (the prompt-lookup argument in
@@ -40,12 +41,16 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 import threading
+from array import array
 from collections import Counter, OrderedDict
 from pathlib import Path
 from typing import Iterable, Sequence
 
 SEP = -1
+KEY_BITS = 24           # a window's key packs its token ids (each below 2**24) into one int
+_POS = struct.Struct("i")   # a position in a bucket: native int32 (memoryview(bucket).cast("i") reads them)
 log = logging.getLogger(__name__)
 
 
@@ -95,8 +100,8 @@ class SuffixStore:
             raise ValueError(f"min_support must be in (0, 1], got {min_support}")
         self.capacity, self.key_len, self.per_key = int(capacity), int(key_len), int(per_key)
         self.max_match, self.min_support = int(max_match), float(min_support)
-        self.tokens: list[int] = []
-        self.index: dict[tuple[int, ...], list[int]] = {}
+        self.tokens = array("i")                # int32: no Python object per token
+        self.index: dict[int, bytearray] = {}   # packed window (`key_of`) -> int32 positions, the newest last
         self.answers = 0
         self._keys: OrderedDict[str, None] = OrderedDict()   # request ids already added, the newest MAX_KEYS
         self.compactions = 0                    # times the oldest half was dropped (`_compact`)
@@ -117,6 +122,8 @@ class SuffixStore:
         if not answer:
             return False
         text = [int(t) for t in prompt[-self.max_match:]] + answer
+        if min(text) < 0 or max(text) >= 1 << KEY_BITS:
+            return False                        # not token ids of any real vocabulary
         with self._lock:
             if key is not None:
                 if key in self._keys:
@@ -161,21 +168,37 @@ class SuffixStore:
         log.info("suffix store seeded with %d answers (%d tokens) from %s", n, len(self), path)
         return n
 
-    def _index_into(self, index: dict, toks: list[int], start: int, sep: int) -> None:
+    def key_of(self, window: Sequence[int]) -> int:
+        """The index key of a `key_len`-token window: its ids packed into one int. Keys are ints and buckets
+        bytearrays of int32 positions, objects Python's cyclic garbage collector does not track, so the index
+        dict is not tracked either: a full store adds nothing to a collection's walk. (Tuples and lists added a
+        tracked object per window, and every full collection of a replica walks all of them.)"""
+        key = 0
+        for t in window:
+            key = (key << KEY_BITS) | int(t)
+        return key
+
+    def positions(self, window: Sequence[int]) -> list[int]:
+        """The stored positions that followed `window` (at most 2 * per_key, the newest last)."""
+        with self._lock:
+            bucket = self.index.get(self.key_of(window))
+            return memoryview(bucket).cast("i").tolist() if bucket else []
+
+    def _index_into(self, index: dict, toks, start: int, sep: int) -> None:
         """Index into `index` the continuation positions of the answer at toks[start:sep] (toks[sep] is its SEP:
         a window at the answer's end continues with SEP, a vote for stopping)."""
         k, cap = self.key_len, self.per_key
         for p in range(start + k, sep + 1):
-            key = tuple(toks[p - k:p])
+            key = (toks[p - 2] << KEY_BITS) | toks[p - 1] if k == 2 else self.key_of(toks[p - k:p])
             bucket = index.get(key)
             if bucket is None:
-                index[key] = [p]
+                index[key] = bytearray(_POS.pack(p))
             else:
-                bucket.append(p)
-                if len(bucket) > 2 * cap:           # amortised trim to the newest `per_key`
-                    del bucket[: len(bucket) - cap]
+                bucket += _POS.pack(p)
+                if len(bucket) > 2 * cap * _POS.size:   # amortised trim to the newest `per_key`
+                    del bucket[: len(bucket) - cap * _POS.size]
 
-    def _index_all(self, index: dict, toks: list[int], start: int = 0) -> None:
+    def _index_all(self, index: dict, toks, start: int = 0) -> None:
         """Index every whole answer of toks[start:] (each ends with its SEP)."""
         for i in range(start, len(toks)):
             if toks[i] == SEP:
@@ -184,7 +207,7 @@ class SuffixStore:
 
     def _compact(self) -> None:
         """Drop the oldest answers until the store holds about half its capacity, and rebuild the index. The
-        rebuild (about 0.3 s of Python for a full store) runs off the lock: proposals and adds go on meanwhile,
+        rebuild (0.15-0.3 s of Python for a full store) runs off the lock: proposals and adds go on meanwhile,
         against the old index, and the answers added meanwhile are carried over and indexed at the swap. Only
         the thread that set `_compacting` runs it; it repeats while the store is still over its capacity."""
         finished = False
@@ -196,17 +219,19 @@ class SuffixStore:
                     while 0 < keep_from < n and self.tokens[keep_from - 1] != SEP:
                         keep_from += 1              # start at an answer's boundary
                     kept = self.tokens[keep_from:n]
-                index: dict[tuple[int, ...], list[int]] = {}
+                index: dict[int, bytearray] = {}
                 self._index_all(index, kept)
                 with self._lock:
                     carried = len(kept)
                     kept.extend(self.tokens[n:])    # whole answers added during the rebuild
                     self._index_all(index, kept, carried)
+                    old = (self.tokens, self.index)     # freed after the lock is let go
                     self.tokens, self.index = kept, index
                     self.compactions += 1
                     finished = len(self.tokens) <= self.capacity
                     if finished:
                         self._compacting = False    # under the lock: an add after this compacts itself
+                del old
         finally:
             if not finished:                        # an error: let the next add try again
                 with self._lock:
@@ -219,12 +244,16 @@ class SuffixStore:
         k = self.key_len
         if depth <= 0 or len(context) < k:
             return []
+        window = [int(t) for t in context[len(context) - k:]]
+        if min(window) < 0 or max(window) >= 1 << KEY_BITS:
+            return []
+        key = self.key_of(window)
         with self._lock:
             toks = self.tokens
-            cands = self.index.get(tuple(int(t) for t in context[len(context) - k:]))
-            if not cands:
+            bucket = self.index.get(key)
+            if not bucket:
                 return []
-            cands = cands[-self.per_key:]
+            cands = memoryview(bucket).cast("i")[-self.per_key:].tolist()
             limit = min(self.max_match, len(context))
             best, scored = 0, []
             for p in cands:

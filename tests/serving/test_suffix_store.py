@@ -54,7 +54,7 @@ def test_capacity_is_bounded_and_keeps_the_newest():
     assert len(s) <= s.capacity
     assert s.propose([1199, 1, 2], 1) == [2199]          # the newest survives
     assert s.propose([1000, 1, 2], 1) != [2000]          # the oldest was evicted
-    assert all(len(b) <= 2 * s.per_key for b in s.index.values())
+    assert all(len(s.positions(divmod(k, 1 << 24))) <= 2 * s.per_key for k in s.index)
     assert s.tokens[-1] == SEP and (s.tokens[0] != SEP)
 
 
@@ -62,7 +62,7 @@ def test_per_key_keeps_the_newest_candidates():
     s = SuffixStore(per_key=4)
     for i in range(20):
         s.add([], [1, 2, 100 + i])
-    assert len(s.index[(1, 2)]) <= 8
+    assert len(s.positions((1, 2))) <= 8
     assert s.propose([1, 2], 1) == []                    # the 4 newest disagree (one vote each)
 
 
@@ -135,6 +135,19 @@ def test_the_rebuild_runs_off_the_lock_and_keeps_answers_added_meanwhile():
     fresh = {}
     rebuild(fresh, s.tokens)
     assert fresh == s.index
+
+
+def test_the_index_is_invisible_to_the_garbage_collector():
+    """Int keys and bytearray buckets: the index dict stays untracked, so a full store adds nothing to the walk
+    of a replica's full collections (a replica tracks about 560,000 objects; a full collection took 0.5 s)."""
+    import gc
+
+    s = SuffixStore(capacity=4096)
+    for i in range(300):
+        s.add([i], [i, (i * 7) % 50, (i * 11) % 50, 3, 4])
+    assert len(s.index) > 100
+    assert not gc.is_tracked(s.index) and not any(gc.is_tracked(b) for b in s.index.values())
+    assert s.positions((3, 4)) and all(s.tokens[p] == SEP for p in s.positions((3, 4)))   # each answer ends 3, 4
 
 
 def test_an_answer_longer_than_the_store_is_not_kept():
