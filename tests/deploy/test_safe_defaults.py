@@ -648,3 +648,27 @@ def test_serve_config_yaml_takes_the_keys_from_the_environment(serve_env, pair, 
             except OSError:
                 pass
         proc.wait(timeout=30)
+
+
+def test_a_replica_freezes_its_startup_heap_once(monkeypatch):
+    """gc.freeze after start (serving/service.py `freeze_startup_heap`): what is alive then leaves the collector's
+    walk; a second call freezes nothing new; objects made later are collected as usual. DRAFTSMITH_GC_FREEZE=0
+    turns it off."""
+    import gc
+
+    from serving import service as svc
+
+    assert svc.ServiceSettings().gc_freeze is True
+    monkeypatch.setenv("DRAFTSMITH_GC_FREEZE", "0")
+    assert svc.settings_from_env().gc_freeze is False
+    monkeypatch.setattr(svc, "_heap_frozen", False)
+    probe = [object()]                                   # a container alive at start
+    try:
+        n = svc.freeze_startup_heap()
+        assert n > 0 and not any(o is probe for o in gc.get_objects())
+        later = [object()]
+        assert svc.freeze_startup_heap() == n            # once per process
+        assert any(o is later for o in gc.get_objects())
+    finally:
+        gc.unfreeze()
+    assert any(o is probe for o in gc.get_objects())
