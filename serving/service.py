@@ -906,8 +906,8 @@ _heap_frozen = False
 def freeze_startup_heap() -> int:
     """Collect, then freeze every object alive now into the permanent generation (gc.freeze), once per process;
     returns how many objects are frozen. A replica's startup heap (torch, transformers, Ray, MLflow, the models)
-    lives as long as the process, and without this each full collection walks all of it: 515 ms on a 2-core
-    AVX2 host (docs/benchmarks.md, "The thirty-fifth session"). Later objects are collected as usual; what the
+    lives as long as the process, and without this each full collection walks all of it: 0.5-0.6 s on a
+    2-core AVX2 host (docs/benchmarks.md, "The thirty-fifth session"). Later objects are collected as usual; what the
     frozen heap drops is freed by reference counting, its cycles are not (a process builds one replica)."""
     global _heap_frozen
     if not _heap_frozen:
@@ -915,6 +915,11 @@ def freeze_startup_heap() -> int:
         gc.freeze()
         _heap_frozen = True
     return gc.get_freeze_count()
+
+
+def _switch(value: str) -> bool:
+    """An on/off environment value: off for 0 / false / no / off, on otherwise."""
+    return value.strip().lower() not in ("0", "false", "no", "off")
 
 
 def settings_from_env(**overrides) -> ServiceSettings:
@@ -927,9 +932,8 @@ def settings_from_env(**overrides) -> ServiceSettings:
         kw["eagle_head"] = env["DRAFTSMITH_EAGLE_HEAD"]
     for name, conv in (("max_running", int), ("max_waiting", int), ("max_batch_tokens", int), ("request_timeout_s", float),
                        ("max_tokens_limit", int), ("watch_interval_s", float), ("torch_threads", int),
-                       ("prefill_threads", int), ("calibrate", lambda v: v.strip().lower() not in ("0", "false", "no", "off")),
-                       ("live_interval_s", float), ("default_mode", str), ("suffix_follow_s", float),
-                       ("gc_freeze", lambda v: v.strip().lower() not in ("0", "false", "no", "off"))):
+                       ("prefill_threads", int), ("calibrate", _switch), ("live_interval_s", float),
+                       ("default_mode", str), ("suffix_follow_s", float), ("gc_freeze", _switch)):
         v = env.get(f"DRAFTSMITH_{name.upper()}")
         if v:
             kw[name] = conv(v)

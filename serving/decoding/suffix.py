@@ -20,8 +20,8 @@ continue with, and the walk stops when its share falls below `min_support` or th
 Memory and time. Tokens and positions are int32 arrays, one index entry per distinct window (`key_of`), nothing
 Python's cyclic garbage collector walks; `capacity` tokens at most once an add returns (the oldest answers are
 dropped down to half the capacity when it fills, amortised O(1) per token). The index is rebuilt then off the
-lock (0.15-0.3 s of Python for a full store), so proposals never wait for it. A proposal costs O(per_key * max_match) Python steps, about 0.1 ms:
-nothing beside a target step of tens of milliseconds.
+lock (0.15-0.3 s of Python for a full store), so proposals never wait for it. A proposal costs
+O(per_key * max_match) Python steps, about 0.1 ms: nothing beside a target step of tens of milliseconds.
 
 Exactness. A proposal depends on the context and the store, both fixed before the verification pass, so
 the greedy and lossless rules on a tree that carries it stay exact (the prompt-lookup argument in
