@@ -696,8 +696,16 @@ def test_heads_schedule_with_a_canary_share_waits_for_the_judge(regs, pair, targ
         # patience 0: the candidate must learn enough to pass (tiny near-zero heads can stall for 2 epochs)
         job = {"redis_url": redis_url, "buffer_prefix": prefix, "heldout_fraction": 0.25, "budget_s": 8.0,
                "lr": 3e-3, "min_train_rows": 32, "min_heldout_rows": 8, "patience": 0}
-        judge = CanaryJudge(heads, CanaryPolicy(min_duration_s=0.0, timeout_s=1.5), progress=lambda m: None)
         stop, lines = threading.Event(), []
+
+        def clock():
+            # the judge's clock stands still (elapsed 0) until the schedule has said the canary is being judged, so
+            # its 1.5-s timeout cannot end the canary before that look however slow the host (CI saw a loaded host
+            # drop it at the first look after the job); from then on it is the real clock and the timeout ends it
+            return time.time() if any("is still being judged" in m for m in lines) else 0.0
+
+        judge = CanaryJudge(heads, CanaryPolicy(min_duration_s=0.0, timeout_s=1.5), progress=lambda m: None,
+                            clock=clock)
 
         def progress(msg):
             lines.append(msg)
