@@ -10,7 +10,9 @@ Everything real, started as an operator would, in a data directory of its own (-
    bootstrap` leaves them, when it is there; --no-heads: none) as version 1 of the heads registry, as the bootstrap does;
 2. starts `draftsmith serve` on the README's defaults (embedded Redis, MLflow on SQLite, the default
    target unless --target) and waits for /health; the served default then drafts with the heads (mode
-   `auto`), or with the draft where there are none;
+   `auto`), or with the draft where there are none. The replicas' measured choice between heads and draft
+   (serving/mode_choice.py) is off here unless --auto-choice: this run measures how one kind's loop learns, and a
+   curve that mixed the two drafters' acceptance would not say that;
 3. starts the scheduler as an operator would, `draftsmith distill --every E --min-records N`, which
    distills the kind the served default drafts with (`--kind auto`: the heads' job when they are
    registered, else the draft's), gates and promotes by itself (and its watchdog may roll back);
@@ -634,6 +636,10 @@ def parse_args(argv=None):
     ap.add_argument("--no-suffix-store", action="store_true",
                     help="serve without the replicas' suffix store (DRAFTSMITH_SUFFIX_STORE=0), for an A/B; by "
                          "default it is on and seeded from the bootstrap's teacher data beside the draft")
+    ap.add_argument("--auto-choice", action="store_true",
+                    help="let the replicas route default requests to the heads or the draft by measured speed (the "
+                         "README's default); off by default here, so every default request drafts with the kind "
+                         "whose loop is measured (DRAFTSMITH_AUTO_CHOICE=0)")
     ap.add_argument("--target", default=None, help="target model folder (default: the served default)")
     ap.add_argument("--data", type=Path, default=ROOT / "data" / "bench-online", help="data dir (wiped first)")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "online")
@@ -786,6 +792,7 @@ def main(argv=None) -> int:
     elif "DRAFTSMITH_SUFFIX_SEED" not in env and teacher.is_file():
         env["DRAFTSMITH_SUFFIX_SEED"] = str(teacher)
     args.suffix_store = "off" if args.no_suffix_store else env.get("DRAFTSMITH_SUFFIX_SEED", "on, not seeded")
+    env["DRAFTSMITH_AUTO_CHOICE"] = "1" if args.auto_choice else "0"
     common = ["--target", args.target] if args.target else []
     t_setup = time.time()
     cli(env, "register", str(draft), *common)

@@ -42,8 +42,9 @@ temperature, dashed line at 1.0). Progress lines with rates go to stderr.
 
 --http: instead of the in-process engine, start `draftsmith serve --draft DRAFT` on a free port (as
 scripts/bench_load.py does; or use `--url`) and send the same prompts, non-streaming, as chat requests at
-the first of `--temperatures` (OpenAI's default warps, a seed per prompt: a seeded request at T > 0 plans
-from the replica's cost profile): the served default (no `speculative` field) against
+the first of `--temperatures` (OpenAI's default warps, a seed per prompt unless --no-seed: a seeded request at
+T > 0 plans from the replica's cost profile and keeps the heads, an unseeded one is routed by the replica's measured
+choice between heads and draft, serving/mode_choice.py): the served default (no `speculative` field) against
 `{"speculative": {"mode": "target"}}`, interleaved prompt by prompt. Reports the per-category ratio of client-side tokens/s (end to end, HTTP + Ray
 included) and of the server-side engine tokens/s, plus the `metrics.speculative_decoding` totals; writes
 http_results.json and http_results.md into --out.
@@ -534,7 +535,7 @@ def run_http(args) -> int:
         with httpx.Client(base_url=url, timeout=600) as client:
             def ask(msgs, label, seed, max_tokens):
                 body = {"messages": msgs, "max_tokens": max_tokens, "temperature": args.temperatures[0], "top_k": 0,
-                        "top_p": 1.0, "seed": seed, "log_mode": "none"}
+                        "top_p": 1.0, "seed": None if args.no_seed else seed, "log_mode": "none"}
                 if settings[label] is not None:
                     body["speculative"] = settings[label]
                 t0 = time.perf_counter()

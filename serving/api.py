@@ -282,7 +282,9 @@ def build_app(service: Service) -> FastAPI:
             sampling = P.sampling_params(body, max_tokens)
         except ValueError as e:
             raise P.APIError(400, str(e)) from None
-        spec = P.spec_params(body, svc.has_draft, svc.default_mode)
+        mode, routing = svc.request_mode(body.speculative is not None, sampling.temperature,
+                                         sampling.seed is not None and sampling.temperature > 0, body.traffic_label)
+        spec = P.spec_params(body, svc.has_draft, mode)
         svc.check_fits(len(prompt), sampling, spec)
         rid = P.new_id("chatcmpl" if chat else "cmpl")
         deadline = t0 + svc.settings.request_timeout_s
@@ -292,7 +294,7 @@ def build_app(service: Service) -> FastAPI:
                           cancel=cancel, source=body.traffic_label)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_sse(agen, ts, rid, chat, len(prompt), include_usage, t0, cancel),
+            return StreamingResponse(_sse(agen, ts, rid, chat, len(prompt), include_usage, t0, cancel, routing),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
         text, n, stats, reason, ttft = [], 0, None, None, None
@@ -316,11 +318,11 @@ def build_app(service: Service) -> FastAPI:
                     return JSONResponse(P.error_body("client disconnected", code="client_closed"), status_code=499)
         st = stats.to_dict() if stats is not None else {}
         reason = reason or "length"
-        svc.record(st, len(prompt), reason, time.monotonic() - t0, ttft)
+        svc.record(st, len(prompt), reason, time.monotonic() - t0, ttft, routing)
         return P.completion_body(rid, svc.model_name, chat, "".join(text), reason, P.usage(len(prompt), n), st)
 
     async def _sse(agen, ts: P.TextStream, rid: str, chat: bool, n_prompt: int, include_usage: bool, t0: float,
-                   cancel: threading.Event):
+                   cancel: threading.Event, routing: dict | None):
         created = int(time.time())
         first, n, stats, reason, ttft = True, 0, None, None, None
 
@@ -351,7 +353,7 @@ def build_app(service: Service) -> FastAPI:
             st = stats.to_dict() if stats is not None else {}
             if include_usage:
                 yield event(P.usage_chunk(rid, svc.model_name, chat, P.usage(n_prompt, n), st, created=created))
-            svc.record(st, n_prompt, reason, time.monotonic() - t0, ttft)
+            svc.record(st, n_prompt, reason, time.monotonic() - t0, ttft, routing)
         except (P.APIError, ServiceError) as e:
             err = service_error(e) if isinstance(e, ServiceError) else e
             svc.count_error(err.status)

@@ -30,7 +30,9 @@ DEFAULT_MODE = "mjsd"
 # The deployment's default for requests that name no mode (ServiceSettings.default_mode, `draftsmith serve
 # --default-mode`, `served_mode`): "auto" drafts with the replica's Medusa heads where it has them (adaptive: the
 # controller picks the tree's depth, 0 included, per step from measured costs), else MJSD with the draft model,
-# else the target alone. A deployment may name any mode instead.
+# else the target alone; a replica with both heads and a draft routes each unseeded request to whichever of the two
+# ran faster on its recent requests (serving/mode_choice.py, ServiceSettings.auto_choice). A deployment may name any
+# mode instead.
 AUTO_MODE = "auto"
 DEPLOYMENT_MODES = MODES + (AUTO_MODE,)
 

@@ -55,7 +55,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator
 
-from serving.config import AUTO_MODE, DEPLOYMENT_MODES, served_mode
+from serving.config import AUTO_MODE, DEFAULT_MODE, DEPLOYMENT_MODES, served_mode
+from serving.mode_choice import ModeChooser
 from serving.metrics import MetricsHub, Telemetry
 
 log = logging.getLogger(__name__)
@@ -144,6 +145,10 @@ class ServiceSettings:
     # default, drafts with the Medusa heads where the replica has them, else MJSD with the draft; a deployment
     # may pin a mode instead
     default_mode: str = AUTO_MODE
+    # "auto" on a replica with both the Medusa heads and the draft: route each unseeded request that names no mode to
+    # the one measured faster on this replica's traffic (serving/mode_choice.py `ModeChooser`); off: the heads
+    # always ($DRAFTSMITH_AUTO_CHOICE=0)
+    auto_choice: bool = True
     # move what the replica built at start (modules, models, tokenizer) to Python's permanent GC generation, as
     # vLLM does: a replica tracks about 560,000 objects and each full collection walked them all, a 0.5-s pause
     # of every thread on a 2-core CPU ($DRAFTSMITH_GC_FREEZE=0 turns it off; `freeze_startup_heap`)
@@ -220,6 +225,9 @@ class Service:
 
             torch.set_num_threads(self.s.torch_threads)
         self.telemetry = Telemetry(self.s.replica_id)
+        # the served default's measured choice between the heads and the draft (mode "auto" only)
+        self.chooser = (ModeChooser(("medusa", DEFAULT_MODE)) if self.s.default_mode == AUTO_MODE
+                        and self.s.auto_choice else None)
         if hub is None:
             hub = MetricsHub()                 # this replica's figures only; deploy/app.py passes the shared hub
         self.hub = _LocalHub(hub) if isinstance(hub, MetricsHub) else _RayHub(hub)
@@ -648,6 +656,7 @@ class Service:
         info = {"status": "ok" if ok else "unhealthy", "reason": why, "replica": self.s.replica_id,
                 "draft_version": self.engine.draft_version, "draft_loaded": self.engine.draft is not None,
                 "default_mode": self.default_mode,
+                "auto_choice": None if self.chooser is None else self.chooser.snapshot(),
                 "medusa_heads": getattr(self.engine, "heads_version", "none"), "heads_error": self.heads_error,
                 "eagle_head": getattr(self.engine, "eagle_version", "none"), "eagle_error": self.eagle_error,
                 "swap_error": self.swap_error, "running": self.running, "waiting": self.waiting,
@@ -694,6 +703,17 @@ class Service:
         return served_mode(self.s.default_mode, has_draft=self.has_draft,
                            has_heads=getattr(self.engine, "heads", None) is not None,
                            has_eagle=getattr(self.engine, "eagle", None) is not None)
+
+    def request_mode(self, named: bool, temperature: float, seeded: bool, label: str = "") -> tuple[str, dict | None]:
+        """(mode, routing) for a request: `named` (it has a `speculative` field) or `seeded` requests (a seed at
+        T > 0, whose text reproduces on one mode only; at T = 0 every mode emits the target's greedy text), and
+        replicas without both the heads and the draft, get `default_mode`; the others the chooser's pick, with the
+        routing that `record` counts its speed under (serving/mode_choice.py)."""
+        mode = self.default_mode
+        if self.chooser is None or named or seeded or mode != "medusa" or not self.has_draft:
+            return mode, None
+        mode, why = self.chooser.choose(temperature, label)
+        return mode, {"temperature": temperature, "label": label, "why": why}
 
     @property
     def tokenizer(self):
@@ -883,8 +903,13 @@ class Service:
         else:
             pending.add_done_callback(close)
 
-    def record(self, stats: dict, prompt_tokens: int, reason: str, latency_s: float, ttft_s: float | None) -> None:
+    def record(self, stats: dict, prompt_tokens: int, reason: str, latency_s: float, ttft_s: float | None,
+               routing: dict | None = None) -> None:
+        """Count a finished request: telemetry, the metrics hub, and (`routing` from `request_mode`) the chooser."""
         self.telemetry.record_request(stats, prompt_tokens, reason)
+        if routing is not None and self.chooser is not None and stats:
+            self.chooser.observe(stats.get("mode", ""), routing["temperature"], routing["label"],
+                                 int(stats.get("tokens") or 0), float(stats.get("wall_time_s") or 0.0))
         self.telemetry.observe("e2e_request_latency_seconds", latency_s)
         if ttft_s is not None:
             self.telemetry.observe("time_to_first_token_seconds", ttft_s)
@@ -933,7 +958,8 @@ def settings_from_env(**overrides) -> ServiceSettings:
     for name, conv in (("max_running", int), ("max_waiting", int), ("max_batch_tokens", int), ("request_timeout_s", float),
                        ("max_tokens_limit", int), ("watch_interval_s", float), ("torch_threads", int),
                        ("prefill_threads", int), ("calibrate", _switch), ("live_interval_s", float),
-                       ("default_mode", str), ("suffix_follow_s", float), ("gc_freeze", _switch)):
+                       ("default_mode", str), ("suffix_follow_s", float), ("gc_freeze", _switch),
+                       ("auto_choice", _switch)):
         v = env.get(f"DRAFTSMITH_{name.upper()}")
         if v:
             kw[name] = conv(v)

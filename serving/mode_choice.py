@@ -1,0 +1,136 @@
+"""The served default's drafter, chosen by measured speed (`ServiceSettings.auto_choice`, mode "auto").
+
+A replica that has both the Medusa heads and the draft model can serve a request that names no mode either way:
+"medusa" (the heads' tree, adaptive depth) or "mjsd" (the draft model's beams, adaptive length). Which one is
+faster depends on the host and the traffic. On a host where a tree node costs almost a target step (AVX2, fp32),
+the 2-layer draft won on GSM8K at T=0 (1.72x against 1.48x) and at T=1 (1.67x against 1.18x); on bf16 hosts the
+heads won at T=0 (docs/benchmarks.md, the thirty-fifth and thirty-second sessions). So "auto" measures instead of
+assuming: `ModeChooser` is an epsilon-greedy bandit over the candidate modes on each replica's own traffic.
+
+- Each finished request that the chooser routed is one observation: its completion tokens and its decoding wall
+  time (`GenerationStats.wall_time_s`). A request shorter than MIN_TOKENS is not counted: prefill dominates it.
+- Observations are kept per key: the sampling bucket ("greedy" at T=0, "sampled" above: the rules differ) and
+  the request's traffic label (`metadata.category`), and pooled per bucket. A candidate's speed is the
+  token-weighted rate of its last WINDOW observations (tokens / seconds), so it follows drift (a promoted heads
+  version, a shift of traffic) within WINDOW of that candidate's requests.
+- Choosing for a key: while a candidate has fewer than MIN_OBSERVATIONS in the bucket's pool, it gets the request
+  (the least observed first; ties go to the static order, heads first). Then the label's own figures decide where
+  every candidate has MIN_OBSERVATIONS there, else the pool's; the fastest candidate gets the request except for
+  an EXPLORE share that goes to another, so a loser is re-measured as heads and draft improve online.
+- Seeded requests at T > 0 are not routed (`Service.request_mode`): a seed reproduces its text only on one mode,
+  so they keep the static default (config.served_mode). At T = 0 both modes emit the target's greedy text.
+
+What it costs: while warming up, MIN_OBSERVATIONS requests per bucket go to the slower candidate, and afterwards an
+EXPLORE share. What it does not see: a candidate's effect on the other requests it batches with (each
+request's own rate under the load of its time is what is compared).
+"""
+from __future__ import annotations
+
+import random
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+MIN_TOKENS = 8              # a shorter request measures its prefill, not its drafter
+MIN_OBSERVATIONS = 4        # per candidate in a bucket's pool before the figures decide
+WINDOW = 24                 # the latest observations per candidate and key that make its rate
+EXPLORE = 0.1               # the share of decided requests sent to a candidate that is not the fastest
+MAX_LABELS = 64             # labelled keys kept per bucket (the oldest label is forgotten past it)
+
+
+def bucket_of(temperature: float) -> str:
+    """The sampling bucket a request's figures count in: greedy (T=0) or sampled."""
+    return "greedy" if temperature == 0 else "sampled"
+
+
+@dataclass
+class _Arm:
+    obs: deque = field(default_factory=lambda: deque(maxlen=WINDOW))     # (tokens, seconds)
+    total: int = 0                                                        # observations ever
+
+    def rate(self) -> float | None:
+        s = sum(sec for _, sec in self.obs)
+        return sum(t for t, _ in self.obs) / s if self.obs and s > 0 else None
+
+
+class ModeChooser:
+    """Chooses among `candidates` (the static order breaks ties) per request; thread-safe."""
+
+    def __init__(self, candidates: tuple[str, ...], *, explore: float = EXPLORE,
+                 min_observations: int = MIN_OBSERVATIONS, rng: random.Random | None = None) -> None:
+        if len(candidates) < 2 or len(set(candidates)) != len(candidates):
+            raise ValueError(f"a choice needs two or more distinct candidates, got {candidates!r}")
+        if not 0.0 <= explore < 1.0:
+            raise ValueError(f"explore must be in [0, 1), got {explore!r}")
+        if not isinstance(min_observations, int) or min_observations < 1:
+            raise ValueError(f"min_observations must be an integer >= 1, got {min_observations!r}")
+        self.candidates = tuple(candidates)
+        self.explore = explore
+        self.min_observations = min_observations
+        self.rng = rng or random.Random()
+        self._lock = threading.Lock()
+        self._keys: dict[tuple[str, str], dict[str, _Arm]] = {}
+        self._chosen = {"warmup": 0, "fastest": 0, "explore": 0}
+
+    def _arms(self, key: tuple[str, str]) -> dict[str, _Arm]:
+        arms = self._keys.get(key)
+        if arms is None:
+            labelled = [k for k in self._keys if k[0] == key[0] and k[1]]
+            if key[1] and len(labelled) >= MAX_LABELS:
+                del self._keys[labelled[0]]               # dicts keep insertion order: the oldest label goes
+            arms = self._keys[key] = {m: _Arm() for m in self.candidates}
+        return arms
+
+    def _decided(self, arms: dict[str, _Arm]) -> dict[str, float] | None:
+        rates = {m: a.rate() for m, a in arms.items()}
+        if any(len(a.obs) < self.min_observations or rates[m] is None for m, a in arms.items()):
+            return None
+        return rates
+
+    def choose(self, temperature: float, label: str = "") -> tuple[str, str]:
+        """(mode, why) for a request: why is "warmup", "fastest" or "explore"."""
+        bucket = bucket_of(temperature)
+        with self._lock:
+            pool = self._arms((bucket, ""))
+            short = [m for m in self.candidates if len(pool[m].obs) < self.min_observations]
+            if short:
+                mode = min(short, key=lambda m: pool[m].total)
+                why = "warmup"
+            else:
+                rates = (self._decided(self._keys[(bucket, label)]) if label and (bucket, label) in self._keys
+                         else None) or self._decided(pool)
+                best = max(self.candidates, key=lambda m: rates[m])
+                if self.explore and self.rng.random() < self.explore:
+                    mode = self.rng.choice([m for m in self.candidates if m != best])
+                    why = "explore"
+                else:
+                    mode, why = best, "fastest"
+            self._chosen[why] += 1
+            return mode, why
+
+    def observe(self, mode: str, temperature: float, label: str, tokens: int, seconds: float) -> bool:
+        """Count one finished request routed by `choose`; returns whether it counted (a known mode, at least
+        MIN_TOKENS tokens, a positive time)."""
+        if mode not in self.candidates or tokens < MIN_TOKENS or not seconds > 0:
+            return False
+        bucket = bucket_of(temperature)
+        with self._lock:
+            for key in {(bucket, ""), (bucket, label)}:
+                arm = self._arms(key)[mode]
+                arm.obs.append((int(tokens), float(seconds)))
+                arm.total += 1
+        return True
+
+    def snapshot(self) -> dict:
+        """For /health: per bucket (and label), each candidate's tokens/s and observations, and how many requests
+        were routed by warm-up, by speed and by exploration."""
+        with self._lock:
+            out: dict = {"candidates": list(self.candidates), "explore": self.explore, "chosen": dict(self._chosen)}
+            for (bucket, label), arms in self._keys.items():
+                figures = {m: {"tokens_per_s": None if a.rate() is None else round(a.rate(), 2),
+                               "observations": a.total} for m, a in arms.items()}
+                if label:
+                    out.setdefault("labels", {}).setdefault(bucket, {})[label] = figures
+                else:
+                    out[bucket] = figures
+            return out

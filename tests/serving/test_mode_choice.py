@@ -1,0 +1,145 @@
+"""The served default's measured choice between the Medusa heads and the draft (serving/mode_choice.py): the
+bandit's rules on given figures, then a replica over real HTTP routing unseeded requests that name no mode by what
+it measured, and leaving seeded and named requests on the static default."""
+from __future__ import annotations
+
+import random
+
+import httpx
+import pytest
+
+from serving.mode_choice import MAX_LABELS, MIN_OBSERVATIONS, MIN_TOKENS, WINDOW, ModeChooser
+from tests.api_helpers import LiveServer
+from tests.serving.test_medusa_mode import _service, heads_dir, pair  # noqa: F401 - fixtures
+
+C = ("medusa", "mjsd")
+
+
+def feed(ch: ModeChooser, mode: str, rate: float, n: int, *, t: float = 0.0, label: str = "") -> None:
+    for _ in range(n):
+        assert ch.observe(mode, t, label, 32, 32 / rate)
+
+
+def test_warm_up_alternates_then_the_faster_candidate_takes_the_requests():
+    ch = ModeChooser(C, explore=0.0)
+    seen = []
+    for _ in range(2 * MIN_OBSERVATIONS):
+        mode, why = ch.choose(0.0)
+        assert why == "warmup"
+        seen.append(mode)
+        feed(ch, mode, 10.0 if mode == "medusa" else 20.0, 1)
+    assert seen == ["medusa", "mjsd"] * MIN_OBSERVATIONS              # the least observed first, heads on a tie
+    assert [ch.choose(0.0) for _ in range(5)] == [("mjsd", "fastest")] * 5
+    snap = ch.snapshot()
+    assert snap["greedy"]["mjsd"] == {"tokens_per_s": 20.0, "observations": MIN_OBSERVATIONS}
+    assert snap["chosen"] == {"warmup": 2 * MIN_OBSERVATIONS, "fastest": 5, "explore": 0}
+    # T > 0 is its own bucket: it warms up on its own
+    assert ch.choose(0.7) == ("medusa", "warmup")
+
+
+def test_an_explore_share_goes_to_the_slower_candidate():
+    ch = ModeChooser(C, explore=0.25, rng=random.Random(7))
+    feed(ch, "medusa", 30.0, MIN_OBSERVATIONS)
+    feed(ch, "mjsd", 20.0, MIN_OBSERVATIONS)
+    picks = [ch.choose(0.0) for _ in range(2000)]
+    explored = [m for m, why in picks if why == "explore"]
+    assert all(m == "mjsd" for m in explored) and all(m == "medusa" for m, why in picks if why == "fastest")
+    assert 0.21 < len(explored) / len(picks) < 0.29
+
+
+def test_a_label_decides_by_its_own_figures_once_it_has_them():
+    ch = ModeChooser(C, explore=0.0)
+    feed(ch, "medusa", 10.0, 2 * MIN_OBSERVATIONS, label="maths")
+    feed(ch, "mjsd", 20.0, 2 * MIN_OBSERVATIONS, label="maths")
+    feed(ch, "medusa", 30.0, MIN_OBSERVATIONS, label="code")
+    feed(ch, "mjsd", 15.0, MIN_OBSERVATIONS - 1, label="code")
+    # pooled: medusa (8 x 10 + 4 x 30 tok/s, token-weighted) against mjsd (8 x 20 + 3 x 15)
+    pool = ch.snapshot()["greedy"]
+    assert pool["medusa"]["observations"] == 3 * MIN_OBSERVATIONS
+    assert ch.choose(0.0, "maths")[0] == "mjsd"                         # the label's own figures
+    best_pool = max(C, key=lambda m: pool[m]["tokens_per_s"])
+    assert ch.choose(0.0, "code")[0] == best_pool                      # too few for code's mjsd: the pool decides
+    assert ch.choose(0.0, "never-seen")[0] == best_pool
+    feed(ch, "mjsd", 15.0, 1, label="code")
+    assert ch.choose(0.0, "code")[0] == "medusa"                        # now code's own figures decide
+
+
+def test_the_rate_follows_the_latest_window():
+    ch = ModeChooser(C, explore=0.0)
+    feed(ch, "medusa", 10.0, WINDOW)
+    feed(ch, "mjsd", 20.0, WINDOW)
+    assert ch.choose(0.0)[0] == "mjsd"
+    feed(ch, "medusa", 40.0, WINDOW)               # heads promoted online: a window of the new speed decides
+    assert ch.choose(0.0)[0] == "medusa"
+    assert ch.snapshot()["greedy"]["medusa"] == {"tokens_per_s": 40.0, "observations": 2 * WINDOW}
+
+
+def test_what_is_not_counted_and_bad_settings():
+    ch = ModeChooser(C)
+    assert not ch.observe("target", 0.0, "", 64, 1.0)                 # not a candidate
+    assert not ch.observe("medusa", 0.0, "", MIN_TOKENS - 1, 1.0)     # prefill-dominated
+    assert not ch.observe("medusa", 0.0, "", 64, 0.0)
+    assert ch.observe("medusa", 0.0, "", MIN_TOKENS, 1.0)
+    assert ch.snapshot()["greedy"]["medusa"]["observations"] == 1
+    for bad in (("medusa",), ("medusa", "medusa")):
+        with pytest.raises(ValueError, match="two or more distinct"):
+            ModeChooser(bad)
+    with pytest.raises(ValueError, match="explore"):
+        ModeChooser(C, explore=1.0)
+    with pytest.raises(ValueError, match="min_observations"):
+        ModeChooser(C, min_observations=0)
+
+
+def test_labels_are_bounded():
+    ch = ModeChooser(C)
+    for i in range(MAX_LABELS + 10):
+        ch.observe("medusa", 0.0, f"label-{i}", 16, 1.0)
+    labels = ch.snapshot()["labels"]["greedy"]
+    assert len(labels) == MAX_LABELS and "label-0" not in labels and f"label-{MAX_LABELS + 9}" in labels
+
+
+def test_a_replica_routes_unseeded_default_requests_by_measured_speed(pair, heads_dir):  # noqa: F811
+    svc = _service(pair[0], draft=str(pair[1]), medusa_heads=str(heads_dir))
+    srv = LiveServer(svc).start()
+
+    def mode_of(c, **extra) -> str:
+        r = c.post("/v1/completions", json={"prompt": "the cat sat", "max_tokens": 12, "temperature": 0, **extra})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] >= MIN_TOKENS    # long enough to count
+        return r.json()["metrics"]["speculative_decoding"]["mode"]
+
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            assert c.get("/health").json()["default_mode"] == "medusa"
+            assert [mode_of(c) for _ in range(2 * MIN_OBSERVATIONS)] == ["medusa", "mjsd"] * MIN_OBSERVATIONS
+            choice = c.get("/health").json()["auto_choice"]
+            assert {m: choice["greedy"][m]["observations"] for m in C} == {m: MIN_OBSERVATIONS for m in C}
+            assert all(choice["greedy"][m]["tokens_per_s"] > 0 for m in C)
+            svc.chooser.explore = 0.0
+            for _ in range(3):                          # each request goes to the one /health shows faster now
+                figures = c.get("/health").json()["auto_choice"]["greedy"]
+                assert mode_of(c) == max(C, key=lambda m: figures[m]["tokens_per_s"])
+            # seeded and named requests keep the static default and are not counted
+            before = c.get("/health").json()["auto_choice"]
+            assert mode_of(c, temperature=0.7, seed=3) == "medusa"
+            assert mode_of(c, speculative={"gamma": 2}) == "medusa"
+            assert mode_of(c, speculative={"mode": "mjsd"}) == "mjsd"
+            after = c.get("/health").json()["auto_choice"]
+            assert after["chosen"] == before["chosen"] and "sampled" not in after
+            assert mode_of(c, temperature=0.7) == "medusa"          # an unseeded sampled request: its own warm-up
+            assert c.get("/health").json()["auto_choice"]["sampled"]["medusa"]["observations"] == 1
+    finally:
+        srv.stop()
+    off = _service(pair[0], draft=str(pair[1]), medusa_heads=str(heads_dir), auto_choice=False)
+    assert off.chooser is None and off.request_mode(False, 0.0, False) == ("medusa", None)
+    assert off.health()[1]["auto_choice"] is None
+
+
+def test_the_environment_turns_the_choice_off(monkeypatch):
+    from serving.service import ServiceSettings, settings_from_env
+
+    assert ServiceSettings().auto_choice is True
+    monkeypatch.setenv("DRAFTSMITH_AUTO_CHOICE", "0")
+    assert settings_from_env().auto_choice is False
+    monkeypatch.setenv("DRAFTSMITH_AUTO_CHOICE", "1")
+    assert settings_from_env().auto_choice is True
