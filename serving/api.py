@@ -282,8 +282,7 @@ def build_app(service: Service) -> FastAPI:
             sampling = P.sampling_params(body, max_tokens)
         except ValueError as e:
             raise P.APIError(400, str(e)) from None
-        mode, routing = svc.request_mode(body.speculative is not None, sampling.temperature,
-                                         sampling.seed is not None and sampling.temperature > 0, body.traffic_label)
+        mode, routing = svc.request_mode(body.speculative is not None, sampling, body.traffic_label)
         spec = P.spec_params(body, svc.has_draft, mode)
         svc.check_fits(len(prompt), sampling, spec)
         rid = P.new_id("chatcmpl" if chat else "cmpl")

@@ -127,7 +127,8 @@ class ModeChooser:
         with self._lock:
             out: dict = {"candidates": list(self.candidates), "explore": self.explore, "chosen": dict(self._chosen)}
             for (bucket, label), arms in self._keys.items():
-                figures = {m: {"tokens_per_s": None if a.rate() is None else round(a.rate(), 2),
+                rates = {m: a.rate() for m, a in arms.items()}
+                figures = {m: {"tokens_per_s": None if rates[m] is None else round(rates[m], 2),
                                "observations": a.total} for m, a in arms.items()}
                 if label:
                     out.setdefault("labels", {}).setdefault(bucket, {})[label] = figures

@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator
 
-from serving.config import AUTO_MODE, DEFAULT_MODE, DEPLOYMENT_MODES, served_mode
+from serving.config import AUTO_MODE, DEFAULT_MODE, DEPLOYMENT_MODES, SamplingParams, served_mode
 from serving.mode_choice import ModeChooser
 from serving.metrics import MetricsHub, Telemetry
 
@@ -704,16 +704,17 @@ class Service:
                            has_heads=getattr(self.engine, "heads", None) is not None,
                            has_eagle=getattr(self.engine, "eagle", None) is not None)
 
-    def request_mode(self, named: bool, temperature: float, seeded: bool, label: str = "") -> tuple[str, dict | None]:
-        """(mode, routing) for a request: `named` (it has a `speculative` field) or `seeded` requests (a seed at
-        T > 0, whose text reproduces on one mode only; at T = 0 every mode emits the target's greedy text), and
-        replicas without both the heads and the draft, get `default_mode`; the others the chooser's pick, with the
-        routing that `record` counts its speed under (serving/mode_choice.py)."""
-        mode = self.default_mode
+    def request_mode(self, named: bool, sampling: SamplingParams, label: str = "") -> tuple[str, dict | None]:
+        """(mode, routing) for a request: `named` (it has a `speculative` field) or seeded requests at T > 0 (whose
+        text reproduces on one mode only; at T = 0 every mode emits the target's greedy text), and replicas without
+        both the heads and the draft, get `default_mode`; the others the chooser's pick, with the routing that
+        `record` counts its speed under (serving/mode_choice.py)."""
+        mode, t = self.default_mode, sampling.temperature
+        seeded = sampling.seed is not None and t > 0
         if self.chooser is None or named or seeded or mode != "medusa" or not self.has_draft:
             return mode, None
-        mode, why = self.chooser.choose(temperature, label)
-        return mode, {"temperature": temperature, "label": label, "why": why}
+        mode, why = self.chooser.choose(t, label)
+        return mode, {"temperature": t, "label": label, "why": why}
 
     @property
     def tokenizer(self):

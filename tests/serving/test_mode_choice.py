@@ -8,6 +8,7 @@ import random
 import httpx
 import pytest
 
+from serving.config import SamplingParams
 from serving.mode_choice import MAX_LABELS, MIN_OBSERVATIONS, MIN_TOKENS, WINDOW, ModeChooser
 from tests.api_helpers import LiveServer
 from tests.serving.test_medusa_mode import _service, heads_dir, pair  # noqa: F401 - fixtures
@@ -131,7 +132,7 @@ def test_a_replica_routes_unseeded_default_requests_by_measured_speed(pair, head
     finally:
         srv.stop()
     off = _service(pair[0], draft=str(pair[1]), medusa_heads=str(heads_dir), auto_choice=False)
-    assert off.chooser is None and off.request_mode(False, 0.0, False) == ("medusa", None)
+    assert off.chooser is None and off.request_mode(False, SamplingParams(temperature=0.0)) == ("medusa", None)
     assert off.health()[1]["auto_choice"] is None
 
 
