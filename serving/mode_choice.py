@@ -14,7 +14,8 @@ assuming: `ModeChooser` is an epsilon-greedy bandit over the candidate modes on 
   token-weighted rate of its last WINDOW observations (tokens / seconds), so it follows drift (a promoted heads
   version, a shift of traffic) within WINDOW of that candidate's requests.
 - Choosing for a key: while a candidate has fewer than MIN_OBSERVATIONS in the bucket's pool, it gets the request
-  (the least observed first; ties go to the static order, heads first). Then the label's own figures decide where
+  (the one routed the fewest requests first, so concurrent requests that start before any has ended alternate
+  too; ties go to the static order, heads first). Then the label's own figures decide where
   every candidate has MIN_OBSERVATIONS there, else the pool's; the fastest candidate gets the request except for
   an EXPLORE share that goes to another, so a loser is re-measured as heads and draft improve online.
 - Seeded requests at T > 0 are not routed (`Service.request_mode`): a seed reproduces its text only on one mode,
@@ -47,6 +48,7 @@ def bucket_of(temperature: float) -> str:
 class _Arm:
     obs: deque = field(default_factory=lambda: deque(maxlen=WINDOW))     # (tokens, seconds)
     total: int = 0                                                        # observations ever
+    routed: int = 0                                                       # requests chosen for it ever
 
     def rate(self) -> float | None:
         s = sum(sec for _, sec in self.obs)
@@ -94,7 +96,8 @@ class ModeChooser:
             pool = self._arms((bucket, ""))
             short = [m for m in self.candidates if len(pool[m].obs) < self.min_observations]
             if short:
-                mode = min(short, key=lambda m: pool[m].total)
+                # by requests routed, not observed: concurrent requests are routed before the first ends
+                mode = min(short, key=lambda m: pool[m].routed)
                 why = "warmup"
             else:
                 rates = (self._decided(self._keys[(bucket, label)]) if label and (bucket, label) in self._keys
@@ -105,6 +108,7 @@ class ModeChooser:
                     why = "explore"
                 else:
                     mode, why = best, "fastest"
+            pool[mode].routed += 1
             self._chosen[why] += 1
             return mode, why
 

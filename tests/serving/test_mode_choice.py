@@ -38,6 +38,24 @@ def test_warm_up_alternates_then_the_faster_candidate_takes_the_requests():
     assert ch.choose(0.7) == ("medusa", "warmup")
 
 
+def test_concurrent_requests_alternate_while_warming_up():
+    # 2 x MIN_OBSERVATIONS requests start before any ends (clients in parallel): each candidate gets half of them,
+    # not the heads all of them because neither has been observed yet
+    ch = ModeChooser(C, explore=0.0)
+    picks = [ch.choose(0.0) for _ in range(2 * MIN_OBSERVATIONS)]
+    assert [m for m, _ in picks] == ["medusa", "mjsd"] * MIN_OBSERVATIONS
+    assert all(why == "warmup" for _, why in picks)
+    for m, _ in picks:                          # they end, the draft's twice as fast
+        feed(ch, m, 10.0 if m == "medusa" else 20.0, 1)
+    assert ch.choose(0.0) == ("mjsd", "fastest")
+    # a routed request that does not count (shorter than MIN_TOKENS) leaves its candidate short: warm-up goes on
+    ch = ModeChooser(C, explore=0.0)
+    feed(ch, "medusa", 10.0, MIN_OBSERVATIONS)
+    assert ch.choose(0.0) == ("mjsd", "warmup")
+    assert not ch.observe("mjsd", 0.0, "", MIN_TOKENS - 1, 0.1)
+    assert ch.choose(0.0) == ("mjsd", "warmup")
+
+
 def test_an_explore_share_goes_to_the_slower_candidate():
     ch = ModeChooser(C, explore=0.25, rng=random.Random(7))
     feed(ch, "medusa", 30.0, MIN_OBSERVATIONS)
