@@ -4,7 +4,7 @@ Every record is one self-contained byte string. All integers and floats are litt
 
     offset  size  field
     0       4     magic  b"DSRB"
-    4       1     layout version (VERSION, currently 1)
+    4       1     layout version (VERSION, currently 2; version 1 records are still read)
     5       1     kind: 1 = StepRecord, 2 = SequenceRecord
     6       ...   kind-specific header, strings and arrays (below)
     -4      4     CRC-32 (zlib.crc32) of every byte before it
@@ -25,8 +25,12 @@ StepRecord (kind 1), after the 6-byte prefix:
 SequenceRecord (kind 2), after the prefix:
 
     header  struct "<IId" (16 bytes): prompt_len u32, n u32, timestamp f64
-    strings request_id, draft_version, source: u16 length + UTF-8; meta: u32 length + UTF-8 JSON
+    strings request_id, draft_version, source: u16 length + UTF-8; meta: u32 length + UTF-8 JSON;
+            target (layout 2 only; a version 1 record reads as target ""): u16 length + UTF-8
     arrays  token_ids int32 [n]
+
+Layout 2 differs from 1 only by the sequence's `target` (the fingerprint of the target that scored its
+steps); a step record reads the same in both.
 
 Decoding checks the magic, version, kind, the CRC, every length against the buffer, UTF-8, the
 JSON and the record's own invariants; any failure raises `DecodeError` (a `ValueError`), so a
@@ -36,7 +40,7 @@ reader can count the entry and skip it. float16 log-probs keep 11 significant bi
 Log modes (per request; `apply_log_mode`):
     "full"      store everything.
     "ids_only"  store token ids, top-k ids/log-probs and the numeric/identifier fields (request id,
-                algorithm, draft version, source label) but drop the free-text `meta` dict of the
+                algorithm, draft version, source label, target fingerprint) but drop the free-text `meta` dict of the
                 SequenceRecord (it is replaced by {"log_mode": "ids_only"}). This is not
                 anonymisation: token ids decode back to the text with the tokenizer.
     "none"      store nothing for that request.
@@ -53,7 +57,8 @@ import numpy as np
 from buffer.records import SequenceRecord, StepRecord
 
 MAGIC = b"DSRB"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
 KIND_STEP = 1
 KIND_SEQUENCE = 2
 
@@ -147,8 +152,8 @@ def _frame(kind: int, body: list[bytes]) -> bytes:
     return out + _CRC.pack(zlib.crc32(out))
 
 
-def _open(data, expect_kind: int | None) -> tuple[int, _Cursor]:
-    """Check magic, version, CRC; return (kind, cursor positioned after the prefix)."""
+def _open(data, expect_kind: int | None) -> tuple[int, int, _Cursor]:
+    """Check magic, version, CRC; return (kind, layout version, cursor positioned after the prefix)."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise DecodeError(f"expected bytes, got {type(data).__name__}")
     view = memoryview(data).cast("B")
@@ -158,8 +163,9 @@ def _open(data, expect_kind: int | None) -> tuple[int, _Cursor]:
     magic, version, kind = _PREFIX.unpack(view[: _PREFIX.size])
     if magic != MAGIC:
         raise DecodeError(f"bad magic {bytes(magic)!r}: not a Draftsmith buffer record")
-    if version != VERSION:
-        raise DecodeError(f"unsupported layout version {version} (this reader knows {VERSION})")
+    if version not in READABLE_VERSIONS:
+        raise DecodeError(f"unsupported layout version {version} (this reader knows "
+                          f"{', '.join(map(str, READABLE_VERSIONS))})")
     (crc,) = _CRC.unpack(view[-_CRC.size:])
     if zlib.crc32(view[: -_CRC.size]) != crc:
         raise DecodeError("checksum mismatch: the record is truncated or garbled")
@@ -168,7 +174,7 @@ def _open(data, expect_kind: int | None) -> tuple[int, _Cursor]:
     if expect_kind is not None and kind != expect_kind:
         names = {KIND_STEP: "StepRecord", KIND_SEQUENCE: "SequenceRecord"}
         raise DecodeError(f"expected a {names[expect_kind]}, found a {names[kind]}")
-    return kind, _Cursor(view, _PREFIX.size, len(view) - _CRC.size)
+    return kind, version, _Cursor(view, _PREFIX.size, len(view) - _CRC.size)
 
 
 def _finish(cur: _Cursor) -> None:
@@ -230,7 +236,7 @@ def _as_le(arr: np.ndarray, dtype: np.dtype, name: str) -> bytes:
 
 def decode_step(data: bytes) -> StepRecord:
     """bytes -> StepRecord; raises DecodeError on anything but a valid kind-1 record."""
-    _, cur = _open(data, KIND_STEP)
+    _, _, cur = _open(data, KIND_STEP)
     return _decode_step_body(cur)
 
 
@@ -279,22 +285,24 @@ def encode_sequence(record: SequenceRecord) -> bytes:
         _str_field(record.draft_version, "draft_version", _U16),
         _str_field(record.source, "source", _U16),
         _str_field(meta, "meta", _U32),
+        _str_field(record.target, "target", _U16),
         _as_le(tokens, _I32, "token_ids"),
     ])
 
 
 def decode_sequence(data: bytes) -> SequenceRecord:
     """bytes -> SequenceRecord; raises DecodeError on anything but a valid kind-2 record."""
-    _, cur = _open(data, KIND_SEQUENCE)
-    return _decode_sequence_body(cur)
+    _, version, cur = _open(data, KIND_SEQUENCE)
+    return _decode_sequence_body(cur, version)
 
 
-def _decode_sequence_body(cur: _Cursor) -> SequenceRecord:
+def _decode_sequence_body(cur: _Cursor, version: int) -> SequenceRecord:
     prompt_len, n, timestamp = cur.unpack(_SEQ_HEADER, "sequence header")
     request_id = cur.string(_U16, "request_id")
     draft_version = cur.string(_U16, "draft_version")
     source = cur.string(_U16, "source")
     meta_text = cur.string(_U32, "meta")
+    target = cur.string(_U16, "target") if version >= 2 else ""
     tokens = cur.array(_I32, (n,), "token_ids")
     _finish(cur)
     try:
@@ -305,15 +313,16 @@ def _decode_sequence_body(cur: _Cursor) -> SequenceRecord:
         raise DecodeError(f"meta must decode to a JSON object, got {type(meta).__name__}")
     try:
         return SequenceRecord(request_id=request_id, token_ids=tokens, prompt_len=prompt_len,
-                              draft_version=draft_version, timestamp=timestamp, source=source, meta=meta)
+                              draft_version=draft_version, timestamp=timestamp, source=source, meta=meta,
+                              target=target)
     except ValueError as exc:
         raise DecodeError(f"decoded sequence violates the schema: {exc}") from None
 
 
 def decode_record(data: bytes) -> StepRecord | SequenceRecord:
     """Decode either kind, dispatching on the kind byte."""
-    kind, cur = _open(data, None)
-    return _decode_step_body(cur) if kind == KIND_STEP else _decode_sequence_body(cur)
+    kind, version, cur = _open(data, None)
+    return _decode_step_body(cur) if kind == KIND_STEP else _decode_sequence_body(cur, version)
 
 
 # ----------------------------------------------------------------------------- privacy
@@ -328,7 +337,7 @@ def apply_log_mode(record: StepRecord | SequenceRecord, mode: str) -> StepRecord
     """What may be stored of `record` under `mode` (see the module docstring); None = store nothing.
 
     Steps carry no free text, so "ids_only" keeps them whole; a sequence keeps its token ids,
-    lengths, draft version and source label, and its `meta` becomes {"log_mode": "ids_only"}.
+    lengths, draft version, source label and target fingerprint, and its `meta` becomes {"log_mode": "ids_only"}.
     The input record is not modified.
     """
     check_log_mode(mode)
@@ -338,5 +347,5 @@ def apply_log_mode(record: StepRecord | SequenceRecord, mode: str) -> StepRecord
         return SequenceRecord(request_id=record.request_id, token_ids=record.token_ids,
                               prompt_len=record.prompt_len, draft_version=record.draft_version,
                               timestamp=record.timestamp, source=record.source,
-                              meta={"log_mode": "ids_only"})
+                              meta={"log_mode": "ids_only"}, target=record.target)
     return record

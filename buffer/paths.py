@@ -5,6 +5,7 @@
     default_tracking_uri()  $MLFLOW_TRACKING_URI, else sqlite:///<data dir>/mlflow.db
     DEFAULT_TARGET          the name of the packaged default target model
     is_default_target(t)    whether a target argument means the default target (None, "", "default", its name)
+    write_json_atomic(p, o) a small JSON cache file replaced whole (a temporary file, then os.replace)
 
 Why this module lives in `buffer/`: every package needs these values (the embedded Redis keeps its files
 in the data folder, serving caches converted models, training and deploy find the MLflow store), and the
@@ -14,7 +15,9 @@ its own; this stdlib-only module does not, and it holds no Redis logic.
 """
 from __future__ import annotations
 
+import json
 import os
+import threading
 from pathlib import Path
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
@@ -39,3 +42,12 @@ def default_tracking_uri() -> str:
 def is_default_target(target: str | os.PathLike | None) -> bool:
     """True for the spellings of "the default target": None, "", "default" and its name."""
     return target is None or str(target) in ("", "default", DEFAULT_TARGET)
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    """Write `obj` as JSON to `path` through a temporary file and `os.replace`, so a reader never sees half
+    of it (the parent folder is made); OSError when it cannot be written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_text(json.dumps(obj))
+    os.replace(tmp, path)

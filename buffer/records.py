@@ -2,7 +2,9 @@
 
 One `StepRecord` per verification step of a served request; one `SequenceRecord` per request with
 its full token sequence (prompt + output), so a trainer can rebuild every step's context as
-`sequence.token_ids[:step.position]`.
+`sequence.token_ids[:step.position]`. The sequence names the target whose opinions its steps hold
+(`target`, deploy/artifacts.py `target_fingerprint`): a buffer outlives a change of target, and a job
+for one target must not learn another's opinions (buffer/redis_store.py `ReplayBufferReader(target=...)`).
 
 Target opinions are stored as the top-k of the target's *raw* (temperature 1, unwarped)
 log-softmax at each verified position: `gamma + 1` positions for a step that proposed `gamma`
@@ -59,6 +61,7 @@ class SequenceRecord:
     timestamp: float = 0.0
     source: str = ""                 # free-form traffic label (e.g. the prompt set), for evaluation windows
     meta: dict = field(default_factory=dict)
+    target: str = ""                 # fingerprint of the target that scored the request's steps ("": unknown)
 
     def __post_init__(self) -> None:
         self.token_ids = np.asarray(self.token_ids, dtype=np.int32).reshape(-1)

@@ -505,12 +505,18 @@ class ReplayBufferReader:
     `start_id`, on first read). consumer: this reader's name; give a long-lived trainer a stable
     one (a fresh name per process otherwise). min_idle_ms: how long an entry must sit unacked in
     another (presumably dead) consumer before this reader claims it - longer than a training step.
-    dedup_window: how many acked ids to remember for dedup.
+    dedup_window: how many acked ids to remember for dedup. target: the fingerprint of the target whose
+    opinions the reader wants (buffer/fingerprint.py `target_fingerprint`; None: any): a SequenceRecord that
+    names another target is left out wherever sequences are read (`get_sequences`, `sequences_after`, the
+    windows), so its steps, which need it, are too; its request id is kept in `other_target` (the newest
+    dedup_window of them) for a consumer that must ack such steps rather than wait for their sequence, and
+    counted. Sequences of unknown target (layout 1, or a writer that knew none) are kept.
     """
 
     def __init__(self, client: "redis.Redis | str | None" = None, config: BufferConfig | None = None, *,
                  group: str = "trainer", consumer: str | None = None, stream: str = "steps",
-                 min_idle_ms: int = 60_000, start_id: str = "0", dedup_window: int = 100_000) -> None:
+                 min_idle_ms: int = 60_000, start_id: str = "0", dedup_window: int = 100_000,
+                 target: str | None = None) -> None:
         if stream not in ("steps", "sequences"):
             raise ValueError(f"stream must be 'steps' or 'sequences', got {stream!r}")
         if not isinstance(min_idle_ms, int) or min_idle_ms < 0:
@@ -529,8 +535,28 @@ class ReplayBufferReader:
         self._cursor = "0-0"
         self._in_flight: dict[str, None] = {}
         self._acked: OrderedDict[str, None] = OrderedDict()
-        self._c = dict(delivered=0, reclaimed=0, acked=0, duplicates_skipped=0, decode_errors=0, trimmed=0)
+        self._c = dict(delivered=0, reclaimed=0, acked=0, duplicates_skipped=0, decode_errors=0, trimmed=0,
+                       other_target=0)
         self._throttle = _Throttle(self.config.log_interval_s)
+        if target is not None and not (isinstance(target, str) and target):
+            raise ValueError(f"target must be a non-empty fingerprint string or None, got {target!r}")
+        self.target = target
+        self.other_target: OrderedDict[str, None] = OrderedDict()
+
+    def _mine(self, seq: SequenceRecord) -> bool:
+        """Whether `seq` holds this reader's target's opinions (any, without a target; unknown ones too);
+        another target's request is remembered and counted once."""
+        if self.target is None or not seq.target or seq.target == self.target:
+            return True
+        if seq.request_id not in self.other_target:
+            self._c["other_target"] += 1
+            self._throttle.warn("target", "leaving out requests scored by another target (%s, this reader's is "
+                                "%s): the buffer outlived a change of target or is shared", seq.target[:12],
+                                self.target[:12])
+            self.other_target[seq.request_id] = None
+            while len(self.other_target) > self.dedup_window:
+                self.other_target.popitem(last=False)
+        return False
 
     def _decode(self, kind: str, blob) -> StepRecord | SequenceRecord:
         if blob is None:
@@ -707,7 +733,7 @@ class ReplayBufferReader:
                 out.append(self._decode("sequences", (fields or {}).get(FIELD)))
             except DecodeError as exc:
                 self._decode_error(f"{self.config.seqs_key} {_s(sid)}", exc)
-        return out
+        return [r for r in out if self._mine(r)]
 
     def _newest(self, n: int, *, stream: str | None, draft_version: str | None = None, source: str | None = None,
                 max_scan: int | None = None, before_id: str | None = None, after_id: str | None = None,
@@ -740,6 +766,8 @@ class ReplayBufferReader:
                         batch.append(BufferEntry(_s(sid), self._decode(stream, (fields or {}).get(FIELD))))
                     except DecodeError as exc:
                         self._decode_error(f"{key} {_s(sid)}", exc)
+                if stream == "sequences":
+                    batch = [e for e in batch if self._mine(e.record)]
                 if draft_version is not None:
                     batch = [e for e in batch if e.record.draft_version == draft_version]
                 if where is not None:
@@ -763,7 +791,8 @@ class ReplayBufferReader:
         return self.get_sequences([request_id]).get(request_id)
 
     def get_sequences(self, request_ids: Iterable[str]) -> dict[str, SequenceRecord]:
-        """SequenceRecords by request id (one MGET); missing/undecodable ones are left out."""
+        """SequenceRecords by request id (one MGET); missing/undecodable ones, and those of another target
+        (`target`), are left out."""
         ids = list(request_ids)
         if not ids:
             return {}
@@ -776,9 +805,12 @@ class ReplayBufferReader:
             if blob is None:
                 continue
             try:
-                out[rid] = decode_sequence(blob)
+                seq = decode_sequence(blob)
             except DecodeError as exc:
                 self._decode_error(self.config.seq_key(rid), exc)
+                continue
+            if self._mine(seq):
+                out[rid] = seq
         return out
 
 

@@ -365,7 +365,8 @@ def _evidence(args, overrides: dict):
                               buffer_prefix=overrides.get("buffer_prefix", "draftsmith:buf"),
                               heldout_fraction=overrides.get("heldout_fraction", 0.1), records=args.gate_records,
                               max_len=overrides.get("max_len", 1024),
-                              category_floor=getattr(args, "category_min_requests", 10))
+                              category_floor=getattr(args, "category_min_requests", 10),
+                              target_sha256=_target_sha(args))
     except ValueError as e:
         raise BadInput(f"gate sample: {e}") from None
 

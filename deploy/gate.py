@@ -264,6 +264,7 @@ class EvidenceSource:
     source: str | None = None
     category_floor: int = 10
     fresh_after: str | None = None     # a sequence cut: requests after it are fresh evidence (module docstring)
+    target_sha256: str | None = None   # the served target's fingerprint: requests another target scored are left out
 
     def __post_init__(self) -> None:
         if not (0.0 < self.heldout_fraction < 1.0):
@@ -276,7 +277,8 @@ class EvidenceSource:
         """A reader of the buffer the sample comes from, closed after the block."""
         from buffer.redis_store import BufferConfig, ReplayBufferReader, resolve_redis_url
 
-        reader = ReplayBufferReader(resolve_redis_url(self.redis_url), BufferConfig(prefix=self.buffer_prefix))
+        reader = ReplayBufferReader(resolve_redis_url(self.redis_url), BufferConfig(prefix=self.buffer_prefix),
+                                    target=self.target_sha256 or None)
         try:
             yield reader
         finally:

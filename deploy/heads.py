@@ -88,8 +88,16 @@ class HeadsEvidence:
         from training.heads_job import read_examples
 
         examples, _ = read_examples(redis_url=self.redis_url, buffer_prefix=self.buffer_prefix, n=self.records,
-                                    heldout=True, heldout_fraction=self.heldout_fraction)
+                                    heldout=True, heldout_fraction=self.heldout_fraction,
+                                    target_sha256=self.target_sha256())
         return len(examples) + len(self._fresh(fresh_after)[0])
+
+    def target_sha256(self) -> str | None:
+        """The fingerprint of the target the sample is scored on (None without a local folder): requests
+        another target scored are left out of the sample (buffer/redis_store.py `ReplayBufferReader`)."""
+        if "_fingerprint" not in self.__dict__:
+            self.__dict__["_fingerprint"] = target_fingerprint(self.target)
+        return self.__dict__["_fingerprint"]
 
     def _fresh(self, after: str | None) -> tuple[list[dict], dict]:
         from training.heads_job import fresh_examples
@@ -97,14 +105,15 @@ class HeadsEvidence:
         if not after:
             return [], {"sequence_cut": None, "requests": 0, "steps": 0}
         return fresh_examples(redis_url=self.redis_url, buffer_prefix=self.buffer_prefix, after=after,
-                              n=self.records, heldout_fraction=self.heldout_fraction)
+                              n=self.records, heldout_fraction=self.heldout_fraction,
+                              target_sha256=self.target_sha256())
 
     def collect(self, champion_path: Path, candidate_path: Path) -> PairedEvidence:
         from training.heads_job import read_examples
 
         examples, window = read_examples(redis_url=self.redis_url, buffer_prefix=self.buffer_prefix,
                                          n=self.records, heldout=True, heldout_fraction=self.heldout_fraction,
-                                         category_floor=self.category_floor)
+                                         category_floor=self.category_floor, target_sha256=self.target_sha256())
         fresh, fresh_window = self._fresh(self.fresh_after)
         examples = examples + fresh
         target = self._model()

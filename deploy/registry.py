@@ -98,7 +98,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from buffer.paths import DEFAULT_TARGET, cache_dir, data_dir, default_tracking_uri, is_default_target  # noqa: F401
+from buffer.paths import (DEFAULT_TARGET, cache_dir, data_dir, default_tracking_uri, is_default_target,  # noqa: F401
+                          write_json_atomic)
 from deploy.artifacts import (MANIFEST, MARKER, TARGET_CONFIG_IGNORED, VOCABULARY, WEIGHT_INDEXES,  # noqa: F401
                               WEIGHT_SUFFIXES, _canonical_json, _folder_vocabulary, _merge_adapter, _sha256,
                               _write_folder_vocabulary, file_manifest, merge_candidate, read_candidate,
@@ -1120,10 +1121,7 @@ class Registry:
             if len(doc) > 2000:
                 doc = dict(sorted(doc.items(), key=lambda kv: kv[1])[-2000:])
             try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-                tmp.write_text(json.dumps(doc))
-                os.replace(tmp, path)
+                write_json_atomic(path, doc)
             except OSError as e:
                 log.debug("verified record not written: %s", e)
 

@@ -477,7 +477,8 @@ class BatchScheduler:
                 request_id=req.id, token_ids=self._seq(req)[: len(req.prompt) + req.stats.tokens],
                 prompt_len=len(req.prompt), draft_version=req.stats.draft_version, timestamp=time.time(),
                 source=req.source, meta={"log_mode": req.log_mode,
-                                         "draft_versions": list(req.stats.draft_versions)}))
+                                         "draft_versions": list(req.stats.draft_versions)},
+                target=getattr(self.engine, "target_sha256", None) or ""))
         except Exception as exc:  # noqa: BLE001 - a sink must never take a request down
             log.warning("replay buffer push failed: %s", exc)
 

@@ -244,6 +244,7 @@ class Service:
         self._failed_version: str | None = None
         self._swap_lock = threading.Lock()
         self.engine = engine if engine is not None else self._make_engine()
+        self._name_target()
         if self.s.prefill_threads and getattr(self.engine, "scheduler", None) is not None:
             self.engine.scheduler.prefill_threads = self.s.prefill_threads
         if self.s.profile_dir and hasattr(self.engine, "profile_dir"):
@@ -301,6 +302,21 @@ class Service:
             return None
         reader = ReplayBufferReader(self.sink.client, self.sink.config, stream="sequences")
         return BufferFollower(store, reader, vocab_size=getattr(self.engine, "vocab_size", None))
+
+    def _name_target(self) -> None:
+        """Name this replica's target in the SequenceRecords it writes (`engine.target_sha256`, buffer/records.py
+        `target`): a job then learns only the opinions of the target it distils for, however long the buffer
+        outlives a change of target. Computed once per target folder (cached on disk, buffer/fingerprint.py);
+        a target without a local folder, or a failure, leaves the records' target unknown ("")."""
+        from buffer.fingerprint import target_fingerprint
+
+        path = getattr(getattr(self.engine, "target", None), "path", None)
+        if self.sink is None or path is None or getattr(self.engine, "target_sha256", None):
+            return
+        try:
+            self.engine.target_sha256 = target_fingerprint(path)
+        except Exception as e:  # noqa: BLE001 - the buffer still takes records, of unknown target
+            log.warning("target fingerprint for the replay buffer: %s", e)
 
     def _make_engine(self):
         import torch

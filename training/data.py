@@ -249,7 +249,9 @@ def read_training_window(reader: ReplayBufferReader, *, max_records: int, heldou
 
     Where the group starts is the reader's `start_id` (the job passes the scheduler's cursor); once
     the group exists, its own delivery state (new entries + re-claimed pending ones) decides.
-    Acked at once (never trained on): steps of held-out requests. Released without
+    Acked at once (never trained on): steps of held-out requests, and steps of requests another target
+    scored (a reader built with `target`, buffer/redis_store.py: the buffer outlived a change of target or is
+    shared with another deployment; their opinions are not this target's). Released without
     ack (left pending for a later job): steps whose request has no SequenceRecord yet (still in
     flight). The usable entries stay pending until the caller acks them after the training step
     that used them (at-least-once).
@@ -277,9 +279,13 @@ def read_training_window(reader: ReplayBufferReader, *, max_records: int, heldou
                 candidates.append(e)
         need = {e.record.request_id for e in candidates} - sequences.keys()
         sequences.update(reader.get_sequences(need))
+        other = getattr(reader, "other_target", {})
         for e in candidates:
             if e.record.request_id in sequences:
                 usable.append(e)
+            elif e.record.request_id in other:       # scored by another target: never this job's to learn
+                skipped["another target"] = skipped.get("another target", 0) + 1
+                to_ack.append(e.stream_id)
             else:
                 skipped["request in flight"] = skipped.get("request in flight", 0) + 1
                 pending_release.append(e.stream_id)

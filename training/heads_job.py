@@ -129,14 +129,16 @@ def examples_from_buffer(entries, sequences: dict) -> list[dict]:
 
 def read_examples(*, redis_url: str | None, buffer_prefix: str, n: int, heldout: bool,
                   heldout_fraction: float, before_id: str | None = None,
-                  category_floor: int = 0) -> tuple[list[dict], dict]:
+                  category_floor: int = 0, target_sha256: str | None = None) -> tuple[list[dict], dict]:
     """The newest `n` training (or held-out) steps of the buffer (older than `before_id` if given) as
     examples, read-only; and the window. Held out with `category_floor`: the gate's sample, topped up to
-    that many requests per traffic source (training/data.py `stratified_heldout`)."""
+    that many requests per traffic source (training/data.py `stratified_heldout`). With `target_sha256`,
+    requests another target scored are left out (buffer/redis_store.py `ReplayBufferReader(target=...)`)."""
     from buffer.redis_store import BufferConfig, ReplayBufferReader, resolve_redis_url, stream_id_key
     from training.data import newest_steps, stratified_heldout
 
-    reader = ReplayBufferReader(resolve_redis_url(redis_url), BufferConfig(prefix=buffer_prefix))
+    reader = ReplayBufferReader(resolve_redis_url(redis_url), BufferConfig(prefix=buffer_prefix),
+                                target=target_sha256 or None)
     try:
         if heldout and category_floor and before_id is None:
             entries, seqs = stratified_heldout(reader, n, heldout_fraction=heldout_fraction,
@@ -154,13 +156,15 @@ def read_examples(*, redis_url: str | None, buffer_prefix: str, n: int, heldout:
 
 
 def fresh_examples(*, redis_url: str | None, buffer_prefix: str, after: str, n: int,
-                   heldout_fraction: float) -> tuple[list[dict], dict]:
+                   heldout_fraction: float, target_sha256: str | None = None) -> tuple[list[dict], dict]:
     """The gate's fresh evidence as examples (training/data.py `fresh_window`: the not-held-out requests whose
-    SequenceRecord was written after `after`, a job's `data_window.sequence_cut`), read-only; and the window."""
+    SequenceRecord was written after `after`, a job's `data_window.sequence_cut`), read-only; and the window.
+    `target_sha256` as for `read_examples`."""
     from buffer.redis_store import BufferConfig, ReplayBufferReader, resolve_redis_url
     from training.data import fresh_window
 
-    reader = ReplayBufferReader(resolve_redis_url(redis_url), BufferConfig(prefix=buffer_prefix))
+    reader = ReplayBufferReader(resolve_redis_url(redis_url), BufferConfig(prefix=buffer_prefix),
+                                target=target_sha256 or None)
     try:
         entries, seqs = fresh_window(reader, after, n, heldout_fraction=heldout_fraction)
     finally:
@@ -234,10 +238,13 @@ def run_heads_distillation(cfg: dict, progress: Callable[[str], None] = print) -
     c = _config(cfg)
     t0 = time.time()
     torch.manual_seed(int(c["seed"]))
+    mine = c["target_sha256"]                  # requests another target scored are not this job's to learn
     train_ex, train_window = read_examples(redis_url=c["redis_url"], buffer_prefix=c["buffer_prefix"],
-                                           n=c["max_records"], heldout=False, heldout_fraction=c["heldout_fraction"])
+                                           n=c["max_records"], heldout=False, heldout_fraction=c["heldout_fraction"],
+                                           target_sha256=mine)
     held_ex, held_window = read_examples(redis_url=c["redis_url"], buffer_prefix=c["buffer_prefix"],
-                                         n=c["eval_records"], heldout=True, heldout_fraction=c["heldout_fraction"])
+                                         n=c["eval_records"], heldout=True, heldout_fraction=c["heldout_fraction"],
+                                         target_sha256=mine)
     replay_ex, replay_window = _replay(c, train_ex, train_window)
     cut = sequence_cut(redis_url=c["redis_url"], buffer_prefix=c["buffer_prefix"])     # after every read
     progress(f"[heads-job] {len(train_ex)} training requests ({train_window['steps']} steps), {len(replay_ex)} "
@@ -284,7 +291,8 @@ def _replay(c: dict, train_ex: list[dict], window: dict) -> tuple[list[dict], di
     if n < 1 or not window["first_id"]:
         return [], {"first_id": None, "last_id": None, "steps": 0}
     ex, rep = read_examples(redis_url=c["redis_url"], buffer_prefix=c["buffer_prefix"], n=n, heldout=False,
-                            heldout_fraction=c["heldout_fraction"], before_id=window["first_id"])
+                            heldout_fraction=c["heldout_fraction"], before_id=window["first_id"],
+                            target_sha256=c["target_sha256"])
     seen = {e["request_id"] for e in train_ex}
     return [e for e in ex if e["request_id"] not in seen], rep
 

@@ -294,7 +294,7 @@ def run_distillation(cfg: dict, progress: Callable[[str], None] = print,
     url = _redis_url(job.redis_url)
     bcfg = BufferConfig(prefix=job.buffer_prefix)
     reader = ReplayBufferReader(url, bcfg, group=job.group, consumer=job.consumer, min_idle_ms=job.claim_idle_ms,
-                                start_id=job.since_id or "0")
+                                start_id=job.since_id or "0", target=job.target_sha256 or None)
     tracking = None
     if job.mlflow and tracker is not None:
         params = _flat("", {**{k: v for k, v in asdict(job).items() if k != "redis_url"}, **asdict(tcfg)}, {})

@@ -52,7 +52,7 @@ def sequence_records(draw):
     tokens = draw(hnp.arrays(np.int32, st.integers(0, 300), elements=I32))
     return SequenceRecord(request_id=draw(TEXT), token_ids=tokens, prompt_len=draw(st.integers(0, len(tokens))),
                           draft_version=draw(TEXT), timestamp=draw(FLOAT), source=draw(TEXT),
-                          meta=draw(st.dictionaries(TEXT, JSON, max_size=5)))
+                          meta=draw(st.dictionaries(TEXT, JSON, max_size=5)), target=draw(TEXT))
 
 
 def assert_steps_equal(got: StepRecord, want: StepRecord, lp_dtype) -> None:
@@ -77,8 +77,8 @@ def test_step_round_trip(record, lp_dtype):
 @given(record=sequence_records())
 def test_sequence_round_trip(record):
     got = decode_sequence(encode_sequence(record))
-    assert (got.request_id, got.prompt_len, got.draft_version, got.timestamp, got.source) == \
-        (record.request_id, record.prompt_len, record.draft_version, record.timestamp, record.source)
+    assert (got.request_id, got.prompt_len, got.draft_version, got.timestamp, got.source, got.target) == \
+        (record.request_id, record.prompt_len, record.draft_version, record.timestamp, record.source, record.target)
     np.testing.assert_array_equal(got.token_ids, record.token_ids)
     assert got.token_ids.dtype == np.int32 and got.token_ids.flags.writeable
     # JSON turns tuples into lists only; the strategy makes none, so meta comes back equal
@@ -113,25 +113,37 @@ def make_step(request_id="r-1", gamma=4, k=20, seed=0) -> StepRecord:
 
 def test_step_layout_matches_the_documented_spec():
     rec = make_step()
-    body = struct.pack("<4sBB", b"DSRB", 1, 1)
+    body = struct.pack("<4sBB", b"DSRB", 2, 1)
     body += struct.pack("<IHHHBdiddi", 17, 4, 2, 20, 1, 0.7, 20, 0.9, 1.7e9, 5)
     for s in ("r-1", "mjsd", "7"):
         body += struct.pack("<H", len(s)) + s.encode()
     body += rec.draft_tokens.astype("<i4").tobytes() + rec.target_topk_ids.astype("<i4").tobytes()
     body += rec.target_topk_logprobs.astype("<f2").tobytes()
     assert encode_step(rec) == body + struct.pack("<I", zlib.crc32(body))
-    assert (MAGIC, VERSION) == (b"DSRB", 1)
+    assert (MAGIC, VERSION) == (b"DSRB", 2)
+    # a step of layout 1 (before sequences named their target) is the same bytes under version 1
+    v1 = body[:4] + b"\x01" + body[5:]
+    assert_steps_equal(decode_step(v1 + struct.pack("<I", zlib.crc32(v1))), rec, np.float16)
 
 
 def test_sequence_layout_matches_the_documented_spec():
     rec = SequenceRecord("r-1", np.array([5, 6, 7]), 2, "7", timestamp=3.5, source="gsm8k",
-                         meta={"log_mode": "full", "a": [1, 2]})
+                         meta={"log_mode": "full", "a": [1, 2]}, target="ab12")
     meta = b'{"a":[1,2],"log_mode":"full"}'
-    body = struct.pack("<4sBB", b"DSRB", 1, 2) + struct.pack("<IId", 2, 3, 3.5)
+    body = struct.pack("<4sBB", b"DSRB", 2, 2) + struct.pack("<IId", 2, 3, 3.5)
     for s in (b"r-1", b"7", b"gsm8k"):
         body += struct.pack("<H", len(s)) + s
-    body += struct.pack("<I", len(meta)) + meta + np.array([5, 6, 7], "<i4").tobytes()
+    body += struct.pack("<I", len(meta)) + meta + struct.pack("<H", 4) + b"ab12" + np.array([5, 6, 7], "<i4").tobytes()
     assert encode_sequence(rec) == body + struct.pack("<I", zlib.crc32(body))
+    # layout 1, written before sequences named their target, still reads: its target is unknown ("")
+    v1 = struct.pack("<4sBB", b"DSRB", 1, 2) + struct.pack("<IId", 2, 3, 3.5)
+    for s in (b"r-1", b"7", b"gsm8k"):
+        v1 += struct.pack("<H", len(s)) + s
+    v1 += struct.pack("<I", len(meta)) + meta + np.array([5, 6, 7], "<i4").tobytes()
+    old = decode_sequence(v1 + struct.pack("<I", zlib.crc32(v1)))
+    assert (old.request_id, old.prompt_len, old.source, old.meta, old.target) == \
+        ("r-1", 2, "gsm8k", {"log_mode": "full", "a": [1, 2]}, "")
+    np.testing.assert_array_equal(old.token_ids, [5, 6, 7])
 
 
 def test_step_size_at_k20_gamma4_is_under_1kb():
@@ -165,7 +177,7 @@ def test_decode_rejects_well_framed_but_inconsistent_records():
     with pytest.raises(DecodeError, match="UTF-8"):
         decode_step(_reframe(bad_utf8))
     with pytest.raises(DecodeError, match="version"):
-        decode_step(_reframe(good[:4] + b"\x02" + good[5:]))
+        decode_step(_reframe(good[:4] + b"\x03" + good[5:]))
     with pytest.raises(DecodeError, match="magic"):
         decode_step(_reframe(b"XXXX" + good[4:]))
     seq = encode_sequence(SequenceRecord("r", np.arange(3), 1, "v"))
@@ -175,7 +187,7 @@ def test_decode_rejects_well_framed_but_inconsistent_records():
         decode_sequence(encode_step(make_step()))
     with pytest.raises(DecodeError, match="JSON object"):
         body = seq[:-4]
-        meta_at = len(body) - 12 - 4 - 2                # u32 meta length sits before "{}" and 3 tokens
+        meta_at = len(body) - 12 - 2 - 2 - 4            # u32 meta length sits before "{}", target "" and 3 tokens
         decode_sequence(_reframe(body[:meta_at] + struct.pack("<I", 2) + b"[]" + body[meta_at + 6:]))
     with pytest.raises(DecodeError, match="expected bytes"):
         decode_record("DSRB")
@@ -212,9 +224,10 @@ def test_float16_storage_keeps_log_probs_to_documented_precision():
 
 
 def test_log_modes():
-    seq = SequenceRecord("r", np.arange(5), 2, "v3", source="gsm8k", meta={"user": "alice", "log_mode": "ids_only"})
+    seq = SequenceRecord("r", np.arange(5), 2, "v3", source="gsm8k", meta={"user": "alice", "log_mode": "ids_only"},
+                         target="ab12")
     ids_only = apply_log_mode(seq, "ids_only")
-    assert ids_only.meta == {"log_mode": "ids_only"} and ids_only.source == "gsm8k"
+    assert ids_only.meta == {"log_mode": "ids_only"} and ids_only.source == "gsm8k" and ids_only.target == "ab12"
     np.testing.assert_array_equal(ids_only.token_ids, seq.token_ids)
     assert seq.meta["user"] == "alice"                    # the input is not modified
     assert apply_log_mode(seq, "full") is seq

@@ -235,6 +235,41 @@ def test_newest_windows_filter_without_consuming(redis_url, cfg):
     assert reader.pending() == 0                                                  # nothing consumed
 
 
+def test_a_reader_for_one_target_leaves_out_requests_another_target_scored(redis_url, cfg):
+    """A buffer outlives a change of target (the default prefix is shared): a job for target A must not learn
+    target B's opinions. Sequences of unknown target (layout 1, a writer that knew none) are kept."""
+    from training.data import read_training_window
+
+    a, b = "a" * 64, "b" * 64
+    with ReplayBufferWriter(redis_url, cfg) as writer:
+        for i, (rid, tgt) in enumerate([("ra", a), ("rb", b), ("ru", "")]):
+            for j in range(3):
+                writer.push_step(make_step(10 * i + j, request_id=rid))
+            seq = make_seq(rid)
+            seq.target = tgt
+            writer.push_sequence(seq)
+        assert writer.flush(10)
+    anyone = ReplayBufferReader(redis_url, cfg)
+    assert {s.target for s in anyone.get_sequences(["ra", "rb", "ru"]).values()} == {a, b, ""}
+    reader = ReplayBufferReader(redis_url, cfg, target=a)
+    assert sorted(reader.get_sequences(["ra", "rb", "ru"])) == ["ra", "ru"]
+    entries, seqs = reader.newest_steps(100)
+    assert sorted({e.record.request_id for e in entries}) == ["ra", "ru"] and sorted(seqs) == ["ra", "ru"]
+    assert [s.request_id for s in reader.sequences_after("0-0")] == ["ra", "ru"]
+    assert [e.record.request_id for e in reader.newest(10, stream="sequences")] == ["ru", "ra"]
+    assert list(reader.other_target) == ["rb"] and reader.stats()["other_target"] == 1      # counted once
+    # a consuming job acks the other target's steps (never trainable), instead of leaving them pending as if
+    # their request were still in flight
+    job = ReplayBufferReader(redis_url, cfg, group="trainer-a", target=a)
+    window = read_training_window(job, max_records=100, heldout_fraction=0.01)
+    assert sorted({e.record.request_id for e in window.entries}) == ["ra", "ru"]
+    assert window.skipped == {"another target": 3} and window.left_pending == []
+    job.ack([e.stream_id for e in window.entries])
+    assert job.pending() == 0
+    with pytest.raises(ValueError, match="fingerprint"):
+        ReplayBufferReader(redis_url, cfg, target="")
+
+
 # ----------------------------------------------------------------------------- writer behaviour
 def test_log_modes_through_the_writer(redis_url, cfg):
     with ReplayBufferWriter(redis_url, cfg) as writer:

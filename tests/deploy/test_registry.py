@@ -525,7 +525,7 @@ def test_alias_moves_are_serialised_across_processes(registry, base, tmp_path):
 
 
 def test_target_fingerprint_is_computed_once_and_pins_versions(tmp_path, monkeypatch, registry, base):
-    import deploy.artifacts as R
+    import buffer.fingerprint as R
     from tests.tiny_models import save_pair
 
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache-home"))

@@ -553,6 +553,13 @@ def test_each_verification_step_reaches_the_replay_buffer(pair):
         # per-category test reads it)
         reader = ReplayBufferReader(REDIS_URL, cfg)
         assert reader.get_sequence(r.json()["id"]).source == ""
+        # the sequence names the target whose opinions its steps hold: a job for that target reads it,
+        # a job for another leaves it out
+        from buffer.fingerprint import target_fingerprint
+        mine = target_fingerprint(svc.engine.target.path)
+        assert mine and reader.get_sequence(r.json()["id"]).target == mine
+        assert ReplayBufferReader(REDIS_URL, cfg, target=mine).get_sequence(r.json()["id"]) is not None
+        assert ReplayBufferReader(REDIS_URL, cfg, target="0" * 64).get_sequence(r.json()["id"]) is None
         with httpx.Client(base_url=srv.url, timeout=30) as c:
             r4 = complete(c, max_tokens=4, temperature=0.0, metadata={"category": "sql"})
             assert r4.status_code == 200
