@@ -1284,7 +1284,9 @@ COMMANDS["watch"] = cmd_watch
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)          # argparse itself exits 2 with a usage message on bad syntax
-    from deploy.registry import ArtifactError, RegistryError, UsageError
+    from deploy.registry import ArtifactError, RegistryError, UsageError, fail_fast_mlflow_client
+
+    fail_fast_mlflow_client()               # an MLflow server that is down is reported in seconds, not minutes
 
     prog = f"draftsmith {args.command}"
     try:

@@ -168,6 +168,24 @@ def _unavailable(exc: BaseException, what: str) -> RegistryUnavailable:
 
 
 # ---------------------------------------------------------------------------------- locations
+# MLflow's HTTP client retries a failed request 7 times with a doubling backoff (about 4 minutes, for a rate-limited
+# hosted store) and waits 120 s for each answer: against a tracking server that is down, `draftsmith rollback`
+# would sit silent for minutes before saying so. Draftsmith's commands and replicas retry on their own schedule
+# (the watcher's backoff, the scheduler's next tick), so they ask MLflow for about 3 s of retries and a 60-s
+# answer instead, unless the environment sets these variables (which then win: a rate-limited store wants them).
+MLFLOW_CLIENT_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                          "MLFLOW_HTTP_REQUEST_TIMEOUT": "60"}
+
+
+def fail_fast_mlflow_client(environ=None) -> dict[str, str]:
+    """Set MLFLOW_CLIENT_DEFAULTS in `environ` (os.environ) where it sets none of them; returns those set.
+    Called by the CLI before any MLflow call (its child processes, Ray's workers among them, inherit them)."""
+    environ = os.environ if environ is None else environ
+    added = {k: v for k, v in MLFLOW_CLIENT_DEFAULTS.items() if not environ.get(k)}
+    environ.update(added)
+    return added
+
+
 def _is_local_store(uri: str) -> bool:
     return uri.startswith("sqlite:") or uri.startswith("file:") or "://" not in uri
 

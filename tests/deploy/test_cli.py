@@ -178,6 +178,32 @@ def test_status_reports_an_mlflow_outage_instead_of_no_champion(env, capsys, mon
         assert "champion:  -" not in out
 
 
+def test_a_tracking_server_that_is_down_is_reported_in_seconds_not_minutes(env, capsys, monkeypatch):
+    """MLflow's own client retries a refused request for about 4 minutes; the CLI asks for a few seconds unless
+    the environment says otherwise (deploy/registry.py MLFLOW_CLIENT_DEFAULTS)."""
+    import socket
+    import time
+
+    from deploy.registry import MLFLOW_CLIENT_DEFAULTS, fail_fast_mlflow_client
+
+    for k in MLFLOW_CLIENT_DEFAULTS:        # set then unset: monkeypatch restores "unset" after the CLI sets them
+        monkeypatch.setenv(k, "1")
+        monkeypatch.delenv(k)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    t0 = time.monotonic()
+    code, _, err = run(capsys, "rollback", "--tracking-uri", f"http://127.0.0.1:{port}")
+    took = time.monotonic() - t0
+    assert code == 1 and "MLflow unavailable" in err, err
+    assert took < 90, f"the outage took {took:.0f} s to report (MLflow's own retries: about 240 s)"
+    assert {k: os.environ[k] for k in MLFLOW_CLIENT_DEFAULTS} == MLFLOW_CLIENT_DEFAULTS
+    # what an operator sets wins
+    mine = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "7"}
+    rest = {k: v for k, v in MLFLOW_CLIENT_DEFAULTS.items() if k not in mine}
+    assert fail_fast_mlflow_client(mine) == rest and mine == {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "7", **rest}
+
+
 def test_register_and_bootstrap_errors(env, capsys, tmp_path, monkeypatch):
     empty = tmp_path / "empty"
     empty.mkdir()
