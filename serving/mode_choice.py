@@ -9,6 +9,10 @@ assuming: `ModeChooser` is an epsilon-greedy bandit over the candidate modes on 
 
 - Each finished request that the chooser routed is one observation: its completion tokens and its decoding wall
   time (`GenerationStats.wall_time_s`). A request shorter than MIN_TOKENS is not counted: prefill dominates it.
+- With `discard_cold` (a replica's chooser) each candidate's first counted request is left out: it pays the
+  drafter's cold start (first shapes, lazy allocations). Measured on an AVX2 host, the draft's first request ran
+  at 7.7 tok/s and its next at 22.8, and that one figure sent every later request to the heads
+  (docs/benchmarks.md, "The thirty-seventh session").
 - Observations are kept per key: the sampling bucket ("greedy" at T=0, "sampled" above: the rules differ) and
   the request's traffic label (`metadata.category`), and pooled per bucket. A candidate's speed is the
   token-weighted rate of its last WINDOW observations (tokens / seconds), so it follows drift (a promoted heads
@@ -59,7 +63,8 @@ class ModeChooser:
     """Chooses among `candidates` (the static order breaks ties) per request; thread-safe."""
 
     def __init__(self, candidates: tuple[str, ...], *, explore: float = EXPLORE,
-                 min_observations: int = MIN_OBSERVATIONS, rng: random.Random | None = None) -> None:
+                 min_observations: int = MIN_OBSERVATIONS, rng: random.Random | None = None,
+                 discard_cold: bool = False) -> None:
         if len(candidates) < 2 or len(set(candidates)) != len(candidates):
             raise ValueError(f"a choice needs two or more distinct candidates, got {candidates!r}")
         if not 0.0 <= explore < 1.0:
@@ -73,6 +78,7 @@ class ModeChooser:
         self._lock = threading.Lock()
         self._keys: dict[tuple[str, str], dict[str, _Arm]] = {}
         self._chosen = {"warmup": 0, "fastest": 0, "explore": 0}
+        self._cold = set(self.candidates) if discard_cold else set()    # whose first request is still to come
 
     def _arms(self, key: tuple[str, str]) -> dict[str, _Arm]:
         arms = self._keys.get(key)
@@ -114,11 +120,14 @@ class ModeChooser:
 
     def observe(self, mode: str, temperature: float, label: str, tokens: int, seconds: float) -> bool:
         """Count one finished request routed by `choose`; returns whether it counted (a known mode, at least
-        MIN_TOKENS tokens, a positive time)."""
+        MIN_TOKENS tokens, a positive time, not a candidate's cold first request under `discard_cold`)."""
         if mode not in self.candidates or tokens < MIN_TOKENS or not seconds > 0:
             return False
         bucket = bucket_of(temperature)
         with self._lock:
+            if mode in self._cold:          # the replica's first request on it: its cold start, not its speed
+                self._cold.discard(mode)
+                return False
             for key in {(bucket, ""), (bucket, label)}:
                 arm = self._arms(key)[mode]
                 arm.obs.append((int(tokens), float(seconds)))

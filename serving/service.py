@@ -226,7 +226,7 @@ class Service:
             torch.set_num_threads(self.s.torch_threads)
         self.telemetry = Telemetry(self.s.replica_id)
         # the served default's measured choice between the heads and the draft (mode "auto" only)
-        self.chooser = (ModeChooser(("medusa", DEFAULT_MODE)) if self.s.default_mode == AUTO_MODE
+        self.chooser = (ModeChooser(("medusa", DEFAULT_MODE), discard_cold=True) if self.s.default_mode == AUTO_MODE
                         and self.s.auto_choice else None)
         if hub is None:
             hub = MetricsHub()                 # this replica's figures only; deploy/app.py passes the shared hub

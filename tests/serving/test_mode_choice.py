@@ -56,6 +56,17 @@ def test_concurrent_requests_alternate_while_warming_up():
     assert ch.choose(0.0) == ("mjsd", "warmup")
 
 
+def test_a_replicas_chooser_leaves_out_each_candidates_cold_first_request():
+    ch = ModeChooser(C, explore=0.0, discard_cold=True)
+    assert not ch.observe("mjsd", 0.0, "", 64, 64 / 7.7)          # the replica's first request on the draft
+    assert not ch.observe("medusa", 0.7, "", 64, 64 / 5.0)        # and on the heads (any bucket)
+    assert ch.snapshot()["chosen"] == {"warmup": 0, "fastest": 0, "explore": 0} and "greedy" not in ch.snapshot()
+    feed(ch, "mjsd", 20.0, MIN_OBSERVATIONS)                      # every later one counts
+    feed(ch, "medusa", 15.0, MIN_OBSERVATIONS)
+    assert ch.choose(0.0) == ("mjsd", "fastest")
+    assert ch.snapshot()["greedy"]["mjsd"] == {"tokens_per_s": 20.0, "observations": MIN_OBSERVATIONS}
+
+
 def test_an_explore_share_goes_to_the_slower_candidate():
     ch = ModeChooser(C, explore=0.25, rng=random.Random(7))
     feed(ch, "medusa", 30.0, MIN_OBSERVATIONS)
@@ -130,7 +141,8 @@ def test_a_replica_routes_unseeded_default_requests_by_measured_speed(pair, head
     try:
         with httpx.Client(base_url=srv.url, timeout=60) as c:
             assert c.get("/health").json()["default_mode"] == "medusa"
-            assert [mode_of(c) for _ in range(2 * MIN_OBSERVATIONS)] == ["medusa", "mjsd"] * MIN_OBSERVATIONS
+            # each drafter's first request is its cold start, left out: one more warm-up request each
+            assert [mode_of(c) for _ in range(2 * MIN_OBSERVATIONS + 2)] == ["medusa", "mjsd"] * (MIN_OBSERVATIONS + 1)
             choice = c.get("/health").json()["auto_choice"]
             assert {m: choice["greedy"][m]["observations"] for m in C} == {m: MIN_OBSERVATIONS for m in C}
             assert all(choice["greedy"][m]["tokens_per_s"] > 0 for m in C)
