@@ -95,9 +95,7 @@ class HeadsEvidence:
     def target_sha256(self) -> str | None:
         """The fingerprint of the target the sample is scored on (None without a local folder): requests
         another target scored are left out of the sample (buffer/redis_store.py `ReplayBufferReader`)."""
-        if "_fingerprint" not in self.__dict__:
-            self.__dict__["_fingerprint"] = target_fingerprint(self.target)
-        return self.__dict__["_fingerprint"]
+        return target_fingerprint(self.target)          # cached per folder: a few stat() calls
 
     def _fresh(self, after: str | None) -> tuple[list[dict], dict]:
         from training.heads_job import fresh_examples

@@ -279,11 +279,10 @@ def read_training_window(reader: ReplayBufferReader, *, max_records: int, heldou
                 candidates.append(e)
         need = {e.record.request_id for e in candidates} - sequences.keys()
         sequences.update(reader.get_sequences(need))
-        other = getattr(reader, "other_target", {})
         for e in candidates:
             if e.record.request_id in sequences:
                 usable.append(e)
-            elif e.record.request_id in other:       # scored by another target: never this job's to learn
+            elif e.record.request_id in reader.other_target:       # scored by another target: never this job's to learn
                 skipped["another target"] = skipped.get("another target", 0) + 1
                 to_ack.append(e.stream_id)
             else:
