@@ -299,3 +299,27 @@ def test_bench_tree_smoke(tmp_path):
     assert set(rows) == {"target", "(2, 1)", "(1, 1, 1)"}
     assert all(rows[k]["mismatches"] == 0 and rows[k]["tokens"] == 6 for k in ("(2, 1)", "(1, 1, 1)"))
     assert (tmp_path / "tree.png").stat().st_size > 0 and "End to end" in (tmp_path / "results.md").read_text()
+
+
+def test_bench_threads_smoke(tmp_path):
+    """scripts/bench_threads.py end to end on a tiny random model: a row per width, each pass timed on 1 thread,
+    on the wide count and switched, the thread count restored to 1 after the switched passes; bad input refused."""
+    import json
+
+    import torch
+
+    from scripts.bench_threads import main
+
+    before = torch.get_num_threads()
+    try:
+        assert main(["--tiny", "--out", str(tmp_path), "--repeats", "2", "--widths", "1", "4", "--prefix", "8"]) == 0
+    finally:
+        torch.set_num_threads(before)
+    result = json.loads((tmp_path / "results.json").read_text())
+    rows = result["rows"]
+    assert [r["tokens"] for r in rows] == [1, 4]
+    assert all(r[k] > 0 for r in rows for k in ("one_thread_ms", "wide_ms", "switched_ms", "next_one_token_ms"))
+    assert rows[0]["one_thread_ratio"] == 1.0
+    assert (tmp_path / "threads.png").stat().st_size > 0 and "| 4 |" in (tmp_path / "results.md").read_text()
+    with pytest.raises(SystemExit):
+        main(["--tiny", "--out", str(tmp_path), "--widths", "0"])
