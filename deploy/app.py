@@ -123,14 +123,21 @@ def start_hub(settings: ServiceSettings):
 def build(settings: ServiceSettings, replicas: int = 1, num_cpus: float | None = None):
     """The bound application for serve.run: `replicas` replicas with `num_cpus` CPUs each."""
     cpus = float(num_cpus if num_cpus is not None else max(0.25, min(1.0, (os.cpu_count() or 2) / (2 * replicas))))
+    share = max(1, (os.cpu_count() or 2) // replicas)
     if settings.torch_threads is None:
-        # one core is left to the Serve proxy and HTTP: on 2 cores, 1 torch thread gave 37 tok/s at one
-        # streaming client against 31 tok/s with 2 threads (docs/benchmarks.md)
-        settings.torch_threads = max(1, ((os.cpu_count() or 2) - 1) // replicas)
+        # each replica decodes on its share of the cores. An early session left one core to the Serve proxy (37 vs
+        # 31 tok/s at one streaming client, measured while idle OpenMP workers slept and had to be woken every
+        # pass, since fixed: serving/models.py release_openmp_threads); on a 2-core host one replica on 2
+        # threads then served the traffic mix's target-only requests 17% faster and 4 streaming clients 12%
+        # faster than 1 thread (docs/benchmarks.md, "The thirty-eighth session")
+        settings.torch_threads = share
     if settings.prefill_threads is None:
-        # a prompt's prefill is one compute-bound forward: there the proxy's core is worth borrowing
+        # a prompt's prefill is one compute-bound forward: where decoding leaves cores idle it borrows them
         # (150-token prompt on a 2-core AMD host: 0.78-0.86 s on one thread, 0.47-0.60 s on two)
-        settings.prefill_threads = max(settings.torch_threads, (os.cpu_count() or 2) // replicas)
+        settings.prefill_threads = max(settings.torch_threads, share)
+    if settings.wide_threads is None:
+        # so does a step that drafts: its verification pass over k + 1 tokens (a tree's nodes) is compute-bound
+        settings.wide_threads = max(settings.torch_threads, share)
     opts = {"num_replicas": replicas, "ray_actor_options": {"num_cpus": cpus}}
     fields = {k: getattr(settings, k) for k in settings.__dataclass_fields__ if k != "replica_id"}
     return DraftsmithDeployment.options(**opts).bind(fields)
@@ -147,7 +154,7 @@ def settings_from_args(args: dict) -> tuple[ServiceSettings, int, float | None]:
             args[field_name] = os.environ.get(env_name) or None
     conv = {"max_running": int, "max_waiting": int, "max_batch_tokens": int, "max_tokens_limit": int, "max_body_bytes": int,
             "request_timeout_s": float, "watch_interval_s": float, "live_interval_s": float, "torch_threads": int,
-            "prefill_threads": int,
+            "prefill_threads": int, "wide_threads": int,
             "default_mode": str}
     for k, f in conv.items():
         if k in args and args[k] is not None:

@@ -825,8 +825,8 @@ class Engine:
         return max(0.0, med[n] - med[1]) / (n - 1) if med else None
 
     def _profile_path(self, sig: tuple) -> Path | None:
-        """The file of the profile for this machine, target, draft shape, device, dtype, thread count and, in fp32
-        on a CPU, SkinnyLinear's policy (`skinny_policy`)."""
+        """The file of the profile for this machine, target, draft shape, device, dtype, thread counts (the
+        drafting steps' `wide_threads` where set) and, in fp32 on a CPU, SkinnyLinear's policy (`skinny_policy`)."""
         if not self.profile_dir:
             return None
         if self.target_device.type == "cuda":
@@ -840,7 +840,9 @@ class Engine:
         products = [skinny_policy()] if wants_skinny_linears(self.target_device, dtype) else []
         key = json.dumps([self.target_name, type(self.target.model).__name__, getattr(cfg, "num_hidden_layers", None),
                           getattr(cfg, "hidden_size", None), str(dtype), list(sig), self.target_device.type, hw,
-                          torch.get_num_threads()] + products)
+                          torch.get_num_threads()] + products
+                         + ([f"wide={self.scheduler.wide_threads}"] if getattr(self.scheduler, "wide_threads", None)
+                            else []))
         return Path(self.profile_dir) / f"profile-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
     def _kept_profile(self, sig: tuple) -> dict | None:

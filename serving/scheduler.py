@@ -182,6 +182,12 @@ class BatchScheduler:
         # steps are faster on the replica's one thread (docs/benchmarks.md); the replica sets it
         # (ServiceSettings.prefill_threads) so a new request's first token waits less
         self.prefill_threads: int | None = None
+        # torch threads for a step that drafts (None: the decoding steps' count). Its target pass verifies k + 1
+        # tokens per row (a tree: its nodes) and is compute-bound like a prefill, while a plain step's one token
+        # is not; on a replica that decodes on one thread to leave a core to the Serve proxy, a drafting step
+        # priced at one thread made drafting outside the easiest traffic look not worth it (docs/benchmarks.md,
+        # "The thirty-eighth session"); the replica sets it (ServiceSettings.wide_threads)
+        self.wide_threads: int | None = None
         self.on_round = None                     # test hook: called with self after every round
         self.prefix_cache = PrefixCache()        # target KV of recent prompts (shared prefixes prefill once)
 
@@ -285,11 +291,19 @@ class BatchScheduler:
                 req.solo = _RequestState(self.engine, req.prompt, req.arm)
                 self.solo.append(req)
 
-    @contextlib.contextmanager
     def _prefill_threads(self):
-        """torch on `prefill_threads` threads inside the block (this thread is the only one running the
-        models, so the process-wide setting is this thread's), restored after."""
-        n, before = self.prefill_threads, torch.get_num_threads()
+        return self._threads(self.prefill_threads)
+
+    def _wide_threads(self, drafting: bool):
+        """`wide_threads` inside the block when the step drafts (verifies more than one token per row)."""
+        return self._threads(self.wide_threads if drafting else None)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _threads(n: int | None):
+        """torch on `n` threads inside the block (this thread is the only one running the models, so the
+        process-wide setting is this thread's), restored after; None or 0: unchanged."""
+        before = torch.get_num_threads()
         if not n or n == before:
             yield
             return
@@ -519,7 +533,8 @@ class BatchScheduler:
             plan = ctrl.plan(0)
             st.depth = plan.k
         draft_s, target_s, drafted = stats.draft_time_s, stats.target_time_s, stats.draft_tokens
-        new = st.spec_step(req.sampling, spec, req.gen, stats, req.id, req.sink, record_plain=ctrl is not None)
+        with self._wide_threads(plan is None or plan.k > 0):
+            new = st.spec_step(req.sampling, spec, req.gen, stats, req.id, req.sink, record_plain=ctrl is not None)
         proposed = stats.draft_tokens - drafted
         if plan is not None:
             if plan.k == 0:
@@ -555,11 +570,12 @@ class BatchScheduler:
                 keep = max(1 + len(st.tree) for st in steps)
                 width = max(len(st.block) for st in steps)
                 t1 = time.perf_counter()
-                logits, hidden = kv.feed_tree([st.block for st in steps], [st.mask for st in steps],
-                                              [st.positions for st in steps], keep)
-                logits = full_vocab_logits(logits, eng.target, eng.vocab_size)
-                if eng.target_device.type == "cuda":
-                    torch.cuda.synchronize(eng.target_device)
+                with self._wide_threads(keep > 1):
+                    logits, hidden = kv.feed_tree([st.block for st in steps], [st.mask for st in steps],
+                                                  [st.positions for st in steps], keep)
+                    logits = full_vocab_logits(logits, eng.target, eng.vocab_size)
+                    if eng.target_device.type == "cuda":
+                        torch.cuda.synchronize(eng.target_device)
                 t_target = time.perf_counter() - t1
                 keeps, results = [], []
                 for i, (req, st) in enumerate(zip(reqs, steps)):
@@ -740,18 +756,19 @@ class BatchScheduler:
             try:
                 wall0 = time.perf_counter()
                 plans = self._plans(reqs)
-                self._sync_draft_cache()
-                t0 = time.perf_counter()
-                proposals = self._propose(reqs, plans)
-                t_draft = time.perf_counter() - t0
-                t1 = time.perf_counter()
-                blocks = [r.seq[self.tkv.lengths[i]:] + proposals[i][0] for i, r in enumerate(reqs)]
-                keep = max(len(p[0]) for p in proposals) + 1
-                logits = self.tkv.feed(blocks, keep)
-                logits = full_vocab_logits(logits, eng.target, eng.vocab_size)
-                if eng.target_device.type == "cuda":
-                    torch.cuda.synchronize(eng.target_device)
-                t_target = time.perf_counter() - t1
+                with self._wide_threads(any(p.k for p in plans)):
+                    self._sync_draft_cache()
+                    t0 = time.perf_counter()
+                    proposals = self._propose(reqs, plans)
+                    t_draft = time.perf_counter() - t0
+                    t1 = time.perf_counter()
+                    blocks = [r.seq[self.tkv.lengths[i]:] + proposals[i][0] for i, r in enumerate(reqs)]
+                    keep = max(len(p[0]) for p in proposals) + 1
+                    logits = self.tkv.feed(blocks, keep)
+                    logits = full_vocab_logits(logits, eng.target, eng.vocab_size)
+                    if eng.target_device.type == "cuda":
+                        torch.cuda.synchronize(eng.target_device)
+                    t_target = time.perf_counter() - t1
                 probs, record = self._warp_rows(reqs, logits)
                 results = []
                 for i, req in enumerate(reqs):

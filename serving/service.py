@@ -133,6 +133,7 @@ class ServiceSettings:
     watch_interval_s: float = 2.0
     torch_threads: int | None = None
     prefill_threads: int | None = None      # torch threads for prompt prefill (None: torch_threads)
+    wide_threads: int | None = None         # torch threads for a step that drafts (None: torch_threads)
     # measure the seeded requests' cost profile (Engine.calibrate) at start and after a swap to a draft of
     # another shape, in the background; off: the first seeded sampled request measures it
     calibrate: bool = True
@@ -245,8 +246,11 @@ class Service:
         self._swap_lock = threading.Lock()
         self.engine = engine if engine is not None else self._make_engine()
         self._name_target()
-        if self.s.prefill_threads and getattr(self.engine, "scheduler", None) is not None:
-            self.engine.scheduler.prefill_threads = self.s.prefill_threads
+        if getattr(self.engine, "scheduler", None) is not None:
+            if self.s.prefill_threads:
+                self.engine.scheduler.prefill_threads = self.s.prefill_threads
+            if self.s.wide_threads:
+                self.engine.scheduler.wide_threads = self.s.wide_threads
         if self.s.profile_dir and hasattr(self.engine, "profile_dir"):
             self.engine.profile_dir = self.s.profile_dir
         if self.s.gc_freeze:
@@ -683,8 +687,16 @@ class Service:
                 "buffer": None if self.sink is None else {k: v for k, v in self.sink.stats().items()
                                                           if k in ("written", "dropped", "queued")},
                 "suffix_store": self._suffix_health(),
-                "gc": {"frozen": gc.get_freeze_count(), "collections": [g["collections"] for g in gc.get_stats()]}}
+                "gc": {"frozen": gc.get_freeze_count(), "collections": [g["collections"] for g in gc.get_stats()]},
+                "threads": self._threads_health()}
         return ok, info
+
+    def _threads_health(self) -> dict:
+        """torch threads of the replica's plain decoding steps, prompt prefills and steps that draft."""
+        sched = getattr(self.engine, "scheduler", None)
+        decode = self.s.torch_threads       # None: torch's own default (not set by the replica)
+        return {"decode": decode, "prefill": getattr(sched, "prefill_threads", None) or decode,
+                "drafting": getattr(sched, "wide_threads", None) or decode}
 
     def _suffix_health(self) -> dict | None:
         """The replica's suffix store (serving/decoding/suffix.py): answers and tokens held; None when off."""
@@ -974,7 +986,7 @@ def settings_from_env(**overrides) -> ServiceSettings:
         kw["eagle_head"] = env["DRAFTSMITH_EAGLE_HEAD"]
     for name, conv in (("max_running", int), ("max_waiting", int), ("max_batch_tokens", int), ("request_timeout_s", float),
                        ("max_tokens_limit", int), ("watch_interval_s", float), ("torch_threads", int),
-                       ("prefill_threads", int), ("calibrate", _switch), ("live_interval_s", float),
+                       ("prefill_threads", int), ("wide_threads", int), ("calibrate", _switch), ("live_interval_s", float),
                        ("default_mode", str), ("suffix_follow_s", float), ("gc_freeze", _switch),
                        ("auto_choice", _switch)):
         v = env.get(f"DRAFTSMITH_{name.upper()}")

@@ -175,24 +175,29 @@ def test_cluster_config_takes_keys_from_the_environment(monkeypatch):
 
 
 
-def test_replicas_decode_on_their_share_of_cores_less_one_and_prefill_on_their_share(monkeypatch):
-    """Thread defaults of `build`: on 2 cores one replica decodes on 1 torch thread (the other core is the
-    proxy's) and prefills prompts on 2; two replicas get 1 and 1; explicit settings are kept."""
+def test_replicas_decode_prefill_and_draft_on_their_share_of_the_cores(monkeypatch):
+    """Thread defaults of `build`: each replica decodes, prefills and drafts on its share of the cores (2 for
+    one replica on 2 cores, 1 for two, 1 for three); a replica told to decode on fewer (leaving a core to the
+    proxy) still prefills and drafts on its share; explicit settings are kept."""
     import deploy.app as app
     from serving.service import ServiceSettings
 
     monkeypatch.setattr(app.os, "cpu_count", lambda: 2)
-    for replicas, want in ((1, (1, 2)), (2, (1, 1))):
+    for replicas, want in ((1, (2, 2, 2)), (2, (1, 1, 1)), (3, (1, 1, 1))):
         s = ServiceSettings()
         app.build(s, replicas=replicas)
-        assert (s.torch_threads, s.prefill_threads) == want, replicas
-    s = ServiceSettings(torch_threads=2, prefill_threads=1)
+        assert (s.torch_threads, s.prefill_threads, s.wide_threads) == want, replicas
+    s = ServiceSettings(torch_threads=1)
     app.build(s, replicas=1)
-    assert (s.torch_threads, s.prefill_threads) == (2, 1)
+    assert (s.torch_threads, s.prefill_threads, s.wide_threads) == (1, 2, 2)
+    s = ServiceSettings(torch_threads=2, prefill_threads=1, wide_threads=1)
+    app.build(s, replicas=1)
+    assert (s.torch_threads, s.prefill_threads, s.wide_threads) == (2, 1, 1)
     monkeypatch.setenv("DRAFTSMITH_PREFILL_THREADS", "3")
+    monkeypatch.setenv("DRAFTSMITH_WIDE_THREADS", "4")
     from serving.service import settings_from_env
 
-    assert settings_from_env().prefill_threads == 3
+    assert (settings_from_env().prefill_threads, settings_from_env().wide_threads) == (3, 4)
 
 def test_the_cost_profile_is_kept_under_the_cache_dir_unless_told_otherwise(monkeypatch, tmp_path):
     from serving.service import ServiceSettings, settings_from_env

@@ -329,6 +329,44 @@ def test_prompts_prefill_on_the_prefill_threads_and_decoding_keeps_its_own(pair,
     assert seen["step"] == {decode_threads}, seen
     assert torch.get_num_threads() == decode_threads
 
+
+def test_drafting_steps_verify_on_the_wide_threads_and_plain_steps_keep_the_decoding_count(pair, monkeypatch):
+    """A step that drafts runs its proposal and its target pass (k + 1 tokens a row, compute-bound) on
+    `wide_threads`; a plain step (target mode) stays on the replica's decoding count; T=0 output is unchanged
+    and the thread count is restored after every step."""
+    from serving.kvcache import BatchKV
+
+    eng = make_engine(pair)
+    sampling = SamplingParams(temperature=0.0, max_tokens=12)
+    spec, plain = SpecParams(mode="speculative", gamma=3), SpecParams(mode="target")
+    prompt = ids(eng, PROMPTS[0])
+    alone = eng.generate_all(prompt, sampling, spec).token_ids
+    decode_threads = torch.get_num_threads()
+    seen: list[tuple[int, int]] = []      # (tokens per row fed, torch threads) of every batched target pass
+    feed = BatchKV.feed
+
+    def spy_feed(self, blocks, keep, *a, **kw):
+        seen.append((max(len(b) for b in blocks), torch.get_num_threads()))
+        return feed(self, blocks, keep, *a, **kw)
+
+    monkeypatch.setattr(BatchKV, "feed", spy_feed)
+    from serving.service import Service, ServiceSettings
+
+    svc = Service(ServiceSettings(target=str(pair[0]), buffer=False, watch_interval_s=3600, calibrate=False,
+                                  gc_freeze=False, wide_threads=decode_threads + 1), engine=eng)    # the replica hands it on
+    try:
+        assert eng.scheduler.wide_threads == decode_threads + 1
+        assert svc.health()[1]["threads"]["drafting"] == decode_threads + 1
+    finally:
+        svc.close()
+    assert eng.generate_all(prompt, sampling, spec).token_ids == alone
+    drafting = {t for n, t in seen if n > 1}
+    assert drafting == {decode_threads + 1}, seen
+    assert torch.get_num_threads() == decode_threads
+    seen.clear()
+    eng.generate_all(prompt, sampling, plain)
+    assert seen and {t for _, t in seen} == {decode_threads}, seen
+
 # ---------------------------------------------------------------------------- the cache itself
 def _fresh_and_prefill(model):
     """(fresh(seq): last-position logits of a fresh forward over seq, prefill(seq): a batch-1 cache of seq)."""
