@@ -170,14 +170,16 @@ def run_level(url: str, n: int, prompts: list[str], args) -> dict:
             while not stop.is_set() and (limit is None or k < limit):
                 body = {"messages": [{"role": "user", "content": prompts[(cid * 997 + k) % len(prompts)]}],
                         "max_tokens": args.max_tokens, "temperature": 0.7, "stream": True,
-                        "stream_options": {"include_usage": True}, "speculative": {"mode": args.mode}}
+                        "stream_options": {"include_usage": True}, **speculative_field(args.mode)}
                 k += 1
                 t0 = time.perf_counter()
                 ttft, tokens, status, err, version = None, 0, None, None, None
                 try:
                     with c.stream("POST", "/v1/chat/completions", json=body) as r:
                         status = r.status_code
-                        for line in r.iter_lines():
+                        if status != 200:       # an OpenAI-style error body, not a stream
+                            err = f"HTTP {status}: {r.read().decode(errors='replace')[:200]}"
+                        for line in r.iter_lines() if status == 200 else ():
                             if not line.startswith("data: ") or line == "data: [DONE]":
                                 continue
                             ev = json.loads(line[6:])
@@ -248,7 +250,7 @@ def paired_overhead(url: str, prompts: list[str], args) -> dict:
     def over_http(c, k: int) -> tuple[float, int, str]:
         body = {"messages": [{"role": "user", "content": prompts[k % len(prompts)]}], "max_tokens": args.max_tokens,
                 "temperature": 0.7, "seed": k, "stream": True, "stream_options": {"include_usage": True},
-                "speculative": {"mode": args.mode}}
+                **speculative_field(args.mode)}
         t0, text, tokens = time.perf_counter(), [], 0
         with c.stream("POST", "/v1/chat/completions", json=body) as r:
             r.raise_for_status()
@@ -302,6 +304,12 @@ def _warm_args(args):
     a = argparse.Namespace(**vars(args))
     a.requests, a.engine_seconds = 2, 0
     return a
+
+
+def speculative_field(mode: str) -> dict:
+    """The request's `speculative` field for --mode: none for 'default' (what the service serves a request that
+    names no mode), else that mode."""
+    return {} if mode == "default" else {"speculative": {"mode": mode}}
 
 
 def start_server(port: int) -> subprocess.Popen:
