@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from serving.contention import marks_busy
 from training.job import (
     EXPERIMENT,
     build_parser,
@@ -103,6 +104,7 @@ def resolve_job(cfg: dict) -> dict:
     return resolve_for_remote(cfg)
 
 
+@marks_busy("a distillation job")
 def run_job(cfg: dict, progress: Callable[[str], None] = print) -> Path:
     """One job; the candidate folder. A draft job: `training.job.run_distillation(cfg)` with its MLflow run
     (module docstring); a heads job (cfg "kind" medusa / eagle): `training.heads_job.run_heads_distillation`,

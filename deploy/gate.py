@@ -74,6 +74,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
+from serving.contention import marks_busy
 from deploy.registry import (HEADS_KINDS, TAG, ArtifactError, PromotionsPaused, Registry, VersionInfo,
                              heads_kind_of, is_heads_folder, short_hash, target_fingerprint, vocabulary_digest)
 
@@ -518,6 +519,7 @@ def fresh_cut(registry: Registry, version: str) -> str | None:
     return None if theirs.get("steps") else cut         # a champion from the buffer, with no cut kept
 
 
+@marks_busy("the gate's scoring pass")
 def run_gate(registry: Registry, version: str, smoke_check: SmokeCheck | None, *,
              policy: GatePolicy | None = None, promote: bool = True, evidence: "EvidenceSource | Evidence | None" = None,
              target_sha256: str | None = None, min_live_tokens: int = 500) -> GateVerdict:

@@ -188,6 +188,10 @@ class BatchScheduler:
         # priced at one thread made drafting outside the easiest traffic look not worth it (docs/benchmarks.md,
         # "The thirty-eighth session"); the replica sets it (ServiceSettings.wide_threads)
         self.wide_threads: int | None = None
+        # cores that processes beside serving hold now (serving/contention.py ContentionWatch; None: not watched,
+        # the replica sets one): every thread count above runs that many lower meanwhile, at least 1
+        self.contention = None
+        self._busy = 0
         self.on_round = None                     # test hook: called with self after every round
         self.prefix_cache = PrefixCache()        # target KV of recent prompts (shared prefixes prefill once)
 
@@ -260,15 +264,17 @@ class BatchScheduler:
         self.rounds += 1
         self._retire_gone()
         self._admit()
-        if self.prefilling:
-            with self._prefill_threads():
-                self._prefill()
-        for req in list(self.solo):
-            self._solo_step(req)
-        if self.batch:
-            self._batch_step()
-        if self.trees:
-            self._tree_step()
+        self._busy = self.contention.busy_cores() if self.contention is not None else 0
+        with self._threads(self._capped(torch.get_num_threads())):
+            if self.prefilling:
+                with self._prefill_threads():
+                    self._prefill()
+            for req in list(self.solo):
+                self._solo_step(req)
+            if self.batch:
+                self._batch_step()
+            if self.trees:
+                self._tree_step()
         self._compact()
         if self.on_round is not None:
             with self.engine._lock:
@@ -291,12 +297,17 @@ class BatchScheduler:
                 req.solo = _RequestState(self.engine, req.prompt, req.arm)
                 self.solo.append(req)
 
+    def _capped(self, n: int | None) -> int | None:
+        """`n` threads less the cores that jobs beside serving hold this round (serving/contention.py), at least 1;
+        None stays None (unchanged)."""
+        return max(1, n - self._busy) if n and self._busy else n
+
     def _prefill_threads(self):
-        return self._threads(self.prefill_threads)
+        return self._threads(self._capped(self.prefill_threads))
 
     def _wide_threads(self, drafting: bool):
         """`wide_threads` inside the block when the step drafts (verifies more than one token per row)."""
-        return self._threads(self.wide_threads if drafting else None)
+        return self._threads(self._capped(self.wide_threads) if drafting else None)
 
     @staticmethod
     @contextlib.contextmanager

@@ -134,6 +134,8 @@ class ServiceSettings:
     torch_threads: int | None = None
     prefill_threads: int | None = None      # torch threads for prompt prefill (None: torch_threads)
     wide_threads: int | None = None         # torch threads for a step that drafts (None: torch_threads)
+    # run on fewer threads while distillation jobs or the gate beside serving hold cores (serving/contention.py)
+    yield_to_jobs: bool = True
     # measure the seeded requests' cost profile (Engine.calibrate) at start and after a swap to a draft of
     # another shape, in the background; off: the first seeded sampled request measures it
     calibrate: bool = True
@@ -251,6 +253,10 @@ class Service:
                 self.engine.scheduler.prefill_threads = self.s.prefill_threads
             if self.s.wide_threads:
                 self.engine.scheduler.wide_threads = self.s.wide_threads
+            if self.s.yield_to_jobs:
+                from serving.contention import ContentionWatch
+
+                self.engine.scheduler.contention = ContentionWatch()
         if self.s.profile_dir and hasattr(self.engine, "profile_dir"):
             self.engine.profile_dir = self.s.profile_dir
         if self.s.gc_freeze:
@@ -692,11 +698,14 @@ class Service:
         return ok, info
 
     def _threads_health(self) -> dict:
-        """torch threads of the replica's plain decoding steps, prompt prefills and steps that draft."""
+        """torch threads of the replica's plain decoding steps, prompt prefills and steps that draft, and the
+        processes beside serving it yields cores to meanwhile (None: it does not watch for them)."""
         sched = getattr(self.engine, "scheduler", None)
         decode = self.s.torch_threads       # None: torch's own default (not set by the replica)
+        watch = getattr(sched, "contention", None)
         return {"decode": decode, "prefill": getattr(sched, "prefill_threads", None) or decode,
-                "drafting": getattr(sched, "wide_threads", None) or decode}
+                "drafting": getattr(sched, "wide_threads", None) or decode,
+                "jobs_beside": None if watch is None else watch.markers()}
 
     def _suffix_health(self) -> dict | None:
         """The replica's suffix store (serving/decoding/suffix.py): answers and tokens held; None when off."""
@@ -986,7 +995,8 @@ def settings_from_env(**overrides) -> ServiceSettings:
         kw["eagle_head"] = env["DRAFTSMITH_EAGLE_HEAD"]
     for name, conv in (("max_running", int), ("max_waiting", int), ("max_batch_tokens", int), ("request_timeout_s", float),
                        ("max_tokens_limit", int), ("watch_interval_s", float), ("torch_threads", int),
-                       ("prefill_threads", int), ("wide_threads", int), ("calibrate", _switch), ("live_interval_s", float),
+                       ("prefill_threads", int), ("wide_threads", int), ("yield_to_jobs", _switch),
+                       ("calibrate", _switch), ("live_interval_s", float),
                        ("default_mode", str), ("suffix_follow_s", float), ("gc_freeze", _switch),
                        ("auto_choice", _switch)):
         v = env.get(f"DRAFTSMITH_{name.upper()}")
