@@ -138,6 +138,22 @@ def _ray_task(cfg: dict) -> str:
     return str(run_job(cfg))
 
 
+def task_env(data: Path) -> dict:
+    """The Ray task's environment: this process's settings that a job reads (deploy/ray_jobs.py `job_env`:
+    DRAFTSMITH_*, MLflow, Hugging Face, REDIS_URL; never the HTTP API's keys), OMP_NUM_THREADS, and the paths.
+    A Ray task's process inherits the environment of the Ray that started its worker (`draftsmith serve`'s), not
+    this driver's: without these its job ran at nice 0 beside serving, while `draftsmith distill --job-nice`
+    had set 10 for it (docs/benchmarks.md, "The thirty-eighth session")."""
+    from deploy.ray_jobs import _ENV_PREFIXES, _ENV_SECRETS
+
+    env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES) and k not in _ENV_SECRETS}
+    if os.environ.get("OMP_NUM_THREADS"):
+        env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env["DRAFTSMITH_DATA"] = str(data)
+    return env
+
+
 def run_in_ray(cfg: dict, num_cpus: float = 2, num_gpus: float = 0) -> Path:
     """Run `run_job(cfg)` as a Ray task with `num_cpus` CPUs and `num_gpus` GPUs (module docstring)."""
     import ray
@@ -145,8 +161,7 @@ def run_in_ray(cfg: dict, num_cpus: float = 2, num_gpus: float = 0) -> Path:
     from buffer.paths import data_dir
 
     cfg = resolve_job(cfg)                           # fail fast, in the driver
-    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
-           "DRAFTSMITH_DATA": str(data_dir())}
+    env = task_env(data_dir())
     if not ray.is_initialized():
         address = os.environ.get("RAY_ADDRESS")
         ray.init(address=address or None, num_cpus=None if address else max(1, int(num_cpus)),

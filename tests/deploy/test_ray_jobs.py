@@ -61,6 +61,35 @@ def test_a_job_lowers_its_own_cpu_priority_as_asked(monkeypatch):
         assert ("not an integer" in out.stderr) == (value == "eleven")
 
 
+def test_the_ray_task_of_a_job_gets_the_drivers_priority_threads_and_settings_but_no_keys(monkeypatch, tmp_path):
+    """`python -m deploy.distill_job --ray` runs the job in a Ray task, whose process inherits the environment of
+    the Ray that started its worker, not the driver's: the task's runtime env carries the driver's
+    DRAFTSMITH_JOB_NICE (its job ran at nice 0 beside serving without it), OMP_NUM_THREADS and settings, never the
+    HTTP API's keys; and the task lowers its priority and marks itself busy beside serving while it runs."""
+    from deploy import distill_job
+
+    monkeypatch.setenv("DRAFTSMITH_JOB_NICE", "10")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:////tmp/x.db")
+    monkeypatch.setenv("DRAFTSMITH_API_KEY", "secret")
+    monkeypatch.setenv("DRAFTSMITH_ADMIN_KEY", "secret2")
+    env = distill_job.task_env(tmp_path)
+    assert (env["DRAFTSMITH_JOB_NICE"], env["OMP_NUM_THREADS"], env["MLFLOW_TRACKING_URI"]) == ("10", "1",
+                                                                                              "sqlite:////tmp/x.db")
+    assert env["DRAFTSMITH_DATA"] == str(tmp_path) and str(ROOT) in env["PYTHONPATH"].split(os.pathsep)
+    assert "DRAFTSMITH_API_KEY" not in env and "DRAFTSMITH_ADMIN_KEY" not in env
+    # the task's own steps, in a child process (niceness only rises): priority first, then the marked job
+    code = ("import os, json; from deploy import distill_job; from serving.contention import read_busy; "
+            "distill_job.run_job = distill_job.marks_busy('a distillation job')("
+            "lambda cfg: json.dumps([os.nice(0), [m['what'] for m in read_busy()]])); "
+            "print(distill_job._ray_task({}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "DRAFTSMITH_JOB_NICE": "10", "DRAFTSMITH_BUSY_DIR": str(tmp_path / "busy")})
+    assert out.returncode == 0, out.stderr
+    nice, marked = json.loads(out.stdout.strip().splitlines()[-1])
+    assert nice >= 10 and marked == ["a distillation job"], out.stdout
+
+
 def test_a_submission_the_job_api_asks_to_retry_is_retried_until_its_deadline():
     """Ray's job API answers 500 "No available agent to submit job, please try again later" while its agent starts
     (two CI tests failed so on a busy host): such a refusal is retried within SUBMIT_RETRY_S, any other is not."""
