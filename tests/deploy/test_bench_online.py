@@ -202,3 +202,27 @@ def test_the_issues_rolling_reading_and_the_rescore_of_saved_runs(tmp_path):
     assert rows[0]["gain_rolling"] == pytest.approx(0.5) and rows[0]["tokens_per_s_ratio"] == pytest.approx(2.0)
     assert rows[0]["all_met_rolling"] is False      # no shift in this run: the forgetting figure is missing
     assert "online-run" in (tmp_path / "out" / "t.md").read_text() and (run / "summary.json").read_text() == before
+
+
+def test_job_latency_splits_requests_by_whether_a_job_ran_when_they_ended(tmp_path, capsys):
+    """scripts/job_latency.py on logs in the formats bench_online writes: requests that ended while a job ran
+    (or within the grace after it) against the others, the cold start left out; a missing log is a CLI error."""
+    from scripts.job_latency import main, report
+
+    access = ("(ServeReplica pid=1) INFO 2026-11-30 10:00:{s:02d},100 draftsmith_Draftsmith x y -- POST "
+              "/v1/chat/completions 200 {ms}ms\n")
+    serve = "".join(access.format(s=s, ms=ms) for s, ms in
+                    [(1, 9000), (2, 4000), (10, 4000), (21, 15000), (25, 13000), (33, 11000), (50, 3000)])
+    serve += access.format(s=55, ms=5000).replace(" 200 ", " 500 ")          # a failed request: not counted
+    distill = ("[distill] submitting job draftsmith-medusa-v1-20261130-100020-4cddc8 to Ray at x as a Ray task\n"
+               "[distill] Ray job draftsmith-medusa-v1-20261130-100020-4cddc8 succeeded in 10 s: /tmp/c\n"
+               "[distill] submitting job draftsmith-medusa-v2-20261130-100100-aaaaaa to Ray at x\n")   # still running
+    text = report(serve, distill, grace_s=5, skip=1)
+    assert "| during a job | 3 | 13.0 | 15.0 |" in text, text       # ended at :21, :25 (in the job), :33 (grace)
+    assert "| between jobs | 3 | 4.0 | 4.0 |" in text, text
+    assert "1 jobs, median 10.0 s each" in text
+    (tmp_path / "serve.log").write_text(serve)
+    (tmp_path / "distill.log").write_text(distill)
+    assert main([str(tmp_path), "--skip", "1"]) == 0 and "during a job" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "nowhere")])
