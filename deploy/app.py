@@ -159,8 +159,9 @@ def settings_from_args(args: dict) -> tuple[ServiceSettings, int, float | None]:
     for k, f in conv.items():
         if k in args and args[k] is not None:
             args[k] = f(args[k])
-    if "buffer" in args and isinstance(args["buffer"], str):
-        args["buffer"] = args["buffer"].lower() not in ("0", "false", "no", "off")
+    for switch in ("buffer", "yield_to_jobs"):        # on/off values from a YAML or `serve run` string
+        if switch in args and isinstance(args[switch], str):
+            args[switch] = args[switch].strip().lower() not in ("0", "false", "no", "off")
     settings = ServiceSettings(**args)
     check_keys(settings)
     return settings, replicas, float(num_cpus) if num_cpus is not None else None

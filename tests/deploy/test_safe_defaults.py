@@ -198,6 +198,10 @@ def test_replicas_decode_prefill_and_draft_on_their_share_of_the_cores(monkeypat
     from serving.service import settings_from_env
 
     assert (settings_from_env().prefill_threads, settings_from_env().wide_threads) == (3, 4)
+    monkeypatch.setenv("DRAFTSMITH_YIELD_TO_JOBS", "0")
+    assert settings_from_env().yield_to_jobs is False and ServiceSettings().yield_to_jobs is True
+    for value, want in (("false", False), ("off", False), ("true", True), (False, False)):
+        assert app.settings_from_args({"yield_to_jobs": value})[0].yield_to_jobs is want, value
 
 def test_the_cost_profile_is_kept_under_the_cache_dir_unless_told_otherwise(monkeypatch, tmp_path):
     from serving.service import ServiceSettings, settings_from_env
