@@ -338,7 +338,7 @@ def test_drafting_steps_verify_on_the_wide_threads_and_plain_steps_keep_the_deco
 
     eng = make_engine(pair)
     sampling = SamplingParams(temperature=0.0, max_tokens=12)
-    spec, plain = SpecParams(mode="speculative", gamma=3), SpecParams(mode="target")
+    spec, plain = SpecParams(mode="speculative", gamma=3, adaptive=False), SpecParams(mode="target")
     prompt = ids(eng, PROMPTS[0])
     alone = eng.generate_all(prompt, sampling, spec).token_ids
     decode_threads = torch.get_num_threads()
