@@ -44,6 +44,17 @@ def is_default_target(target: str | os.PathLike | None) -> bool:
     return target is None or str(target) in ("", "default", DEFAULT_TARGET)
 
 
+def pid_alive(pid) -> bool:
+    """Whether a process with this pid runs on this machine (one we may not signal counts as running)."""
+    try:
+        os.kill(int(pid), 0)
+    except PermissionError:
+        return True
+    except (OSError, ValueError, TypeError):
+        return False
+    return True
+
+
 def write_json_atomic(path: Path, obj) -> None:
     """Write `obj` as JSON to `path` through a temporary file and `os.replace`, so a reader never sees half
     of it (the parent folder is made); OSError when it cannot be written."""

@@ -78,6 +78,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from buffer.paths import pid_alive
+
 log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -177,14 +179,6 @@ def _is_local_host(host: str) -> bool:
         return True
     except OSError:
         return False
-
-
-def _pid_alive(pid) -> bool:
-    try:
-        os.kill(int(pid), 0)
-    except (OSError, ValueError, TypeError):
-        return False
-    return True
 
 
 def _enable_auth() -> None:
@@ -287,7 +281,7 @@ def find_cluster(data_dir: str | os.PathLike | None = None) -> RayCluster | None
     path = Path(data_dir) if data_dir else _data_dir()
     info = read_published_cluster(path)
     if info and info.get("gcs_address"):
-        if info.get("host") == socket.gethostname() and not _pid_alive(info.get("pid")):
+        if info.get("host") == socket.gethostname() and not pid_alive(info.get("pid")):
             log.info("ignoring %s: the serve process %s is gone", path / CLUSTER_FILE, info.get("pid"))
         else:
             try:
@@ -345,7 +339,7 @@ def unpublish_cluster(data_dir: str | os.PathLike | None = None) -> None:
 def serving_here(data_dir: str | os.PathLike | None = None) -> bool:
     """Whether a `draftsmith serve` that published its Ray (`publish_cluster`) runs on this machine now."""
     info = read_published_cluster(data_dir) or {}
-    return info.get("host") == socket.gethostname() and _pid_alive(info.get("pid"))
+    return info.get("host") == socket.gethostname() and pid_alive(info.get("pid"))
 
 
 def read_published_cluster(data_dir: str | os.PathLike | None = None) -> dict | None:

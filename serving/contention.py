@@ -25,6 +25,8 @@ import time
 import uuid
 from pathlib import Path
 
+from buffer.paths import cache_dir, pid_alive, write_json_atomic
+
 log = logging.getLogger(__name__)
 
 
@@ -32,8 +34,6 @@ def busy_dir() -> Path:
     """Where the markers live: `$DRAFTSMITH_BUSY_DIR`, else `<cache>/busy` (buffer/paths.py cache_dir)."""
     if os.environ.get("DRAFTSMITH_BUSY_DIR"):
         return Path(os.environ["DRAFTSMITH_BUSY_DIR"]).expanduser()
-    from buffer.paths import cache_dir
-
     return cache_dir() / "busy"
 
 
@@ -46,10 +46,7 @@ def busy(what: str, cores: int = 1, directory: Path | None = None):
     folder = Path(directory) if directory is not None else busy_dir()
     path = folder / f"{os.getpid()}-{uuid.uuid4().hex[:8]}.json"
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"pid": os.getpid(), "what": str(what), "cores": cores, "since": time.time()}))
-        tmp.replace(path)
+        write_json_atomic(path, {"pid": os.getpid(), "what": str(what), "cores": cores, "since": time.time()})
     except OSError as exc:
         log.warning("could not mark %s as busy beside serving (%s); serving will not yield to it", what, exc)
         path = None
@@ -84,16 +81,6 @@ def marks_busy(what: str):
     return wrap
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def read_busy(directory: Path | None = None) -> list[dict]:
     """The live markers of `directory` (default `busy_dir()`); markers of processes that are gone are removed,
     unreadable ones skipped."""
@@ -111,7 +98,7 @@ def read_busy(directory: Path | None = None) -> list[dict]:
             pid, cores = int(m["pid"]), int(m["cores"])
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if not _alive(pid):
+        if not pid_alive(pid):
             with contextlib.suppress(OSError):
                 os.unlink(entry.path)
             continue
