@@ -9,7 +9,8 @@ import httpx
 import pytest
 
 from serving.config import SamplingParams
-from serving.mode_choice import MAX_LABELS, MIN_OBSERVATIONS, MIN_TOKENS, WINDOW, ModeChooser
+from serving.mode_choice import (EXPLORE_FLOOR, EXPLORE_GAP, MAX_LABELS, MIN_OBSERVATIONS, MIN_TOKENS, WINDOW,
+                                 ModeChooser, explore_share)
 from tests.api_helpers import LiveServer
 from tests.serving.test_medusa_mode import _service, heads_dir, pair  # noqa: F401 - fixtures
 
@@ -67,14 +68,35 @@ def test_a_replicas_chooser_leaves_out_each_candidates_cold_first_request():
     assert ch.snapshot()["greedy"]["mjsd"] == {"tokens_per_s": 20.0, "observations": MIN_OBSERVATIONS}
 
 
-def test_an_explore_share_goes_to_the_slower_candidate():
-    ch = ModeChooser(C, explore=0.25, rng=random.Random(7))
-    feed(ch, "medusa", 30.0, MIN_OBSERVATIONS)
-    feed(ch, "mjsd", 20.0, MIN_OBSERVATIONS)
-    picks = [ch.choose(0.0) for _ in range(2000)]
+def _explored(ch: ModeChooser, n: int = 4000) -> float:
+    picks = [ch.choose(0.0) for _ in range(n)]
     explored = [m for m, why in picks if why == "explore"]
     assert all(m == "mjsd" for m in explored) and all(m == "medusa" for m, why in picks if why == "fastest")
-    assert 0.21 < len(explored) / len(picks) < 0.29
+    return len(explored) / n
+
+
+@pytest.mark.parametrize("loser, share", [(28.5, 0.25 * (1 - 0.05 / EXPLORE_GAP)),     # 5% slower: near the full share
+                                          (24.0, 0.25 * (1 - 0.2 / EXPLORE_GAP)),      # 20% slower: half of it
+                                          (15.0, 0.25 * EXPLORE_FLOOR)])               # half the speed: the floor
+def test_the_explore_share_to_the_slower_candidate_shrinks_with_its_gap(loser, share):
+    assert explore_share(0.25, loser, 30.0) == pytest.approx(share)
+    ch = ModeChooser(C, explore=0.25, rng=random.Random(7))
+    feed(ch, "medusa", 30.0, MIN_OBSERVATIONS)
+    feed(ch, "mjsd", loser, MIN_OBSERVATIONS)
+    assert share - 0.025 < _explored(ch) < share + 0.025
+
+
+def test_explore_shares_of_several_losers_follow_their_gaps():
+    # the nearest loser's share is the total, split in proportion to each loser's own share
+    ch = ModeChooser(("medusa", "mjsd", "eagle"), explore=0.2, rng=random.Random(3))
+    for mode, rate in (("medusa", 30.0), ("mjsd", 30.0 * (1 - EXPLORE_GAP / 2)), ("eagle", 10.0)):
+        feed(ch, mode, rate, MIN_OBSERVATIONS)
+    picks = [ch.choose(0.0) for _ in range(6000)]
+    counts = {m: sum(1 for p, why in picks if p == m and why == "explore") for m in ("mjsd", "eagle", "medusa")}
+    assert counts["medusa"] == 0
+    total = 0.2 * 0.5                                   # mjsd's share: half the base at half of EXPLORE_GAP
+    assert total - 0.02 < (counts["mjsd"] + counts["eagle"]) / len(picks) < total + 0.02
+    assert 0.2 < counts["eagle"] / counts["mjsd"] < 0.6     # eagle's weight 0.2 x base against mjsd's 0.5 x base
 
 
 def test_a_label_decides_by_its_own_figures_once_it_has_them():
