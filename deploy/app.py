@@ -129,7 +129,8 @@ def build(settings: ServiceSettings, replicas: int = 1, num_cpus: float | None =
         # 31 tok/s at one streaming client, measured while idle OpenMP workers slept and had to be woken every
         # pass, since fixed: serving/models.py release_openmp_threads); on a 2-core host one replica on 2
         # threads then served the traffic mix's target-only requests 17% faster and 4 streaming clients 12%
-        # faster than 1 thread (docs/benchmarks.md, "The thirty-eighth session")
+        # faster than 1 thread (docs/benchmarks.md, "The thirty-eighth session": an AMD bf16 host); on an Intel fp32
+        # host, target-only 33% and the served default 19% faster ("The thirty-ninth session")
         settings.torch_threads = share
     if settings.prefill_threads is None:
         # a prompt's prefill is one compute-bound forward: where decoding leaves cores idle it borrows them

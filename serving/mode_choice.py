@@ -28,6 +28,12 @@ assuming: `ModeChooser` is an epsilon-greedy bandit over the candidate modes on 
   thirty-eighth session's online run a flat 10% sent 104 of 1,000 requests to the draft at 18-19 tok/s against
   23-30 on the heads (docs/benchmarks.md); at that gap (about 0.7x) the share is now under 3%. A loser at half
   the speed or less is still tried about once in 50 requests.
+- A drafter that changes is measured again (`forget`): when a replica hot-swaps a promoted version of the heads or
+  of the draft, that candidate's figures are dropped everywhere and it warms up again (MIN_OBSERVATIONS requests).
+  Its old figures measured another model. On an fp32 host in the thirty-ninth session the draft won the warm-up,
+  the online loop then promoted five heads versions that raised their fixed-tree acceptance on the new traffic
+  from 0.24 to 0.47, and the heads were sent 4 requests in 1,700 s (docs/benchmarks.md). Where the swapped
+  candidate is the faster one, its re-measuring requests cost nothing.
 - Seeded requests at T > 0 are not routed (`Service.request_mode`): a seed reproduces its text only on one mode,
   so they keep the static default (config.served_mode). At T = 0 both modes emit the target's greedy text.
 
@@ -95,6 +101,7 @@ class ModeChooser:
         self._lock = threading.Lock()
         self._keys: dict[tuple[str, str], dict[str, _Arm]] = {}
         self._chosen = {"warmup": 0, "fastest": 0, "explore": 0}
+        self._forgotten = {m: 0 for m in self.candidates}    # times a candidate's figures were dropped (`forget`)
         self._cold = set(self.candidates) if discard_cold else set()    # whose first request is still to come
 
     def _arms(self, key: tuple[str, str]) -> dict[str, _Arm]:
@@ -155,11 +162,25 @@ class ModeChooser:
                 arm.total += 1
         return True
 
+    def forget(self, mode: str) -> bool:
+        """Drop `mode`'s figures in every bucket and label: its drafter changed (a promoted version was swapped
+        in), so it warms up again. False for a mode that is not a candidate."""
+        if mode not in self.candidates:
+            return False
+        with self._lock:
+            dropped = False
+            for arms in self._keys.values():
+                dropped |= bool(arms[mode].obs)
+                arms[mode].obs.clear()
+            self._forgotten[mode] += dropped        # counts the swaps that dropped figures
+        return True
+
     def snapshot(self) -> dict:
         """For /health: per bucket (and label), each candidate's tokens/s and observations, and how many requests
         were routed by warm-up, by speed and by exploration."""
         with self._lock:
-            out: dict = {"candidates": list(self.candidates), "explore": self.explore, "chosen": dict(self._chosen)}
+            out: dict = {"candidates": list(self.candidates), "explore": self.explore, "chosen": dict(self._chosen),
+                         "remeasured_after_swap": dict(self._forgotten)}
             for (bucket, label), arms in self._keys.items():
                 rates = {m: a.rate() for m, a in arms.items()}
                 figures = {m: {"tokens_per_s": None if rates[m] is None else round(rates[m], 2),

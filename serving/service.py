@@ -436,6 +436,8 @@ class Service:
             self.telemetry.inc("draft_swaps_total", result="ok")
             log.info("replica %s now serves draft version %s (swap took %.1f s)", self.s.replica_id, version,
                      time.perf_counter() - t0)
+            if self.chooser is not None:        # the served default's choice measures the new draft afresh
+                self.chooser.forget(DEFAULT_MODE)
             return version
 
     def _watch_state(self) -> dict:
@@ -567,6 +569,8 @@ class Service:
             setattr(self, error_attr, None)
             self.telemetry.inc("heads_swaps_total", kind=kind, result="ok")
             log.info("replica %s now serves %s version %s", self.s.replica_id, label, v)
+            if self.chooser is not None:        # the served default's choice measures the new heads afresh
+                self.chooser.forget(kind)       # (at the first load: nothing measured yet, nothing dropped)
             return name
 
     def check_canary(self, engine=None, *, kind: str = "draft") -> str:

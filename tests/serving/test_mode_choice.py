@@ -142,6 +142,25 @@ def test_what_is_not_counted_and_bad_settings():
         ModeChooser(C, min_observations=0)
 
 
+def test_a_forgotten_candidate_warms_up_again_and_the_other_keeps_its_figures():
+    ch = ModeChooser(C, explore=0.0)
+    feed(ch, "medusa", 10.0, MIN_OBSERVATIONS, label="sql")
+    feed(ch, "mjsd", 20.0, MIN_OBSERVATIONS, label="sql")
+    feed(ch, "medusa", 10.0, MIN_OBSERVATIONS, t=0.7)
+    assert ch.choose(0.0, "sql") == ("mjsd", "fastest")
+    assert ch.forget("medusa") and not ch.forget("target")
+    snap = ch.snapshot()
+    assert snap["remeasured_after_swap"] == {"medusa": 1, "mjsd": 0}
+    assert snap["greedy"]["medusa"] == {"tokens_per_s": None, "observations": MIN_OBSERVATIONS}   # ever observed
+    assert snap["sampled"]["medusa"]["tokens_per_s"] is None and snap["greedy"]["mjsd"]["tokens_per_s"] == 20.0
+    assert snap["labels"]["greedy"]["sql"]["medusa"]["tokens_per_s"] is None
+    # the heads get the requests until they have MIN_OBSERVATIONS new figures; faster now, they win
+    for _ in range(MIN_OBSERVATIONS):
+        assert ch.choose(0.0, "sql") == ("medusa", "warmup")
+        feed(ch, "medusa", 30.0, 1, label="sql")
+    assert ch.choose(0.0, "sql") == ("medusa", "fastest")
+
+
 def test_labels_are_bounded():
     ch = ModeChooser(C)
     for i in range(MAX_LABELS + 10):
