@@ -637,6 +637,9 @@ def cmd_distill(args) -> int:
             print(f"[distill] the served default drafts with the Medusa heads: distilling them (--kind {args.kind}; "
                   "--kind draft distills the draft)", flush=True)
         return _distill_heads(args, policy)
+    if chosen and _registry(args, "medusa").champion() is not None:
+        print("[distill] the served default drafts with the draft: distilling it (--kind draft; --kind medusa "
+              "distills the heads)", flush=True)
     schedule = None
     if args.every is not None or args.min_records is not None:
         drift = _drift_policy(args)
@@ -752,9 +755,46 @@ def _distill_priority(args) -> int:
 
 
 def _served_kind(args) -> str:
-    """The kind a request that names no mode drafts with (serving/config.py `served_mode`, mode `auto`): the
-    Medusa heads where replicas load them, i.e. when the heads registry has a champion; else the draft."""
-    return "medusa" if _registry(args, "medusa").champion() is not None else "draft"
+    """The kind a request that names no mode drafts with (serving/config.py `served_mode`, mode `auto`): without a
+    heads champion, the draft. With one, replicas that choose their drafter by measured speed (serving/mode_choice.py,
+    on by default) serve the heads or the draft, whichever is faster on their host and traffic: the kind that
+    drafted most of the buffer's newest steps is the one whose distillation reaches the traffic (deploy/heads.py
+    `drafting_kind`). On an fp32 host the draft won the choice and a loop that distilled the heads promoted five
+    versions that served 4 of 414 requests (docs/benchmarks.md, "The thirty-ninth session"). So a schedule (--every)
+    reads the buffer, waiting up to one interval for it to hold enough drafted steps; the heads when it does not,
+    when the buffer cannot be read, for a single job, and with --pipeline (a draft-only flag: an error follows)."""
+    from buffer.redis_store import BufferUnavailable
+    from deploy.heads import MIN_DRAFTED, drafting_kind
+
+    if _registry(args, "medusa").champion() is None:
+        return "draft"
+    if not args.every or args.pipeline:
+        return "medusa"
+    overrides = _read_config(args.config)
+    deadline = time.monotonic() + args.every
+    said = False
+    while True:
+        try:
+            kind, counts = drafting_kind(overrides.get("redis_url"), overrides.get("buffer_prefix", "draftsmith:buf"))
+        except Exception as e:  # noqa: BLE001 - Redis down or a bad URL: the static rule, the schedule still runs
+            why = e if isinstance(e, BufferUnavailable) else f"{type(e).__name__}: {e}"
+            print(f"[distill] cannot read the replay buffer to see which drafter serves ({why}): the Medusa heads",
+                  flush=True)
+            return "medusa"
+        if kind is not None:
+            shares = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+            print(f"[distill] drafted tokens in the buffer's newest steps: {shares}: the traffic is drafted by "
+                  f"{'the draft' if kind == 'draft' else f'the {kind} heads'}", flush=True)
+            return kind
+        if time.monotonic() >= deadline:
+            print(f"[distill] the buffer's newest steps hold {sum(counts.values())} drafted tokens after one "
+                  f"interval (needs {MIN_DRAFTED}): the Medusa heads, the static default", flush=True)
+            return "medusa"
+        if not said:
+            print(f"[distill] waiting for {MIN_DRAFTED} drafted tokens in the buffer (up to {args.every:.0f} s) "
+                  "to see which drafter the replicas serve", flush=True)
+            said = True
+        time.sleep(max(0.5, min(args.poll, deadline - time.monotonic())))
 
 
 def _distill_heads(args, policy) -> int:

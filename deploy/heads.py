@@ -473,6 +473,45 @@ def _look_at_waiting(registry: Registry, target: str | None, waiting: dict, evid
     return None, _verdict_tick(registry, version, verdict, canary_share)
 
 
+# `drafting_kind`: the newest step records it reads, and the drafted tokens among them before the traffic decides
+DRAFTING_STEPS = 2000
+MIN_DRAFTED = 200
+
+
+def drafting_kinds(records) -> collections.Counter:
+    """Drafted tokens per drafter kind in buffer step records: "medusa" / "eagle" (the heads' modes, their
+    algorithm) or "draft" (a chain mode whose draft model proposed: draft_version is not "none"); plain steps, the
+    n-gram and target-only steps count for none of them."""
+    out: collections.Counter = collections.Counter()
+    for r in records:
+        n = len(r.draft_tokens)
+        if not n or r.algorithm in ("target", "ngram"):
+            continue
+        if r.algorithm in HEADS_KINDS:
+            out[r.algorithm] += n
+        elif r.draft_version != "none":
+            out["draft"] += n
+    return out
+
+
+def drafting_kind(redis_url: str | None, buffer_prefix: str = "draftsmith:buf", *, n: int = DRAFTING_STEPS,
+                  min_drafted: int = MIN_DRAFTED) -> tuple[str | None, collections.Counter]:
+    """Which kind drafted most tokens in the buffer's newest `n` step records: (kind, counts), kind None while
+    they hold fewer than `min_drafted` drafted tokens. Replicas that choose their drafter by measured speed
+    (serving/mode_choice.py) serve what is faster on their host and traffic, so that is the kind whose
+    distillation reaches the traffic (deploy/cli.py `_served_kind`). Read-only; raises BufferUnavailable."""
+    from buffer.redis_store import BufferConfig, ReplayBufferReader, resolve_redis_url
+
+    reader = ReplayBufferReader(resolve_redis_url(redis_url), BufferConfig(prefix=buffer_prefix))
+    try:
+        counts = drafting_kinds(e.record for e in reader.newest(n, stream="steps", max_scan=n))
+    finally:
+        reader.client.close()
+    if sum(counts.values()) < min_drafted:
+        return None, counts
+    return max(sorted(counts), key=lambda k: counts[k]), counts
+
+
 def _say_skip(progress, message: str, said: str | None) -> str:
     """Report a skipped look once per reason (its numbers aside: "20 new step records" and "45 new step records"
     are one reason); returns the reason now said."""

@@ -15,7 +15,9 @@ Everything real, started as an operator would, in a data directory of its own (-
    curve that mixed the two drafters' acceptance would not say that;
 3. starts the scheduler as an operator would, `draftsmith distill --every E --min-records N`, which
    distills the kind the served default drafts with (`--kind auto`: the heads' job when they are
-   registered, else the draft's), gates and promotes by itself (and its watchdog may roll back);
+   registered, else the draft's; with --auto-choice, the kind that drafted most of the buffer's newest steps
+   by the first interval, deploy/cli.py `_served_kind`), gates and promotes by itself (and its watchdog may
+   roll back);
 4. drives --clients concurrent clients for --duration seconds with traffic the bootstrap never saw
    (scripts/online_traffic.py): phase 1 is mostly SQL requests plus a share of the earlier, known
    traffic (GSM8K / HumanEval), and at --shift-at the traffic shifts again, mostly to JSON extraction,
@@ -392,6 +394,18 @@ def _sample(s: dict | None) -> str:
     return f"{s['requests']} ({s.get('fresh') or 0})"
 
 
+def distilled_kind(distill_log: str, args) -> str:
+    """"heads" or "draft": the kind `draftsmith distill --kind auto` chose (deploy/cli.py `_served_kind`: the heads
+    where registered, unless the drafter choice served the draft: the log then says it distills the draft)."""
+    if not args.heads or "drafts with the draft: distilling it" in distill_log:
+        return "draft"
+    return "heads"
+
+
+def _heads_loop(args) -> bool:
+    return getattr(args, "distilled", "heads" if args.heads else "draft") == "heads"
+
+
 def registry_state(env: dict, args) -> tuple[list[dict], list[dict]]:
     """(every version with its kind, parent, adapter chain depth and gate figures; the registry's history)
     of the registry the served default drafts from (the heads' with --medusa-heads, else the draft's),
@@ -417,8 +431,8 @@ def registry_state(env: dict, args) -> tuple[list[dict], list[dict]]:
             " 'gate_sample': sample(v), 'job': {k: v.metrics.get(k) for k in JOB_FIGURES}}"
             " for v in vs.values()]))\n"
             "print(json.dumps(r.history()))\n")
-    res = subprocess.run([sys.executable, "-c", code, args.target or "", "1" if args.heads else ""], env=env, cwd=ROOT,
-                         capture_output=True, text=True)
+    res = subprocess.run([sys.executable, "-c", code, args.target or "", "1" if _heads_loop(args) else ""], env=env,
+                         cwd=ROOT, capture_output=True, text=True)
     if res.returncode != 0:
         log(f"could not read the registry: {res.stderr.strip()[-300:]}")
         return [], []
@@ -436,7 +450,7 @@ def evaluate_versions(env: dict, args, events: list[tuple[float, str]], out: Pat
     names = list(dict.fromkeys(["1", at_shift, "champion"]))
     cats = [c for c in CATEGORIES if c in args.phase1 or c in args.phase2]
     cmd = [sys.executable, str(ROOT / "scripts" / "eval_versions.py"), "--data", env["DRAFTSMITH_DATA"],
-           "--kind", "medusa" if args.heads else "draft", "--versions", ",".join(names), "--categories", ",".join(cats),
+           "--kind", "medusa" if _heads_loop(args) else "draft", "--versions", ",".join(names), "--categories", ",".join(cats),
            "--prompts", str(args.eval_prompts), "--out", str(out / "version-eval.json")]
     if args.target:
         cmd += ["--target", args.target]
@@ -519,6 +533,8 @@ def write_summary(out: Path, records: list[dict], errors: list[dict], events, ve
              f"phase 1 mix {args.phase1}, phase 2 mix {args.phase2}; scheduler: "
              f"`draftsmith distill {' '.join(args.distill_args)}`; drafting with "
              + (f"the Medusa heads ({args.heads})" if args.heads else f"the draft ({args.draft})")
+             + (f" (the replicas choose heads or draft by measured speed; the loop distilled the {args.distilled})"
+                if getattr(args, "auto_choice", False) and getattr(args, "distilled", None) else "")
              + ". Acceptance = accepted / proposed draft tokens.",
              "", f"requests: {len(records)}, failed: {len(errors)}, max adapter chain depth: {max_depth}", "",
              "| draft version | category | requests | acceptance | tokens/s per request | drafted per request "
@@ -687,6 +703,8 @@ def resummarize(out: Path) -> int:
     args = _run_args(old)
     args.heads = old["args"].get("heads")
     args.draft = old["args"].get("draft")
+    if old["args"].get("distilled"):
+        args.distilled = old["args"]["distilled"]
     records = [json.loads(line) for line in (out / "responses.jsonl").read_text().splitlines()]
     events = [tuple(e) for e in old["events"]]
     write_summary(out, records, old["errors"], events, old["versions"], args, wall=old["wall"], jobs=old.get("jobs"),
@@ -853,6 +871,7 @@ def main(argv=None) -> int:
     watch.stop.set()
     watch.poll()
     jobs = watch.intervals(traffic.t0, time.time())
+    args.distilled = distilled_kind(distill_log.read_text(errors="replace"), args)
     versions, history = registry_state(env, args)
     events = registry_events(history, traffic.t0)
     version_eval = evaluate_versions(env, args, events, out) if args.eval_prompts > 0 else None

@@ -125,6 +125,37 @@ def test_replica_hot_swaps_registered_heads_under_load_and_refuses_a_corrupt_ver
         svc.close()
 
 
+def test_a_swapped_in_heads_version_is_measured_afresh_by_the_default_modes_choice(regs, pair, target_model,
+                                                                                   tmp_path):
+    # serving/mode_choice.py `forget`: figures of the heads measured on the old version are dropped on a swap,
+    # the draft's are kept, and the heads warm up again
+    from serving.mode_choice import MIN_OBSERVATIONS
+
+    _, heads = regs
+    v1 = heads.register(make_heads(target_model, tmp_path / "h1", seed=1))
+    v2 = heads.register(make_heads(target_model, tmp_path / "h2", seed=2))
+    heads.promote(v1)
+    engine = Engine.from_paths(str(pair[0]), str(pair[1]), dtype=torch.float32, draft_version="d1")
+    svc = Service(ServiceSettings(target=str(pair[0]), buffer=False, watch_interval_s=3600), engine=engine,
+                  heads_source=heads)
+    try:
+        assert svc.chooser is not None and svc.check_heads() == f"medusa-v{v1}"
+        for mode, rate in (("medusa", 5.0), ("mjsd", 10.0)):
+            assert not svc.chooser.observe(mode, 0.0, "sql", 32, 1.0)      # a replica's cold first request
+            for _ in range(MIN_OBSERVATIONS):
+                assert svc.chooser.observe(mode, 0.0, "sql", 32, 32 / rate)
+        assert svc.chooser.choose(0.0, "sql")[0] == "mjsd" or svc.chooser.explore
+        heads.promote(v2)
+        assert svc.check_heads() == f"medusa-v{v2}"
+        snap = svc.health()[1]["auto_choice"]
+        assert snap["greedy"]["medusa"]["tokens_per_s"] is None and snap["greedy"]["mjsd"]["tokens_per_s"] == 10.0
+        assert snap["labels"]["greedy"]["sql"]["medusa"]["tokens_per_s"] is None
+        assert snap["remeasured_after_swap"] == {"medusa": 1, "mjsd": 0}
+        assert [svc.chooser.choose(0.0, "sql") for _ in range(2)] == [("medusa", "warmup")] * 2
+    finally:
+        svc.close()
+
+
 def test_heads_pinned_to_another_target_are_refused(regs, pair, target_model, tmp_path):
     _, heads = regs
     v1 = heads.register_heads(make_heads(target_model, tmp_path / "h1", seed=1), target_sha256="f" * 64)
@@ -323,6 +354,70 @@ def test_distill_by_default_distills_the_kind_the_served_default_drafts_with(reg
     assert "schedules by time" in capsys.readouterr().err
     assert main(["distill", "--kind", "draft", "--every", "1m", "--drift", *base]) == 2
     assert "no champion draft" in capsys.readouterr().err
+
+
+def _steps(n: int, algorithm: str, version: str, gamma: int = 3):
+    from tests.buffer.test_buffer_redis import make_step
+
+    out = []
+    for i in range(n):
+        r = make_step(i, request_id=f"{algorithm}-{i}", draft_version=version, gamma=gamma)
+        r.algorithm = algorithm
+        out.append(r)
+    return out
+
+
+def test_drafting_kinds_count_drafted_tokens_by_the_drafter_that_proposed_them():
+    from deploy.heads import drafting_kinds
+
+    plain = _steps(2, "target", "none", gamma=0) + _steps(3, "ngram", "none") + _steps(4, "mjsd", "none")
+    counts = drafting_kinds(_steps(5, "medusa", "medusa-v2") + _steps(2, "eagle", "eagle-v1", gamma=2)
+                            + _steps(4, "mjsd", "3") + _steps(1, "speculative", "3", gamma=4) + plain)
+    assert counts == {"medusa": 15, "eagle": 4, "draft": 16}
+
+
+def test_distill_on_a_schedule_distills_the_kind_that_drafts_the_traffic(regs, pair, target_model, tmp_path,
+                                                                         redis_url, capsys):
+    """deploy/cli.py `_served_kind`: with a heads champion, `distill --every` reads the buffer's newest steps: the
+    draft when it drafted most of them (the replicas chose it), the heads when they did; an empty buffer waits up
+    to one interval and then takes the heads; a single job and --pipeline never read it."""
+    from buffer.redis_store import BufferConfig, ReplayBufferWriter
+    from deploy import cli
+    from deploy.heads import MIN_DRAFTED, drafting_kind
+
+    _, heads = regs
+    heads.promote(heads.register(make_heads(target_model, tmp_path / "h1", seed=1)))
+    prefix = f"{PREFIX}:kind:{time.time_ns()}"
+    cfg = tmp_path / "distill.yaml"
+    cfg.write_text(f"redis_url: {redis_url}\nbuffer_prefix: {prefix}\n")
+    base = ["distill", "--target", str(pair[0]), "--tracking-uri", heads.tracking_uri, "--config", str(cfg)]
+    parse = cli.build_parser().parse_args
+    try:
+        t0 = time.monotonic()
+        assert cli._served_kind(parse([*base, "--every", "1s", "--poll", "1s"])) == "medusa"   # nothing drafted yet
+        assert time.monotonic() - t0 >= 0.9 and "after one interval" in capsys.readouterr().out
+        n = MIN_DRAFTED // 3 + 1
+        with ReplayBufferWriter(redis_url, BufferConfig(prefix=prefix)) as w:
+            for r in _steps(n, "medusa", "medusa-v1") + _steps(2 * n, "mjsd", "1"):
+                w.push_step(r)
+            w.flush()
+        assert drafting_kind(redis_url, prefix)[0] == "draft"
+        assert cli._served_kind(parse([*base, "--every", "1m"])) == "draft"
+        out = capsys.readouterr().out
+        assert f"draft {6 * n}, medusa {3 * n}" in out and "drafted by the draft" in out
+        assert cli._served_kind(parse(base)) == "medusa"                          # a single job: the registry's rule
+        assert cli._served_kind(parse([*base, "--every", "1m", "--pipeline"])) == "medusa"
+        with ReplayBufferWriter(redis_url, BufferConfig(prefix=prefix)) as w:    # the heads now draft the newest
+            for r in _steps(4 * n, "medusa", "medusa-v2"):
+                w.push_step(r)
+            w.flush()
+        assert cli._served_kind(parse([*base, "--every", "1m"])) == "medusa"
+        bad = tmp_path / "bad.yaml"                                               # an unreachable buffer: the heads
+        bad.write_text(f"redis_url: redis://127.0.0.1:1/0\nbuffer_prefix: {prefix}\n")
+        args = parse([*base[:-1], str(bad), "--every", "1m"])
+        assert cli._served_kind(args) == "medusa" and "cannot read the replay buffer" in capsys.readouterr().out
+    finally:
+        drop_prefix(redis_url, prefix)
 
 
 def test_heads_schedule_runs_a_job_then_waits_for_new_records(regs, pair, target_model, tmp_path, redis_url):
