@@ -760,11 +760,11 @@ def _served_kind(args) -> str:
     on by default) serve the heads or the draft, whichever is faster on their host and traffic: the kind that
     drafted most of the buffer's newest steps is the one whose distillation reaches the traffic (deploy/heads.py
     `drafting_kind`). On an fp32 host the draft won the choice and a loop that distilled the heads promoted five
-    versions that served 4 of 414 requests (docs/benchmarks.md, "The thirty-ninth session"). So a schedule (--every)
-    reads the buffer, waiting up to one interval for it to hold enough drafted steps; the heads when it does not,
+    versions that served 9 of 414 requests (docs/benchmarks.md, "The thirty-ninth session"). So a schedule (--every)
+    reads the buffer, waiting up to one interval for it to hold enough served requests; the heads when it does not,
     when the buffer cannot be read, for a single job, and with --pipeline (a draft-only flag: an error follows)."""
     from buffer.redis_store import BufferUnavailable
-    from deploy.heads import MIN_DRAFTED, drafting_kind
+    from deploy.heads import MIN_SERVED_TOKENS, drafting_kind
 
     if _registry(args, "medusa").champion() is None:
         return "draft"
@@ -783,16 +783,17 @@ def _served_kind(args) -> str:
             return "medusa"
         if kind is not None:
             shares = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
-            print(f"[distill] drafted tokens in the buffer's newest steps: {shares}: the traffic is drafted by "
-                  f"{'the draft' if kind == 'draft' else f'the {kind} heads'}", flush=True)
+            print(f"[distill] answer tokens of the buffer's newest requests by drafter: {shares}: the traffic is "
+                  f"drafted by {'the draft' if kind == 'draft' else f'the {kind} heads'}", flush=True)
             return kind
         if time.monotonic() >= deadline:
-            print(f"[distill] the buffer's newest steps hold {sum(counts.values())} drafted tokens after one "
-                  f"interval (needs {MIN_DRAFTED}): the Medusa heads, the static default", flush=True)
+            print(f"[distill] the buffer's newest requests hold {sum(counts.values())} answer tokens served with a "
+                  f"drafter after one interval (needs {MIN_SERVED_TOKENS}): the Medusa heads, the static default",
+                  flush=True)
             return "medusa"
         if not said:
-            print(f"[distill] waiting for {MIN_DRAFTED} drafted tokens in the buffer (up to {args.every:.0f} s) "
-                  "to see which drafter the replicas serve", flush=True)
+            print(f"[distill] waiting for {MIN_SERVED_TOKENS} answer tokens served with a drafter in the buffer (up "
+                  f"to {args.every:.0f} s) to see which drafter the replicas serve", flush=True)
             said = True
         time.sleep(max(0.5, min(args.poll, deadline - time.monotonic())))
 

@@ -473,41 +473,49 @@ def _look_at_waiting(registry: Registry, target: str | None, waiting: dict, evid
     return None, _verdict_tick(registry, version, verdict, canary_share)
 
 
-# `drafting_kind`: the newest step records it reads, and the drafted tokens among them before the traffic decides
-DRAFTING_STEPS = 2000
-MIN_DRAFTED = 200
+# `drafting_kind`: the newest requests it reads, and the answer tokens among them before the traffic decides
+DRAFTING_REQUESTS = 200
+MIN_SERVED_TOKENS = 500
 
 
-def drafting_kinds(records) -> collections.Counter:
-    """Drafted tokens per drafter kind in buffer step records: "medusa" / "eagle" (the heads' modes, their
-    algorithm) or "draft" (a chain mode whose draft model proposed: draft_version is not "none"); plain steps, the
-    n-gram and target-only steps count for none of them."""
+def kind_of_version(version: str) -> str | None:
+    """The drafter kind a request's draft version names (buffer SequenceRecord.draft_version, what serving
+    records): "medusa" / "eagle" for the heads ("medusa-v3", "medusa:<folder>"), None for a request served
+    without a drafter ("none", ""), else "draft"."""
+    if not version or version == "none":
+        return None
+    for kind in HEADS_KINDS:
+        if version.startswith((f"{kind}-", f"{kind}:")):
+            return kind
+    return "draft"
+
+
+def drafting_kinds(sequences) -> collections.Counter:
+    """Answer tokens per drafter kind over buffer SequenceRecords (`kind_of_version` of each request's draft
+    version); requests served without a drafter count for none."""
     out: collections.Counter = collections.Counter()
-    for r in records:
-        n = len(r.draft_tokens)
-        if not n or r.algorithm in ("target", "ngram"):
-            continue
-        if r.algorithm in HEADS_KINDS:
-            out[r.algorithm] += n
-        elif r.draft_version != "none":
-            out["draft"] += n
+    for r in sequences:
+        kind = kind_of_version(r.draft_version)
+        if kind is not None:
+            out[kind] += max(0, int(r.token_ids.shape[0]) - int(r.prompt_len))
     return out
 
 
-def drafting_kind(redis_url: str | None, buffer_prefix: str = "draftsmith:buf", *, n: int = DRAFTING_STEPS,
-                  min_drafted: int = MIN_DRAFTED) -> tuple[str | None, collections.Counter]:
-    """Which kind drafted most tokens in the buffer's newest `n` step records: (kind, counts), kind None while
-    they hold fewer than `min_drafted` drafted tokens. Replicas that choose their drafter by measured speed
-    (serving/mode_choice.py) serve what is faster on their host and traffic, so that is the kind whose
-    distillation reaches the traffic (deploy/cli.py `_served_kind`). Read-only; raises BufferUnavailable."""
+def drafting_kind(redis_url: str | None, buffer_prefix: str = "draftsmith:buf", *, n: int = DRAFTING_REQUESTS,
+                  min_tokens: int = MIN_SERVED_TOKENS) -> tuple[str | None, collections.Counter]:
+    """Which drafter served most answer tokens of the buffer's newest `n` requests: (kind, counts), kind None while
+    they hold fewer than `min_tokens`. Replicas that choose their drafter by measured speed (serving/mode_choice.py)
+    serve what is faster on their host and traffic, so that is the kind whose distillation reaches the traffic
+    (deploy/cli.py `_served_kind`). Requests, not drafted tokens: a request on the draft that proposed little (a
+    cold controller, new traffic) was still routed to it. Read-only; raises BufferUnavailable."""
     from buffer.redis_store import BufferConfig, ReplayBufferReader, resolve_redis_url
 
     reader = ReplayBufferReader(resolve_redis_url(redis_url), BufferConfig(prefix=buffer_prefix))
     try:
-        counts = drafting_kinds(e.record for e in reader.newest(n, stream="steps", max_scan=n))
+        counts = drafting_kinds(e.record for e in reader.newest(n, stream="sequences", max_scan=n))
     finally:
         reader.client.close()
-    if sum(counts.values()) < min_drafted:
+    if sum(counts.values()) < min_tokens:
         return None, counts
     return max(sorted(counts), key=lambda k: counts[k]), counts
 

@@ -8,6 +8,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -356,34 +357,32 @@ def test_distill_by_default_distills_the_kind_the_served_default_drafts_with(reg
     assert "no champion draft" in capsys.readouterr().err
 
 
-def _steps(n: int, algorithm: str, version: str, gamma: int = 3):
-    from tests.buffer.test_buffer_redis import make_step
+def _requests(n: int, version: str, answer: int = 20):
+    from buffer.records import SequenceRecord
 
-    out = []
-    for i in range(n):
-        r = make_step(i, request_id=f"{algorithm}-{i}", draft_version=version, gamma=gamma)
-        r.algorithm = algorithm
-        out.append(r)
-    return out
+    return [SequenceRecord(f"{version}-{i}-{time.time_ns()}", np.arange(12 + answer), 12, version,
+                           timestamp=time.time(), source="unit") for i in range(n)]
 
 
-def test_drafting_kinds_count_drafted_tokens_by_the_drafter_that_proposed_them():
-    from deploy.heads import drafting_kinds
+def test_drafting_kinds_count_answer_tokens_by_the_drafter_that_served_each_request():
+    from deploy.heads import drafting_kinds, kind_of_version
 
-    plain = _steps(2, "target", "none", gamma=0) + _steps(3, "ngram", "none") + _steps(4, "mjsd", "none")
-    counts = drafting_kinds(_steps(5, "medusa", "medusa-v2") + _steps(2, "eagle", "eagle-v1", gamma=2)
-                            + _steps(4, "mjsd", "3") + _steps(1, "speculative", "3", gamma=4) + plain)
-    assert counts == {"medusa": 15, "eagle": 4, "draft": 16}
+    assert [kind_of_version(v) for v in ("medusa-v3", "medusa:/x", "eagle-v1", "3", "none", "")] == \
+        ["medusa", "medusa", "eagle", "draft", None, None]
+    counts = drafting_kinds(_requests(5, "medusa-v2") + _requests(2, "eagle-v1", answer=3) + _requests(4, "3")
+                            + _requests(3, "none"))
+    assert counts == {"medusa": 100, "eagle": 6, "draft": 80}
 
 
 def test_distill_on_a_schedule_distills_the_kind_that_drafts_the_traffic(regs, pair, target_model, tmp_path,
                                                                          redis_url, capsys):
-    """deploy/cli.py `_served_kind`: with a heads champion, `distill --every` reads the buffer's newest steps: the
-    draft when it drafted most of them (the replicas chose it), the heads when they did; an empty buffer waits up
-    to one interval and then takes the heads; a single job and --pipeline never read it."""
+    """deploy/cli.py `_served_kind`: with a heads champion, `distill --every` reads the buffer's newest requests:
+    the draft when it served most of them (the replicas chose it), the heads when they did; an empty buffer waits
+    up to one interval and then takes the heads; a single job and --pipeline never read it; an unreachable
+    buffer takes the heads."""
     from buffer.redis_store import BufferConfig, ReplayBufferWriter
     from deploy import cli
-    from deploy.heads import MIN_DRAFTED, drafting_kind
+    from deploy.heads import MIN_SERVED_TOKENS, drafting_kind
 
     _, heads = regs
     heads.promote(heads.register(make_heads(target_model, tmp_path / "h1", seed=1)))
@@ -392,30 +391,31 @@ def test_distill_on_a_schedule_distills_the_kind_that_drafts_the_traffic(regs, p
     cfg.write_text(f"redis_url: {redis_url}\nbuffer_prefix: {prefix}\n")
     base = ["distill", "--target", str(pair[0]), "--tracking-uri", heads.tracking_uri, "--config", str(cfg)]
     parse = cli.build_parser().parse_args
+
+    def push(records):
+        with ReplayBufferWriter(redis_url, BufferConfig(prefix=prefix)) as w:
+            for r in records:
+                w.push_sequence(r)
+            w.flush()
+
     try:
         t0 = time.monotonic()
-        assert cli._served_kind(parse([*base, "--every", "1s", "--poll", "1s"])) == "medusa"   # nothing drafted yet
+        assert cli._served_kind(parse([*base, "--every", "1s", "--poll", "1s"])) == "medusa"   # nothing served yet
         assert time.monotonic() - t0 >= 0.9 and "after one interval" in capsys.readouterr().out
-        n = MIN_DRAFTED // 3 + 1
-        with ReplayBufferWriter(redis_url, BufferConfig(prefix=prefix)) as w:
-            for r in _steps(n, "medusa", "medusa-v1") + _steps(2 * n, "mjsd", "1"):
-                w.push_step(r)
-            w.flush()
+        n = MIN_SERVED_TOKENS // 60 + 1
+        push(_requests(n, "medusa-v1") + _requests(2 * n, "1") + _requests(5, "none"))
         assert drafting_kind(redis_url, prefix)[0] == "draft"
         assert cli._served_kind(parse([*base, "--every", "1m"])) == "draft"
         out = capsys.readouterr().out
-        assert f"draft {6 * n}, medusa {3 * n}" in out and "drafted by the draft" in out
+        assert f"draft {40 * n}, medusa {20 * n}" in out and "drafted by the draft" in out
         assert cli._served_kind(parse(base)) == "medusa"                          # a single job: the registry's rule
         assert cli._served_kind(parse([*base, "--every", "1m", "--pipeline"])) == "medusa"
-        with ReplayBufferWriter(redis_url, BufferConfig(prefix=prefix)) as w:    # the heads now draft the newest
-            for r in _steps(4 * n, "medusa", "medusa-v2"):
-                w.push_step(r)
-            w.flush()
+        push(_requests(4 * n, "medusa-v2"))                                       # the heads now serve the newest
         assert cli._served_kind(parse([*base, "--every", "1m"])) == "medusa"
         bad = tmp_path / "bad.yaml"                                               # an unreachable buffer: the heads
         bad.write_text(f"redis_url: redis://127.0.0.1:1/0\nbuffer_prefix: {prefix}\n")
-        args = parse([*base[:-1], str(bad), "--every", "1m"])
-        assert cli._served_kind(args) == "medusa" and "cannot read the replay buffer" in capsys.readouterr().out
+        assert cli._served_kind(parse([*base[:-1], str(bad), "--every", "1m"])) == "medusa"
+        assert "cannot read the replay buffer" in capsys.readouterr().out
     finally:
         drop_prefix(redis_url, prefix)
 
