@@ -761,10 +761,12 @@ def _served_kind(args) -> str:
     drafted most of the buffer's newest steps is the one whose distillation reaches the traffic (deploy/heads.py
     `drafting_kind`). On an fp32 host the draft won the choice and a loop that distilled the heads promoted five
     versions that served 9 of 414 requests (docs/benchmarks.md, "The thirty-ninth session"). So a schedule (--every)
-    reads the buffer, waiting up to one interval for it to hold enough served requests; the heads when it does not,
+    reads the buffer: it decides early where one kind served CLEAR_SHARE of enough answer tokens, else by the
+    majority at the end of one interval (the choice's warm-up alternates the two kinds); the heads when the
+    buffer holds too few then,
     when the buffer cannot be read, for a single job, and with --pipeline (a draft-only flag: an error follows)."""
     from buffer.redis_store import BufferUnavailable
-    from deploy.heads import MIN_SERVED_TOKENS, drafting_kind
+    from deploy.heads import CLEAR_SHARE, MIN_SERVED_TOKENS, drafting_kind
 
     if _registry(args, "medusa").champion() is None:
         return "draft"
@@ -775,7 +777,9 @@ def _served_kind(args) -> str:
     said = False
     while True:
         try:
-            kind, counts = drafting_kind(overrides.get("redis_url"), overrides.get("buffer_prefix", "draftsmith:buf"))
+            last = time.monotonic() >= deadline
+            kind, counts = drafting_kind(overrides.get("redis_url"), overrides.get("buffer_prefix", "draftsmith:buf"),
+                                         share=0.0 if last else CLEAR_SHARE)
         except Exception as e:  # noqa: BLE001 - Redis down or a bad URL: the static rule, the schedule still runs
             why = e if isinstance(e, BufferUnavailable) else f"{type(e).__name__}: {e}"
             print(f"[distill] cannot read the replay buffer to see which drafter serves ({why}): the Medusa heads",
@@ -786,16 +790,17 @@ def _served_kind(args) -> str:
             print(f"[distill] answer tokens of the buffer's newest requests by drafter: {shares}: the traffic is "
                   f"drafted by {'the draft' if kind == 'draft' else f'the {kind} heads'}", flush=True)
             return kind
-        if time.monotonic() >= deadline:
+        if last:
             print(f"[distill] the buffer's newest requests hold {sum(counts.values())} answer tokens served with a "
                   f"drafter after one interval (needs {MIN_SERVED_TOKENS}): the Medusa heads, the static default",
                   flush=True)
             return "medusa"
         if not said:
-            print(f"[distill] waiting for {MIN_SERVED_TOKENS} answer tokens served with a drafter in the buffer (up "
-                  f"to {args.every:.0f} s) to see which drafter the replicas serve", flush=True)
+            print(f"[distill] waiting up to {args.every:.0f} s to see which drafter the replicas serve (answer tokens "
+                  f"of the buffer's newest requests, {CLEAR_SHARE:.0%} of at least {MIN_SERVED_TOKENS} to decide "
+                  "sooner)", flush=True)
             said = True
-        time.sleep(max(0.5, min(args.poll, deadline - time.monotonic())))
+        time.sleep(max(0.05, min(args.poll, deadline - time.monotonic())))
 
 
 def _distill_heads(args, policy) -> int:

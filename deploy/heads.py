@@ -476,6 +476,7 @@ def _look_at_waiting(registry: Registry, target: str | None, waiting: dict, evid
 # `drafting_kind`: the newest requests it reads, and the answer tokens among them before the traffic decides
 DRAFTING_REQUESTS = 200
 MIN_SERVED_TOKENS = 500
+CLEAR_SHARE = 0.75      # a share that decides before the wait ends (a choice still warming up splits about evenly)
 
 
 def kind_of_version(version: str) -> str | None:
@@ -502,9 +503,10 @@ def drafting_kinds(sequences) -> collections.Counter:
 
 
 def drafting_kind(redis_url: str | None, buffer_prefix: str = "draftsmith:buf", *, n: int = DRAFTING_REQUESTS,
-                  min_tokens: int = MIN_SERVED_TOKENS) -> tuple[str | None, collections.Counter]:
+                  min_tokens: int = MIN_SERVED_TOKENS, share: float = 0.0) -> tuple[str | None, collections.Counter]:
     """Which drafter served most answer tokens of the buffer's newest `n` requests: (kind, counts), kind None while
-    they hold fewer than `min_tokens`. Replicas that choose their drafter by measured speed (serving/mode_choice.py)
+    they hold fewer than `min_tokens` or while no kind holds `share` of them (the caller's early decision waits for
+    a clear majority: the drafter choice's warm-up alternates the two). Replicas that choose their drafter by measured speed (serving/mode_choice.py)
     serve what is faster on their host and traffic, so that is the kind whose distillation reaches the traffic
     (deploy/cli.py `_served_kind`). Requests, not drafted tokens: a request on the draft that proposed little (a
     cold controller, new traffic) was still routed to it. Read-only; raises BufferUnavailable."""
@@ -515,9 +517,11 @@ def drafting_kind(redis_url: str | None, buffer_prefix: str = "draftsmith:buf", 
         counts = drafting_kinds(e.record for e in reader.newest(n, stream="sequences", max_scan=n))
     finally:
         reader.client.close()
-    if sum(counts.values()) < min_tokens:
+    total = sum(counts.values())
+    if total < min_tokens:
         return None, counts
-    return max(sorted(counts), key=lambda k: counts[k]), counts
+    kind = max(sorted(counts), key=lambda k: counts[k])
+    return (kind if counts[kind] >= share * total else None), counts
 
 
 def _say_skip(progress, message: str, said: str | None) -> str:

@@ -377,12 +377,12 @@ def test_drafting_kinds_count_answer_tokens_by_the_drafter_that_served_each_requ
 def test_distill_on_a_schedule_distills_the_kind_that_drafts_the_traffic(regs, pair, target_model, tmp_path,
                                                                          redis_url, capsys):
     """deploy/cli.py `_served_kind`: with a heads champion, `distill --every` reads the buffer's newest requests:
-    the draft when it served most of them (the replicas chose it), the heads when they did; an empty buffer waits
-    up to one interval and then takes the heads; a single job and --pipeline never read it; an unreachable
-    buffer takes the heads."""
+    the draft when it served most of them (the replicas chose it), the heads when they did; a clear majority
+    decides at once, an even split by the majority when the interval ends, an empty buffer then takes the heads;
+    a single job and --pipeline never read it; an unreachable buffer takes the heads."""
     from buffer.redis_store import BufferConfig, ReplayBufferWriter
     from deploy import cli
-    from deploy.heads import MIN_SERVED_TOKENS, drafting_kind
+    from deploy.heads import CLEAR_SHARE, MIN_SERVED_TOKENS, drafting_kind
 
     _, heads = regs
     heads.promote(heads.register(make_heads(target_model, tmp_path / "h1", seed=1)))
@@ -402,15 +402,23 @@ def test_distill_on_a_schedule_distills_the_kind_that_drafts_the_traffic(regs, p
         t0 = time.monotonic()
         assert cli._served_kind(parse([*base, "--every", "1s", "--poll", "1s"])) == "medusa"   # nothing served yet
         assert time.monotonic() - t0 >= 0.9 and "after one interval" in capsys.readouterr().out
-        n = MIN_SERVED_TOKENS // 60 + 1
-        push(_requests(n, "medusa-v1") + _requests(2 * n, "1") + _requests(5, "none"))
+        n = MIN_SERVED_TOKENS // 40 + 1
+        # the choice's warm-up: about even, no clear majority yet; the majority decides once the interval ends
+        push(_requests(n, "medusa-v1") + _requests(n + 1, "1") + _requests(5, "none"))
         assert drafting_kind(redis_url, prefix)[0] == "draft"
-        assert cli._served_kind(parse([*base, "--every", "1m"])) == "draft"
+        assert drafting_kind(redis_url, prefix, share=CLEAR_SHARE)[0] is None
+        t0 = time.monotonic()
+        assert cli._served_kind(parse([*base, "--every", "1s", "--poll", "1s"])) == "draft"
+        assert time.monotonic() - t0 >= 0.9
+        # then the draft takes most requests: a clear majority decides at once
+        push(_requests(6 * n, "1"))
+        t0 = time.monotonic()
+        assert cli._served_kind(parse([*base, "--every", "1m"])) == "draft" and time.monotonic() - t0 < 30
         out = capsys.readouterr().out
-        assert f"draft {40 * n}, medusa {20 * n}" in out and "drafted by the draft" in out
+        assert f"draft {20 * (7 * n + 1)}, medusa {20 * n}" in out and "drafted by the draft" in out
         assert cli._served_kind(parse(base)) == "medusa"                          # a single job: the registry's rule
         assert cli._served_kind(parse([*base, "--every", "1m", "--pipeline"])) == "medusa"
-        push(_requests(4 * n, "medusa-v2"))                                       # the heads now serve the newest
+        push(_requests(40 * n, "medusa-v2"))                                      # the heads now serve the newest
         assert cli._served_kind(parse([*base, "--every", "1m"])) == "medusa"
         bad = tmp_path / "bad.yaml"                                               # an unreachable buffer: the heads
         bad.write_text(f"redis_url: redis://127.0.0.1:1/0\nbuffer_prefix: {prefix}\n")
