@@ -15,8 +15,8 @@ Everything real, started as an operator would, in a data directory of its own (-
    curve that mixed the two drafters' acceptance would not say that;
 3. starts the scheduler as an operator would, `draftsmith distill --every E --min-records N`, which
    distills the kind the served default drafts with (`--kind auto`: the heads' job when they are
-   registered, else the draft's; with --auto-choice, the kind that drafted most of the buffer's newest steps
-   by the first interval, deploy/cli.py `_served_kind`), gates and promotes by itself (and its watchdog may
+   registered, else the draft's; with --auto-choice, the kind that served most of the buffer's newest
+   requests by the first interval, deploy/cli.py `_served_kind`), gates and promotes by itself (and its watchdog may
    roll back);
 4. drives --clients concurrent clients for --duration seconds with traffic the bootstrap never saw
    (scripts/online_traffic.py): phase 1 is mostly SQL requests plus a share of the earlier, known
