@@ -739,7 +739,8 @@ def rescore(out_md: Path, runs: list[Path]) -> int:
         speed = (tg.get("tokens_per_s_ratio") or 0) >= 1.2
         forget = tg.get("earlier_category_drop_worst") is not None and tg["earlier_category_drop_worst"] <= 0.03
         ok = not old.get("failed_requests") and speed and forget
-        kind = "heads" if old["args"].get("heads") and not old["args"].get("no_heads") else "draft"
+        kind = old["args"].get("distilled") or ("heads" if old["args"].get("heads") and not old["args"].get("no_heads")
+                                                else "draft")
         rows.append({"run": run.name, "kind": kind, "requests": len(records), "failed": old.get("failed_requests"),
                      "new_category_requests": len([r for r in records if r["category"] == tg.get("new_category")]),
                      "gain_300s": tg.get("acceptance_gain_late"), "gain_rolling": tg.get("acceptance_gain_rolling"),
