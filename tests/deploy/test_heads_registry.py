@@ -85,8 +85,8 @@ def _served_ok(engine, prompt, n=16):
     return res
 
 
-def test_replica_hot_swaps_registered_heads_under_load_and_refuses_a_corrupt_version(regs, pair, target_model,
-                                                                                      tmp_path):
+def _replica_on_two_heads_versions(regs, pair, target_model, tmp_path):
+    """Two registered heads versions, v1 champion, and a replica (draft and heads source) that has not loaded them."""
     _, heads = regs
     v1 = heads.register(make_heads(target_model, tmp_path / "h1", seed=1))
     v2 = heads.register(make_heads(target_model, tmp_path / "h2", seed=2))
@@ -94,6 +94,12 @@ def test_replica_hot_swaps_registered_heads_under_load_and_refuses_a_corrupt_ver
     engine = Engine.from_paths(str(pair[0]), str(pair[1]), dtype=torch.float32, draft_version="d1")
     svc = Service(ServiceSettings(target=str(pair[0]), buffer=False, watch_interval_s=3600), engine=engine,
                   heads_source=heads)
+    return heads, v1, v2, engine, svc
+
+
+def test_replica_hot_swaps_registered_heads_under_load_and_refuses_a_corrupt_version(regs, pair, target_model,
+                                                                                      tmp_path):
+    heads, v1, v2, engine, svc = _replica_on_two_heads_versions(regs, pair, target_model, tmp_path)
     try:
         assert svc.check_heads() == f"medusa-v{v1}" and engine.heads_version == f"medusa-v{v1}"
         prompt = engine.tokenizer("the cat sat on the mat")["input_ids"]
@@ -132,13 +138,7 @@ def test_a_swapped_in_heads_version_is_measured_afresh_by_the_default_modes_choi
     # the draft's are kept, and the heads warm up again
     from serving.mode_choice import MIN_OBSERVATIONS
 
-    _, heads = regs
-    v1 = heads.register(make_heads(target_model, tmp_path / "h1", seed=1))
-    v2 = heads.register(make_heads(target_model, tmp_path / "h2", seed=2))
-    heads.promote(v1)
-    engine = Engine.from_paths(str(pair[0]), str(pair[1]), dtype=torch.float32, draft_version="d1")
-    svc = Service(ServiceSettings(target=str(pair[0]), buffer=False, watch_interval_s=3600), engine=engine,
-                  heads_source=heads)
+    heads, v1, v2, engine, svc = _replica_on_two_heads_versions(regs, pair, target_model, tmp_path)
     try:
         assert svc.chooser is not None and svc.check_heads() == f"medusa-v{v1}"
         for mode, rate in (("medusa", 5.0), ("mjsd", 10.0)):
