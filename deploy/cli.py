@@ -607,11 +607,6 @@ def _pending_records():
 
 
 def cmd_distill(args) -> int:
-    import threading
-
-    from deploy.gate import engine_smoke_check
-    from deploy.scheduler import DistillScheduler, LiveWatchdog, ScheduleConfig, WatchdogPolicy
-
     policy = _gate_policy(args)
     _distill_threads(args)
     _job_nice(args)
@@ -626,6 +621,37 @@ def cmd_distill(args) -> int:
     chosen = args.kind == "auto"
     if chosen:
         args.kind = _served_kind(args)
+        if args.every is not None and not args.pipeline and _registry(args, "medusa").champion() is not None:
+            return _follow_served_kind(args, policy)
+    return _distill_kind(args, policy, chosen)
+
+
+def _follow_served_kind(args, policy) -> int:
+    """`distill --every` with no --kind and a heads champion: the schedule of the kind that serves
+    (`_served_kind`), moved to the other kind when the replicas' measured choice moves (deploy/heads.py
+    `follow_served_kind`), but not while a canary of the current kind is being judged."""
+    from deploy.heads import CLEAR_SHARE, drafting_kind, follow_served_kind
+
+    overrides = _read_config(args.config)
+
+    def run(kind, stop):
+        args.kind = kind
+        return _distill_kind(args, policy, True, stop)
+
+    def look():
+        return drafting_kind(overrides.get("redis_url"), overrides.get("buffer_prefix", "draftsmith:buf"),
+                             share=CLEAR_SHARE)
+
+    def can_switch(current, new):
+        return _registry(args, current).canary() is None and _registry(args, new).champion() is not None
+
+    return follow_served_kind(args.kind, run, look, every_s=args.every, can_switch=can_switch,
+                              progress=lambda m: print(m, flush=True))
+
+
+def _distill_kind(args, policy, chosen: bool, stop=None) -> int:
+    """One job or a schedule of args.kind (`chosen`: the kind was read from what serves, and the output says so);
+    a schedule runs until `stop` (a threading.Event) is set or Ctrl-C."""
     if args.kind in HEADS:
         if args.pipeline:
             why = (f"the served default drafts with the Medusa heads ({_registry(args, 'medusa').name} has a "
@@ -636,10 +662,20 @@ def cmd_distill(args) -> int:
         if chosen:
             print(f"[distill] the served default drafts with the Medusa heads: distilling them (--kind {args.kind}; "
                   "--kind draft distills the draft)", flush=True)
-        return _distill_heads(args, policy)
+        return _distill_heads(args, policy, stop)
     if chosen and _registry(args, "medusa").champion() is not None:
         print("[distill] the served default drafts with the draft: distilling it (--kind draft; --kind medusa "
               "distills the heads)", flush=True)
+    return _distill_draft(args, policy, stop)
+
+
+def _distill_draft(args, policy, stop=None) -> int:
+    """`draftsmith distill --kind draft`: one job now, or the scheduler (deploy/scheduler.py) until `stop`."""
+    import threading
+
+    from deploy.gate import engine_smoke_check
+    from deploy.scheduler import DistillScheduler, ScheduleConfig
+
     schedule = None
     if args.every is not None or args.min_records is not None:
         drift = _drift_policy(args)
@@ -668,7 +704,7 @@ def cmd_distill(args) -> int:
           + (", jobs pipelined with canaries" if args.pipeline else "")
           + (f", jobs take at most {args.job_share:.0%} of the time" if args.job_share < 1 else "") + "; Ctrl-C stops it")
     getattr(distill, "announce", lambda: None)()      # where jobs run (deploy/ray_jobs.py)
-    stop = threading.Event()
+    stop = stop or threading.Event()
     try:
         sched.run_forever(stop, max_jobs=args.max_jobs)
     except KeyboardInterrupt:
@@ -803,7 +839,7 @@ def _served_kind(args) -> str:
         time.sleep(max(0.05, min(args.poll, deadline - time.monotonic())))
 
 
-def _distill_heads(args, policy) -> int:
+def _distill_heads(args, policy, stop=None) -> int:
     """`draftsmith distill --kind medusa|eagle`: one heads cycle now (deploy/heads.py `run_heads_cycle`), or with
     --every a heads job every DURATION when the buffer has new records (`run_heads_schedule`)."""
     from deploy.heads import HeadsEvidence, run_heads_cycle
@@ -837,7 +873,7 @@ def _distill_heads(args, policy) -> int:
                      "canary until the live judge promotes or drops it; " if args.canary_share else
                      "a candidate that passes the gate becomes champion; ") + "Ctrl-C stops it")
             runner.announce()                                 # where jobs run (deploy/ray_jobs.py)
-            stop = threading.Event()
+            stop = stop or threading.Event()
             try:
                 ticks = run_heads_schedule(reg, args.target, job, every_s=args.every, poll_s=args.poll, stop=stop,
                                            max_jobs=args.max_jobs, min_new_steps=args.min_records or 1,

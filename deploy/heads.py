@@ -524,6 +524,53 @@ def drafting_kind(redis_url: str | None, buffer_prefix: str = "draftsmith:buf", 
     return (kind if counts[kind] >= share * total else None), counts
 
 
+def follow_served_kind(first: str, run_schedule, look, *, every_s: float, can_switch=None, progress=print):
+    """Run the schedule of the drafter kind that serves, and move to another kind when the replicas' choice moves
+    (`distill --every` with no --kind, deploy/cli.py). `run_schedule(kind, stop)` runs one kind's schedule until the
+    threading.Event `stop` is set and returns its exit code; `look()` -> (kind or None, counts) is `drafting_kind` on
+    the buffer at CLEAR_SHARE. Every `every_s` seconds a watcher looks; once another kind drafts a clear majority of
+    the newest requests, and `can_switch(current, seen)` allows it (no canary of the current kind being judged, a
+    champion of the new one), it sets `stop`: the schedule ends after the job it may be running (no job is cut
+    short, none overlaps the next kind's), and the new kind's schedule starts. The kind chosen once per start
+    distilled a drafter the replicas stopped serving when the other one became faster (docs/benchmarks.md, "The
+    fortieth session"). A look that fails (Redis down) changes nothing. Returns the last schedule's exit code."""
+    import threading
+
+    kind = first
+    while True:
+        stop = threading.Event()
+        seen: list = []
+
+        def watch(current=kind, stop=stop, seen=seen):
+            while not stop.wait(every_s):
+                try:
+                    now, counts = look()
+                    if now is None or now == current or (can_switch is not None and not can_switch(current, now)):
+                        continue
+                except Exception as e:  # noqa: BLE001 - the buffer or MLflow down: the schedule goes on as it is
+                    log.warning("[distill] no look at which drafter serves: %s", e)
+                    continue
+                seen.append((now, counts))
+                stop.set()
+                return
+
+        watcher = threading.Thread(target=watch, name="draftsmith-served-kind", daemon=True)
+        watcher.start()
+        try:
+            code = run_schedule(kind, stop)
+        finally:
+            stop.set()
+            watcher.join(timeout=60)
+        if not seen:
+            return code
+        now, counts = seen[0]
+        shares = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+        progress(f"[distill] answer tokens of the buffer's newest requests by drafter: {shares}: the replicas now "
+                 f"draft with {'the draft' if now == 'draft' else f'the {now} heads'}; the {kind} schedule stopped "
+                 f"after its last job, distilling --kind {now} from now on")
+        kind = now
+
+
 def _say_skip(progress, message: str, said: str | None) -> str:
     """Report a skipped look once per reason (its numbers aside: "20 new step records" and "45 new step records"
     are one reason); returns the reason now said."""

@@ -396,10 +396,15 @@ def _sample(s: dict | None) -> str:
 
 def distilled_kind(distill_log: str, args) -> str:
     """"heads" or "draft": the kind `draftsmith distill --kind auto` chose (deploy/cli.py `_served_kind`: the heads
-    where registered, unless the drafter choice served the draft: the log then says it distills the draft)."""
-    if not args.heads or "drafts with the draft: distilling it" in distill_log:
+    where registered, unless the drafter choice served the draft: the log then says it distills the draft); where
+    the schedule moved to the other kind during the run (deploy/heads.py `follow_served_kind`), the last one."""
+    if not args.heads:
         return "draft"
-    return "heads"
+    marks = [(m.start(), "draft" if m.group(1).startswith("draft") else "heads")
+             for m in re.finditer(r"drafts with the (draft: distilling it|Medusa heads: distilling them)", distill_log)]
+    marks += [(m.start(), "draft" if m.group(1) == "draft" else "heads")
+              for m in re.finditer(r"distilling --kind (\w+) from now on", distill_log)]
+    return max(marks)[1] if marks else "heads"
 
 
 def _heads_loop(args) -> bool:
@@ -533,7 +538,9 @@ def write_summary(out: Path, records: list[dict], errors: list[dict], events, ve
              f"phase 1 mix {args.phase1}, phase 2 mix {args.phase2}; scheduler: "
              f"`draftsmith distill {' '.join(args.distill_args)}`; drafting with "
              + (f"the Medusa heads ({args.heads})" if args.heads else f"the draft ({args.draft})")
-             + (f" (the replicas choose heads or draft by measured speed; the loop distilled the {args.distilled})"
+             + (f" (the replicas choose heads or draft by measured speed; the loop distilled the {args.distilled}"
+                + (f", last: its schedule moved between the kinds {args.kind_moves} time(s)"
+                   if getattr(args, "kind_moves", 0) else "") + ")"
                 if getattr(args, "auto_choice", False) and getattr(args, "distilled", None) else "")
              + ". Acceptance = accepted / proposed draft tokens.",
              "", f"requests: {len(records)}, failed: {len(errors)}, max adapter chain depth: {max_depth}", "",
@@ -873,6 +880,7 @@ def main(argv=None) -> int:
     watch.poll()
     jobs = watch.intervals(traffic.t0, time.time())
     args.distilled = distilled_kind(distill_log.read_text(errors="replace"), args)
+    args.kind_moves = distill_log.read_text(errors="replace").count(" from now on")
     versions, history = registry_state(env, args)
     events = registry_events(history, traffic.t0)
     version_eval = evaluate_versions(env, args, events, out) if args.eval_prompts > 0 else None

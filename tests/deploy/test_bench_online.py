@@ -140,6 +140,22 @@ def test_open_cycles_count_submitted_jobs_without_an_outcome_line():
     assert open_cycles("[distill] failed: no champion draft to distill from\n") == 0
 
 
+def test_distilled_kind_reads_the_schedules_choice_and_its_moves():
+    from argparse import Namespace
+
+    from scripts.bench_online import distilled_kind
+
+    heads = Namespace(heads=True)
+    to_draft = "[distill] the served default drafts with the draft: distilling it (--kind draft; ...)\n"
+    to_heads = "[distill] the served default drafts with the Medusa heads: distilling them (--kind medusa; ...)\n"
+    moved = "[distill] ... the replicas now draft with the medusa heads; ..., distilling --kind medusa from now on\n"
+    assert distilled_kind("", heads) == "heads" and distilled_kind(to_draft, Namespace(heads=False)) == "draft"
+    assert distilled_kind(to_draft, heads) == "draft" and distilled_kind(to_heads, heads) == "heads"
+    assert distilled_kind(to_draft + moved + to_heads, heads) == "heads"     # the schedule moved: the last kind
+    assert distilled_kind(to_heads + moved.replace("medusa heads", "draft").replace("kind medusa", "kind draft")
+                          + to_draft, heads) == "draft"
+
+
 def test_contention_rows_split_requests_by_the_share_of_their_time_a_job_ran():
     """Pure logic of the 'serving beside jobs' table: a request counts as 'job running' when a job covered at
     least 80% of its lifetime, 'no job' at most 20%, and neither in between; per-step figures are sums over

@@ -428,6 +428,80 @@ def test_distill_on_a_schedule_distills_the_kind_that_drafts_the_traffic(regs, p
         drop_prefix(redis_url, prefix)
 
 
+def test_follow_served_kind_moves_the_schedule_when_the_replicas_choice_moves():
+    """deploy/heads.py `follow_served_kind`: a look that sees another kind drafting stops the running schedule
+    (after its job) and starts that kind's; the same kind, no clear majority, a failed look or a refused switch (a
+    canary being judged) change nothing; the exit code is the last schedule's."""
+    from deploy.heads import follow_served_kind
+
+    looks = iter([(None, {}), ("draft", {"draft": 900}), RuntimeError("redis down"), ("medusa", {"medusa": 800}),
+                  ("draft", {"draft": 700})])
+    refuse = {"medusa->draft"}
+    ran, said = [], []
+
+    def look():
+        nxt = next(looks, (None, {}))
+        if isinstance(nxt, Exception):
+            raise nxt
+        return nxt
+
+    def run(kind, stop):
+        ran.append(kind)
+        if len(ran) == 1:
+            assert stop.wait(10), "the watcher never moved the draft's schedule"
+            return 0
+        stop.wait(0.5)                 # the medusa schedule: its look refuses the switch back, then it ends itself
+        return 3
+
+    code = follow_served_kind("draft", run, look, every_s=0.02, progress=said.append,
+                              can_switch=lambda cur, new: f"{cur}->{new}" not in refuse)
+    assert ran == ["draft", "medusa"] and code == 3
+    assert len(said) == 1 and "medusa 800" in said[0] and "distilling --kind medusa" in said[0]
+
+
+def test_distill_schedule_follows_the_drafter_the_replicas_serve(regs, pair, target_model, tmp_path, redis_url,
+                                                                  capsys, monkeypatch):
+    """`draftsmith distill --every` with no --kind and a heads champion (deploy/cli.py `_follow_served_kind`, real
+    Redis and MLflow): it starts on the drafter that serves, here the draft, and once the buffer's newest requests
+    were drafted by the heads it stops the draft's schedule and runs the heads'."""
+    from buffer.redis_store import BufferConfig, ReplayBufferWriter
+    from deploy import cli
+    from deploy.heads import MIN_SERVED_TOKENS
+
+    _, heads = regs
+    heads.promote(heads.register(make_heads(target_model, tmp_path / "h1", seed=1)))
+    prefix = f"{PREFIX}:follow:{time.time_ns()}"
+    cfg = tmp_path / "distill.yaml"
+    cfg.write_text(f"redis_url: {redis_url}\nbuffer_prefix: {prefix}\n")
+    n = MIN_SERVED_TOKENS // 20 + 1
+
+    def push(records):
+        with ReplayBufferWriter(redis_url, BufferConfig(prefix=prefix)) as w:
+            for r in records:
+                w.push_sequence(r)
+            w.flush()
+
+    ran = []
+
+    def fake_kind(args, policy, chosen, stop=None):
+        ran.append((args.kind, chosen))
+        if args.kind == "draft":
+            push(_requests(4 * n, "medusa-v1"))                  # the replicas' choice moves to the heads
+            assert stop.wait(30), "the draft's schedule was not stopped"
+        return 0
+
+    monkeypatch.setattr(cli, "_distill_kind", fake_kind)
+    try:
+        push(_requests(n, "1"))
+        code = cli.main(["distill", "--target", str(pair[0]), "--tracking-uri", heads.tracking_uri, "--config",
+                         str(cfg), "--every", "1s", "--poll", "1s"])
+        assert code == 0 and ran == [("draft", True), ("medusa", True)]
+        out = capsys.readouterr().out
+        assert "drafted by the draft" in out and "the replicas now draft with the medusa heads" in out
+    finally:
+        drop_prefix(redis_url, prefix)
+
+
 def test_heads_schedule_runs_a_job_then_waits_for_new_records(regs, pair, target_model, tmp_path, redis_url):
     """`distill --kind medusa --every`: a tick with new records runs a cycle under the job lock; a tick with
     nothing newer than the last job's window, or while another job holds the lock, skips and the schedule
