@@ -170,6 +170,9 @@ class GenerationStats:
     draft_time_s: float = 0.0
     target_time_s: float = 0.0
     wall_time_s: float = 0.0
+    # batched serving: the part of wall_time_s this request waited while the replica stepped requests that were
+    # not in its pass (the other drafter kind's batch, a mode that steps alone); serving/mode_choice.py leaves it out
+    other_steps_s: float = 0.0
     energy_j: float | None = None
     energy_reason: str | None = None
     # a seeded sampled adaptive request: the digest of the cost profile it planned with (Engine.calibrate;

@@ -8,7 +8,14 @@ heads won at T=0 (docs/benchmarks.md, the thirty-fifth and thirty-second session
 assuming: `ModeChooser` is an epsilon-greedy bandit over the candidate modes on each replica's own traffic.
 
 - Each finished request that the chooser routed is one observation: its completion tokens and its decoding wall
-  time (`GenerationStats.wall_time_s`). A request shorter than MIN_TOKENS is not counted: prefill dominates it.
+  time (`GenerationStats.wall_time_s`) less the time it waited while the replica stepped requests that were not in
+  its pass (`other_steps_s`, serving/scheduler.py `_round`). Requests of one drafter share a pass (the draft's
+  chains batch together, the heads' trees too), but a draft request and a heads request in flight together each
+  wait through the other's pass. So the drafter that won the warm-up got a partner of its own kind almost always,
+  and the other was measured beside it, paying both passes: on an AMX host in the fortieth session, at two
+  clients, the heads' requests ran at 6-17 tok/s against 26 on the draft, and lost (docs/benchmarks.md). Left out,
+  each drafter is measured as it would run if it served the traffic alone. A request shorter than MIN_TOKENS is
+  not counted: prefill dominates it.
 - With `discard_cold` (a replica's chooser) each candidate's first counted request is left out: it pays the
   drafter's cold start (first shapes, lazy allocations). Measured on an AVX2 host, the draft's first request ran
   at 7.7 tok/s and its next at 22.8, and that one figure sent every later request to the heads
@@ -38,8 +45,8 @@ assuming: `ModeChooser` is an epsilon-greedy bandit over the candidate modes on 
   so they keep the static default (config.served_mode). At T = 0 both modes emit the target's greedy text.
 
 What it costs: while warming up, MIN_OBSERVATIONS requests per bucket go to the slower candidate, and afterwards an
-exploration share of at most EXPLORE, times the gap's cost. What it does not see: a candidate's effect on the other requests it batches with (each
-request's own rate under the load of its time is what is compared).
+exploration share of at most EXPLORE, times the gap's cost. What it does not see: how much a larger batch of one
+kind costs each of its rows (each request's own rate under the load of its time is what is compared).
 """
 from __future__ import annotations
 

@@ -269,12 +269,23 @@ class BatchScheduler:
             if self.prefilling:
                 with self._prefill_threads():
                     self._prefill()
-            for req in list(self.solo):
-                self._solo_step(req)
+            groups = [([req], lambda req=req: self._solo_step(req)) for req in list(self.solo)]
             if self.batch:
-                self._batch_step()
+                groups.append((list(self.batch), self._batch_step))
             if self.trees:
-                self._tree_step()
+                groups.append((list(self.trees), self._tree_step))
+            for members, step in groups:
+                if len(groups) == 1:
+                    step()
+                    continue
+                t0 = time.perf_counter()
+                step()
+                dt = time.perf_counter() - t0
+                for others, _ in groups:     # who waited through a pass they were not part of
+                    if others is not members:
+                        for req in others:
+                            if not req.done:
+                                req.stats.other_steps_s += dt
         self._compact()
         if self.on_round is not None:
             with self.engine._lock:

@@ -950,8 +950,9 @@ class Service:
         """Count a finished request: telemetry, the metrics hub, and (`routing` from `request_mode`) the chooser."""
         self.telemetry.record_request(stats, prompt_tokens, reason)
         if routing is not None and self.chooser is not None and stats:
-            self.chooser.observe(stats.get("mode", ""), routing["temperature"], routing["label"],
-                                 int(stats.get("tokens") or 0), float(stats.get("wall_time_s") or 0.0))
+            own = float(stats.get("wall_time_s") or 0.0) - float(stats.get("other_steps_s") or 0.0)
+            self.chooser.observe(stats.get("mode", ""), routing["temperature"], routing["label"],   # mode_choice.py
+                                 int(stats.get("tokens") or 0), own)
         self.telemetry.observe("e2e_request_latency_seconds", latency_s)
         if ttft_s is not None:
             self.telemetry.observe("time_to_first_token_seconds", ttft_s)

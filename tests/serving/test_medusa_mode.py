@@ -385,6 +385,20 @@ def test_concurrent_medusa_requests_share_one_tree_pass_and_stay_target_greedy(m
     assert (max(rows) >= 2) if batch_trees else (max(rows) == 0)
 
 
+def test_a_request_counts_the_passes_of_other_requests_it_waited_through(medusa_engine):
+    """serving/scheduler.py `_round`: a heads request and a draft request in flight together each wait through the
+    other's pass (`GenerationStats.other_steps_s`, left out of the drafter choice's measurement); two chain rows
+    share one pass and wait through none of each other's."""
+    p = ids(medusa_engine)
+    sampling = SamplingParams(temperature=0.0, max_tokens=24)
+    mixed = run_concurrently(medusa_engine, [(p, sampling, SpecParams(mode="medusa", gamma=3)),
+                                             (p[:9], sampling, SpecParams(mode="mjsd", gamma=3))])
+    assert all(0 < r.stats.other_steps_s < r.stats.wall_time_s for r in mixed), [r.stats for r in mixed]
+    chains = run_concurrently(medusa_engine, [(p, sampling, SpecParams(mode="mjsd", gamma=3)),
+                                              (p[:9], sampling, SpecParams(mode="speculative", gamma=3))])
+    assert [r.stats.other_steps_s for r in chains] == [0.0, 0.0]
+
+
 @pytest.mark.parametrize("rule", ["exact", "mjsd"])
 def test_seeded_sampled_medusa_in_a_tree_batch_equals_alone(medusa_engine, rule):
     """A seeded sampled medusa request draws from its own generator on its own tree: run beside another tree

@@ -169,6 +169,26 @@ def test_labels_are_bounded():
     assert len(labels) == MAX_LABELS and "label-0" not in labels and f"label-{MAX_LABELS + 9}" in labels
 
 
+def test_the_choice_leaves_out_the_time_a_request_waited_through_other_requests_passes(pair, heads_dir):  # noqa: F811
+    """A heads request beside a draft request waits through the draft's pass at every round, and the other way
+    round (serving/scheduler.py `other_steps_s`); the replica's choice measures each at wall time less that wait,
+    i.e. as it would run serving the traffic alone."""
+    svc = _service(pair[0], draft=str(pair[1]), medusa_heads=str(heads_dir))
+    routing = {"temperature": 0.0, "label": "chat"}
+
+    def finished(mode, wall, other):
+        svc.record({"mode": mode, "tokens": 64, "wall_time_s": wall, "other_steps_s": other}, 8, "length", wall,
+                   None, routing)
+
+    for mode in C:
+        finished(mode, 1.0, 0.0)                          # each drafter's cold start: not counted
+    finished("medusa", 4.0, 2.0)                          # beside a draft request: half its time was the draft's
+    finished("mjsd", 2.5, 0.5)
+    figures = svc.health()[1]["auto_choice"]["greedy"]
+    assert figures["medusa"]["tokens_per_s"] == pytest.approx(32.0) and figures["mjsd"]["tokens_per_s"] == \
+        pytest.approx(32.0)
+
+
 def test_a_replica_routes_unseeded_default_requests_by_measured_speed(pair, heads_dir):  # noqa: F811
     svc = _service(pair[0], draft=str(pair[1]), medusa_heads=str(heads_dir))
     srv = LiveServer(svc).start()
