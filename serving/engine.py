@@ -173,6 +173,9 @@ class GenerationStats:
     # batched serving: the part of wall_time_s this request waited while the replica stepped requests that were
     # not in its pass (the other drafter kind's batch, a mode that steps alone); serving/mode_choice.py leaves it out
     other_steps_s: float = 0.0
+    # batched serving: the part of wall_time_s the replica ran on fewer threads because jobs beside serving held
+    # cores (serving/contention.py); serving/mode_choice.py keeps figures of such requests apart
+    beside_jobs_s: float = 0.0
     energy_j: float | None = None
     energy_reason: str | None = None
     # a seeded sampled adaptive request: the digest of the cost profile it planned with (Engine.calibrate;

@@ -24,17 +24,27 @@ assuming: `ModeChooser` is an epsilon-greedy bandit over the candidate modes on 
   the request's traffic label (`metadata.category`), and pooled per bucket. A candidate's speed is the
   token-weighted rate of its last WINDOW observations (tokens / seconds), so it follows drift (a promoted heads
   version, a shift of traffic) within WINDOW of that candidate's requests.
-- Choosing for a key: while a candidate has fewer than MIN_OBSERVATIONS in the bucket's pool, it gets the request
-  (the one routed the fewest requests first, so concurrent requests that start before any has ended alternate
-  too; ties go to the static order, heads first). Then the label's own figures decide where
-  every candidate has MIN_OBSERVATIONS there, else the pool's; the fastest candidate gets the request except for
-  an exploration share that goes to another, so a loser is re-measured as heads and draft improve online.
+- Choosing for a key: while a candidate has fewer than MIN_OBSERVATIONS in the bucket's pool (either state), it
+  gets the request (the one routed the fewest requests first, so concurrent requests that start before any has
+  ended alternate too; ties go to the static order, heads first). Then the first of these where every candidate
+  has MIN_OBSERVATIONS decides: the label in the request's state, the label in the other state, the pool in the
+  request's state, the pool in the other state (else both states' pool together); the fastest candidate gets the
+  request except for an exploration share that goes to another, so a loser is re-measured as heads and draft
+  improve online.
 - The exploration share shrinks with the gap (`explore_share`): EXPLORE for a loser as fast as the best, falling
   linearly to EXPLORE x EXPLORE_FLOOR at EXPLORE_GAP slower and beyond. A close loser may overtake soon and is
   re-measured often; a far one needs a large gain first, and each request sent to it costs the gap. In the
   thirty-eighth session's online run a flat 10% sent 104 of 1,000 requests to the draft at 18-19 tok/s against
   23-30 on the heads (docs/benchmarks.md); at that gap (about 0.7x) the share is now under 3%. A loser at half
   the speed or less is still tried about once in 50 requests.
+- Figures taken while a job beside serving held cores are kept apart (`busy`: the replica yields those cores,
+  serving/contention.py; a request counts as busy when it ran more than half its time so, `beside_jobs_s`). A
+  loser's figures are renewed only by its exploration share, so they trail the winner's: when a job starts, the
+  winner is measured beside it first and the loser's figures, taken between jobs, looked faster. In the fortieth
+  session's online run that moved SQL, then JSON, to the draft for the job's 170 s and after it (25 of 31 SQL
+  requests at 1,100-1,200 s), at accepted / proposed 0.49-0.52 against the heads' 0.68-0.73 (docs/benchmarks.md).
+  So every comparison is between figures of one state: the request's own state where every candidate has
+  MIN_OBSERVATIONS there, else the other state's (both taken between jobs, or both beside one).
 - A drafter that changes is measured again (`forget`): when a replica hot-swaps a promoted version of the heads or
   of the draft, that candidate's figures are dropped everywhere and it warms up again (MIN_OBSERVATIONS requests).
   Its old figures measured another model. On an fp32 host in the thirty-ninth session the draft won the warm-up,
@@ -78,6 +88,9 @@ def bucket_of(temperature: float) -> str:
     return "greedy" if temperature == 0 else "sampled"
 
 
+QUIET, BUSY = "quiet", "busy"    # figures taken between jobs / while a job beside serving held cores
+
+
 @dataclass
 class _Arm:
     obs: deque = field(default_factory=lambda: deque(maxlen=WINDOW))     # (tokens, seconds)
@@ -106,39 +119,60 @@ class ModeChooser:
         self.min_observations = min_observations
         self.rng = rng or random.Random()
         self._lock = threading.Lock()
-        self._keys: dict[tuple[str, str], dict[str, _Arm]] = {}
+        self._keys: dict[tuple[str, str, str], dict[str, _Arm]] = {}      # (bucket, label, state) -> arms
+        self._routed: dict[tuple[str, str], int] = {}                       # (bucket, mode) -> requests routed
         self._chosen = {"warmup": 0, "fastest": 0, "explore": 0}
         self._forgotten = {m: 0 for m in self.candidates}    # times a candidate's figures were dropped (`forget`)
         self._cold = set(self.candidates) if discard_cold else set()    # whose first request is still to come
 
-    def _arms(self, key: tuple[str, str]) -> dict[str, _Arm]:
+    def _arms(self, key: tuple[str, str, str]) -> dict[str, _Arm]:
         arms = self._keys.get(key)
         if arms is None:
             labelled = [k for k in self._keys if k[0] == key[0] and k[1]]
-            if key[1] and len(labelled) >= MAX_LABELS:
-                del self._keys[labelled[0]]               # dicts keep insertion order: the oldest label goes
+            if key[1] and len({k[1] for k in labelled}) >= MAX_LABELS:
+                oldest = labelled[0][1]                   # dicts keep insertion order: the oldest label goes
+                for k in [k for k in labelled if k[1] == oldest]:
+                    del self._keys[k]
             arms = self._keys[key] = {m: _Arm() for m in self.candidates}
         return arms
 
-    def _decided(self, arms: dict[str, _Arm]) -> dict[str, float] | None:
+    def _decided(self, arms: dict[str, _Arm] | None) -> dict[str, float] | None:
+        if arms is None:
+            return None
         rates = {m: a.rate() for m, a in arms.items()}
         if any(len(a.obs) < self.min_observations or rates[m] is None for m, a in arms.items()):
             return None
         return rates
 
-    def choose(self, temperature: float, label: str = "") -> tuple[str, str]:
-        """(mode, why) for a request: why is "warmup", "fastest" or "explore"."""
+    def _merged(self, bucket: str) -> dict[str, float]:
+        """Each candidate's rate over the bucket's pool of both states: where neither state has MIN_OBSERVATIONS
+        of every candidate (warm-up counts both)."""
+        rates = {}
+        for m in self.candidates:
+            obs = [o for st in (QUIET, BUSY) if (bucket, "", st) in self._keys
+                   for o in self._keys[(bucket, "", st)][m].obs]
+            s = sum(sec for _, sec in obs)
+            rates[m] = sum(t for t, _ in obs) / s if s > 0 else 0.0
+        return rates
+
+    def choose(self, temperature: float, label: str = "", busy: bool = False) -> tuple[str, str]:
+        """(mode, why) for a request: why is "warmup", "fastest" or "explore". `busy`: a job beside serving holds
+        cores now (the figures of that state decide where they can, module docstring)."""
         bucket = bucket_of(temperature)
+        state, other = (BUSY, QUIET) if busy else (QUIET, BUSY)
         with self._lock:
-            pool = self._arms((bucket, ""))
-            short = [m for m in self.candidates if len(pool[m].obs) < self.min_observations]
+            seen = {m: sum(len(self._keys[(bucket, "", st)][m].obs) for st in (QUIET, BUSY)
+                           if (bucket, "", st) in self._keys) for m in self.candidates}
+            short = [m for m in self.candidates if seen[m] < self.min_observations]
             if short:
                 # by requests routed, not observed: concurrent requests are routed before the first ends
-                mode = min(short, key=lambda m: pool[m].routed)
+                mode = min(short, key=lambda m: self._routed.get((bucket, m), 0))
                 why = "warmup"
             else:
-                rates = (self._decided(self._keys[(bucket, label)]) if label and (bucket, label) in self._keys
-                         else None) or self._decided(pool)
+                order = ([(bucket, label, state), (bucket, label, other)] if label else []) + \
+                    [(bucket, "", state), (bucket, "", other)]
+                rates = next((r for r in (self._decided(self._keys.get(k)) for k in order) if r is not None), None) \
+                    or self._merged(bucket)
                 best = max(self.candidates, key=lambda m: rates[m])
                 shares = {m: explore_share(self.explore, rates[m], rates[best]) for m in self.candidates if m != best}
                 # the nearest loser's share is the total; each loser's part is in proportion to its own
@@ -149,21 +183,23 @@ class ModeChooser:
                     why = "explore"
                 else:
                     mode, why = best, "fastest"
-            pool[mode].routed += 1
+            self._routed[(bucket, mode)] = self._routed.get((bucket, mode), 0) + 1
             self._chosen[why] += 1
             return mode, why
 
-    def observe(self, mode: str, temperature: float, label: str, tokens: int, seconds: float) -> bool:
+    def observe(self, mode: str, temperature: float, label: str, tokens: int, seconds: float,
+                busy: bool = False) -> bool:
         """Count one finished request routed by `choose`; returns whether it counted (a known mode, at least
-        MIN_TOKENS tokens, a positive time, not a candidate's cold first request under `discard_cold`)."""
+        MIN_TOKENS tokens, a positive time, not a candidate's cold first request under `discard_cold`). `busy`: it
+        ran mostly while a job beside serving held cores."""
         if mode not in self.candidates or tokens < MIN_TOKENS or not seconds > 0:
             return False
-        bucket = bucket_of(temperature)
+        bucket, state = bucket_of(temperature), BUSY if busy else QUIET
         with self._lock:
             if mode in self._cold:          # the replica's first request on it: its cold start, not its speed
                 self._cold.discard(mode)
                 return False
-            for key in {(bucket, ""), (bucket, label)}:
+            for key in {(bucket, "", state), (bucket, label, state)}:
                 arm = self._arms(key)[mode]
                 arm.obs.append((int(tokens), float(seconds)))
                 arm.total += 1
@@ -183,17 +219,19 @@ class ModeChooser:
         return True
 
     def snapshot(self) -> dict:
-        """For /health: per bucket (and label), each candidate's tokens/s and observations, and how many requests
-        were routed by warm-up, by speed and by exploration."""
+        """For /health: per bucket (and label), each candidate's tokens/s and observations between jobs, the same
+        under "busy" for figures taken beside a job, and how many requests were routed by warm-up, by speed and by
+        exploration."""
         with self._lock:
             out: dict = {"candidates": list(self.candidates), "explore": self.explore, "chosen": dict(self._chosen),
                          "remeasured_after_swap": dict(self._forgotten)}
-            for (bucket, label), arms in self._keys.items():
+            for (bucket, label, state), arms in self._keys.items():
                 rates = {m: a.rate() for m, a in arms.items()}
                 figures = {m: {"tokens_per_s": None if rates[m] is None else round(rates[m], 2),
                                "observations": a.total} for m, a in arms.items()}
+                into = out if state == QUIET else out.setdefault(BUSY, {})
                 if label:
-                    out.setdefault("labels", {}).setdefault(bucket, {})[label] = figures
+                    into.setdefault("labels", {}).setdefault(bucket, {})[label] = figures
                 else:
-                    out[bucket] = figures
+                    into[bucket] = figures
             return out

@@ -265,6 +265,7 @@ class BatchScheduler:
         self._retire_gone()
         self._admit()
         self._busy = self.contention.busy_cores() if self.contention is not None else 0
+        running, t_round = self.prefilling + self.batch + self.solo + self.trees, time.perf_counter()
         with self._threads(self._capped(torch.get_num_threads())):
             if self.prefilling:
                 with self._prefill_threads():
@@ -286,6 +287,11 @@ class BatchScheduler:
                         for req in others:
                             if not req.done:
                                 req.stats.other_steps_s += dt
+        if self._busy:                       # a round on fewer threads: jobs beside serving held cores
+            dt = time.perf_counter() - t_round
+            for req in running:
+                if not req.done:
+                    req.stats.beside_jobs_s += dt
         self._compact()
         if self.on_round is not None:
             with self.engine._lock:

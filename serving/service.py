@@ -754,8 +754,14 @@ class Service:
         seeded = sampling.seed is not None and t > 0
         if self.chooser is None or named or seeded or mode != "medusa" or not self.has_draft:
             return mode, None
-        mode, why = self.chooser.choose(t, label)
+        mode, why = self.chooser.choose(t, label, busy=self._beside_jobs())
         return mode, {"temperature": t, "label": label, "why": why}
+
+    def _beside_jobs(self) -> bool:
+        """Whether jobs beside serving hold cores now (serving/contention.py; False where the replica does not
+        watch for them)."""
+        watch = getattr(getattr(self.engine, "scheduler", None), "contention", None)
+        return watch is not None and watch.busy_cores() > 0
 
     @property
     def tokenizer(self):
@@ -950,9 +956,11 @@ class Service:
         """Count a finished request: telemetry, the metrics hub, and (`routing` from `request_mode`) the chooser."""
         self.telemetry.record_request(stats, prompt_tokens, reason)
         if routing is not None and self.chooser is not None and stats:
-            own = float(stats.get("wall_time_s") or 0.0) - float(stats.get("other_steps_s") or 0.0)
+            wall = float(stats.get("wall_time_s") or 0.0)
+            own = wall - float(stats.get("other_steps_s") or 0.0)
+            busy = float(stats.get("beside_jobs_s") or 0.0) > 0.5 * wall    # mostly beside a job: kept apart
             self.chooser.observe(stats.get("mode", ""), routing["temperature"], routing["label"],   # mode_choice.py
-                                 int(stats.get("tokens") or 0), own)
+                                 int(stats.get("tokens") or 0), own, busy=busy)
         self.telemetry.observe("e2e_request_latency_seconds", latency_s)
         if ttft_s is not None:
             self.telemetry.observe("time_to_first_token_seconds", ttft_s)

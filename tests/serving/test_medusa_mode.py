@@ -397,6 +397,35 @@ def test_a_request_counts_the_passes_of_other_requests_it_waited_through(medusa_
     chains = run_concurrently(medusa_engine, [(p, sampling, SpecParams(mode="mjsd", gamma=3)),
                                               (p[:9], sampling, SpecParams(mode="speculative", gamma=3))])
     assert [r.stats.other_steps_s for r in chains] == [0.0, 0.0]
+    assert all(r.stats.beside_jobs_s == 0.0 for r in mixed + chains)      # no job beside serving: nothing counted
+
+
+class _Contended:
+    """A ContentionWatch whose jobs beside serving hold `cores` (serving/contention.py)."""
+
+    def __init__(self, cores: int) -> None:
+        self.cores = cores
+
+    def busy_cores(self) -> int:
+        return self.cores
+
+
+def test_a_request_counts_the_rounds_it_ran_beside_a_job(medusa_engine):
+    """serving/scheduler.py `_round`: the rounds the replica ran on fewer threads because a job beside serving
+    held cores count in `GenerationStats.beside_jobs_s` (the drafter choice keeps such figures apart), and the
+    text is the target's greedy text all the same."""
+    p = ids(medusa_engine)
+    sampling = SamplingParams(temperature=0.0, max_tokens=24)
+    jobs = [(p, sampling, SpecParams(mode="medusa", gamma=3)), (p[:9], sampling, SpecParams(mode="mjsd", gamma=3))]
+    sched = medusa_engine.scheduler
+    sched.contention = _Contended(1)
+    try:
+        got = run_concurrently(medusa_engine, jobs)
+    finally:
+        sched.contention = None
+    assert all(0.5 * r.stats.wall_time_s < r.stats.beside_jobs_s <= r.stats.wall_time_s for r in got), \
+        [r.stats for r in got]
+    assert [r.token_ids for r in got] == [reference_greedy(medusa_engine.target.model, q, 24) for q, _, _ in jobs]
 
 
 @pytest.mark.parametrize("rule", ["exact", "mjsd"])

@@ -12,7 +12,7 @@ from serving.config import SamplingParams
 from serving.mode_choice import (EXPLORE_FLOOR, EXPLORE_GAP, MAX_LABELS, MIN_OBSERVATIONS, MIN_TOKENS, WINDOW,
                                  ModeChooser, explore_share)
 from tests.api_helpers import LiveServer
-from tests.serving.test_medusa_mode import _service, heads_dir, pair  # noqa: F401 - fixtures
+from tests.serving.test_medusa_mode import _Contended, _service, heads_dir, pair  # noqa: F401 - fixtures
 
 C = ("medusa", "mjsd")
 
@@ -169,6 +169,47 @@ def test_labels_are_bounded():
     assert len(labels) == MAX_LABELS and "label-0" not in labels and f"label-{MAX_LABELS + 9}" in labels
 
 
+def test_figures_beside_a_job_are_compared_with_figures_beside_a_job():
+    """The fortieth session's online run: the heads won between jobs; a job started and the heads, serving the
+    traffic, were measured beside it at half speed, while the draft's figures were from between jobs. Compared
+    across states, the draft would win the job's requests; compared within a state, the heads keep them."""
+    ch = ModeChooser(C, explore=0.0)
+    feed(ch, "medusa", 30.0, WINDOW, label="sql")
+    feed(ch, "mjsd", 20.0, MIN_OBSERVATIONS, label="sql")
+    assert ch.choose(0.0, "sql") == ("medusa", "fastest")
+    for _ in range(MIN_OBSERVATIONS):                   # a job starts: the heads' requests run beside it
+        assert ch.observe("medusa", 0.0, "sql", 32, 32 / 15.0, busy=True)
+    assert ch.choose(0.0, "sql", busy=True) == ("medusa", "fastest")   # the draft has no busy figures: quiet decide
+    assert ch.choose(0.0, "sql") == ("medusa", "fastest")
+    snap = ch.snapshot()
+    assert snap["busy"]["labels"]["greedy"]["sql"]["medusa"] == {"tokens_per_s": 15.0, "observations": MIN_OBSERVATIONS}
+    assert snap["busy"]["greedy"]["mjsd"]["tokens_per_s"] is None
+    assert snap["labels"]["greedy"]["sql"]["medusa"]["tokens_per_s"] == 30.0      # between jobs: unchanged
+    # the draft measured beside a job too, faster there than the heads: busy requests go to it, quiet ones not
+    feed_busy = [ch.observe("mjsd", 0.0, "sql", 32, 32 / 18.0, busy=True) for _ in range(MIN_OBSERVATIONS)]
+    assert all(feed_busy)
+    assert ch.choose(0.0, "sql", busy=True) == ("mjsd", "fastest")
+    assert ch.choose(0.0, "sql") == ("medusa", "fastest")
+    # a label with no figures of its own: the pool of the request's state decides
+    assert ch.choose(0.0, "new", busy=True) == ("mjsd", "fastest")
+    # forgetting a swapped drafter drops its figures of both states
+    ch.forget("mjsd")
+    snap = ch.snapshot()
+    assert snap["busy"]["greedy"]["mjsd"]["tokens_per_s"] is None and snap["greedy"]["mjsd"]["tokens_per_s"] is None
+    assert ch.choose(0.0, "sql", busy=True) == ("mjsd", "warmup")
+
+
+def test_warm_up_counts_observations_of_either_state():
+    ch = ModeChooser(C, explore=0.0)
+    feed(ch, "medusa", 10.0, MIN_OBSERVATIONS)
+    for _ in range(MIN_OBSERVATIONS - 1):
+        assert ch.observe("mjsd", 0.0, "", 32, 32 / 20.0, busy=True)
+    assert ch.choose(0.0) == ("mjsd", "warmup")
+    assert ch.observe("mjsd", 0.0, "", 32, 32 / 20.0)
+    # warmed up, yet each state has a candidate short of MIN_OBSERVATIONS: both states' pool together decides
+    assert ch.choose(0.0) == ("mjsd", "fastest") and ch.choose(0.0, busy=True) == ("mjsd", "fastest")
+
+
 def test_the_choice_leaves_out_the_time_a_request_waited_through_other_requests_passes(pair, heads_dir):  # noqa: F811
     """A heads request beside a draft request waits through the draft's pass at every round, and the other way
     round (serving/scheduler.py `other_steps_s`); the replica's choice measures each at wall time less that wait,
@@ -187,6 +228,18 @@ def test_the_choice_leaves_out_the_time_a_request_waited_through_other_requests_
     figures = svc.health()[1]["auto_choice"]["greedy"]
     assert figures["medusa"]["tokens_per_s"] == pytest.approx(32.0) and figures["mjsd"]["tokens_per_s"] == \
         pytest.approx(32.0)
+    # a request that ran mostly while a job beside serving held cores counts apart (`beside_jobs_s`)
+    svc.record({"mode": "mjsd", "tokens": 64, "wall_time_s": 4.0, "beside_jobs_s": 3.0}, 8, "length", 4.0, None,
+               routing)
+    svc.record({"mode": "mjsd", "tokens": 64, "wall_time_s": 2.0, "beside_jobs_s": 0.5}, 8, "length", 2.0, None,
+               routing)
+    choice = svc.health()[1]["auto_choice"]
+    assert choice["busy"]["greedy"]["mjsd"] == {"tokens_per_s": pytest.approx(16.0), "observations": 1}
+    assert choice["greedy"]["mjsd"] == {"tokens_per_s": pytest.approx(128 / 4.0), "observations": 2}
+    # the state a request is routed in: whether jobs beside serving hold cores now
+    for cores, busy in ((1, True), (0, False)):
+        svc.engine.scheduler.contention = _Contended(cores)
+        assert svc._beside_jobs() is busy
 
 
 def test_a_replica_routes_unseeded_default_requests_by_measured_speed(pair, heads_dir):  # noqa: F811
