@@ -382,6 +382,22 @@ def targets(records: list[dict], args) -> dict:
     return out
 
 
+KIND_MODE = {"heads": "medusa", "draft": "mjsd"}    # the mode a kind drafts in under the served default's choice
+
+
+def per_drafter(records: list[dict], args) -> dict:
+    """The issue's acceptance readings on each drafter's requests alone (mode medusa: the heads' tree; mjsd: the
+    draft's chain), for runs where the replicas choose between them: accepted / proposed of a tree and of MJSD's
+    chain are on different scales, so a reading over both moves with the routing as well as with what was learned
+    (the fortieth session's run 2). Modes with no request of the first new category are left out."""
+    out = {}
+    for mode in sorted({r.get("mode") for r in records if r.get("mode")}):
+        tg = targets([r for r in records if r.get("mode") == mode], args)
+        if tg.get("new_category"):
+            out[mode] = tg
+    return out
+
+
 # what each version's job reported (its candidate's metrics): wall seconds, hidden-state seconds, epochs, ...
 JOB_FIGURES = ("seconds", "hidden_state_seconds", "epochs", "best_epoch", "stopped_early", "hidden_cache_hits",
                "hidden_cache_misses")
@@ -512,6 +528,7 @@ def fmt(x, nd=3) -> str:
 def write_summary(out: Path, records: list[dict], errors: list[dict], events, versions: list[dict], args,
                   wall: dict, jobs: list[dict] | None = None, version_eval: dict | None = None) -> dict:
     tg = targets(records, args)
+    drafters = per_drafter(records, args) if getattr(args, "auto_choice", False) else {}
     jobs = jobs or []
     contention = contention_rows(records, jobs)
     windows = window_rows(records, args.early_s)
@@ -530,7 +547,10 @@ def write_summary(out: Path, records: list[dict], errors: list[dict], events, ve
                "requests": len(records), "failed_requests": len(errors), "errors": errors[:50],
                "rows": rows, "targets": tg, "events": events, "versions": versions,
                "max_chain_depth": max_depth, "wall": wall, "jobs": jobs, "contention": contention, "windows": windows,
-               "version_eval": version_eval}
+               "version_eval": version_eval,
+               "per_drafter": {m: {k: t.get(k) for k in ("acceptance_gain_late", "acceptance_gain_rolling",
+                                                         "tokens_per_s_ratio", "earlier_category_drop",
+                                                         "earlier_category_drop_end")} for m, t in drafters.items()}}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     lines = [f"# Online learning run ({time.strftime('%Y-%m-%d %H:%M')})", "",
              f"Setting: {args.clients} clients, mode {args.mode}, temperature {args.temperature}, "
@@ -606,6 +626,17 @@ def write_summary(out: Path, records: list[dict], errors: list[dict], events, ve
             lines.append(f"| {r['category']} | {r['while']} | {r['requests']} | {fmt(r['tokens_per_s'], 1)} | "
                          f"{r['ms_per_step']:.0f} | {r['drafted_per_step']:.2f} | {r['accepted_per_step']:.2f} | "
                          f"{fmt(r['acceptance'])} |")
+    if len(drafters) > 1:
+        lines += ["", "## Per drafter (the same readings on each drafter's requests alone)", "",
+                  "The replicas chose heads or draft per request; a tree's accepted / proposed and MJSD's chain's are "
+                  "on different scales, so the readings above also move with the routing.", "",
+                  "| mode | requests (new category) | gain, first/last 300 s | rolling-20 gain | tokens/s ratio | "
+                  "earlier category's drop (all after / last 300 s) |", "|---|---:|---:|---:|---:|---|"]
+        for mode, tg in drafters.items():
+            n = len([r for r in records if r.get("mode") == mode and r["category"] == tg["new_category"]])
+            lines.append(f"| {mode} | {n} | {fmt(tg.get('acceptance_gain_late'))} | "
+                         f"{fmt(tg.get('acceptance_gain_rolling'))} | {fmt(tg.get('tokens_per_s_ratio'), 2)} | "
+                         f"{fmt(tg.get('earlier_category_drop'))} / {fmt(tg.get('earlier_category_drop_end'))} |")
     if version_eval and version_eval.get("rows"):
         st = version_eval["setting"]
         lines += ["", f"## Versions at a fixed draft shape (scripts/eval_versions.py: mode {st['mode']}, gamma "
@@ -729,6 +760,25 @@ def _run_args(old: dict) -> argparse.Namespace:
     return args
 
 
+def _own_reading(records: list[dict], args, kind: str, failed: int) -> dict | None:
+    """The issue's targets on the requests of the distilled kind's mode alone (None unless the replicas chose
+    per request, or when that mode served none of the new category); `failed`: the run's failed requests."""
+    if not getattr(args, "auto_choice", False) or kind not in KIND_MODE:
+        return None
+    rs = [r for r in records if r.get("mode") == KIND_MODE[kind]]
+    tg = targets(rs, args)
+    if not tg.get("new_category"):
+        return None
+    speed = (tg.get("tokens_per_s_ratio") or 0) >= 1.2
+    drop = tg.get("earlier_category_drop_worst")
+    ok = not failed and speed and drop is not None and drop <= 0.03
+    return {"requests": len(rs), "new_category_requests": len([r for r in rs if r["category"] == tg["new_category"]]),
+            "gain_300s": tg.get("acceptance_gain_late"), "gain_rolling": tg.get("acceptance_gain_rolling"),
+            "tokens_per_s_ratio": tg.get("tokens_per_s_ratio"), "earlier_drop_worst": drop,
+            "all_met_300s": ok and (tg.get("acceptance_gain_late") or 0) >= 0.15,
+            "all_met_rolling": ok and (tg.get("acceptance_gain_rolling") or 0) >= 0.15}
+
+
 def rescore(out_md: Path, runs: list[Path]) -> int:
     """The issue's targets of earlier runs, under both readings of the acceptance gain (first / last 300 s, and
     the first / last rolling window the issue names), from each run's responses.jsonl and summary.json
@@ -755,7 +805,9 @@ def rescore(out_md: Path, runs: list[Path]) -> int:
                      "tokens_per_s_ratio": tg.get("tokens_per_s_ratio"),
                      "earlier_drop_worst": tg.get("earlier_category_drop_worst"),
                      "all_met_300s": ok and (tg.get("acceptance_gain_late") or 0) >= 0.15,
-                     "all_met_rolling": ok and (tg.get("acceptance_gain_rolling") or 0) >= 0.15})
+                     "all_met_rolling": ok and (tg.get("acceptance_gain_rolling") or 0) >= 0.15,
+                     # the distilled kind's requests alone, where the replicas chose between heads and draft
+                     "own": _own_reading(records, args, kind, old.get("failed_requests") or 0)})
     lines = ["| run | drafting with | requests (new category) | gain, first/last 300 s | rolling-20: first -> last "
              "(gain) | tokens/s ratio | earlier category's worst drop | failed | all targets (300 s / rolling) |",
              "|---|---|---:|---:|---|---:|---:|---:|---|"]
@@ -764,6 +816,19 @@ def rescore(out_md: Path, runs: list[Path]) -> int:
                      f"{fmt(r['start_rolling'])} -> {fmt(r['end_rolling'])} ({fmt(r['gain_rolling'])}) | "
                      f"{fmt(r['tokens_per_s_ratio'], 2)} | {fmt(r['earlier_drop_worst'])} | {r['failed']} | "
                      f"{'yes' if r['all_met_300s'] else 'no'} / {'yes' if r['all_met_rolling'] else 'no'} |")
+    own = [r for r in rows if r["own"]]
+    if own:
+        lines += ["", "Runs whose replicas chose heads or draft per request, read on the distilled kind's requests "
+                  "alone (a tree's accepted / proposed and MJSD's chain's differ in scale):", "",
+                  "| run | distilled | its requests (new category) | gain, first/last 300 s | rolling-20 gain | "
+                  "tokens/s ratio | earlier category's worst drop | all targets (300 s / rolling) |",
+                  "|---|---|---:|---:|---:|---:|---:|---|"]
+        for r in own:
+            o = r["own"]
+            lines.append(f"| {r['run']} | {r['kind']} | {o['requests']} ({o['new_category_requests']}) | "
+                         f"{fmt(o['gain_300s'])} | {fmt(o['gain_rolling'])} | {fmt(o['tokens_per_s_ratio'], 2)} | "
+                         f"{fmt(o['earlier_drop_worst'])} | {'yes' if o['all_met_300s'] else 'no'} / "
+                         f"{'yes' if o['all_met_rolling'] else 'no'} |")
     for kind in ("heads", "draft"):
         rs = [r for r in rows if r["kind"] == kind]
         if rs:

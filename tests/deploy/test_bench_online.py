@@ -242,3 +242,38 @@ def test_job_latency_splits_requests_by_whether_a_job_ran_when_they_ended(tmp_pa
     assert main([str(tmp_path), "--skip", "1"]) == 0 and "during a job" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main([str(tmp_path / "nowhere")])
+
+
+def test_the_per_drafter_reading_separates_learning_from_routing(tmp_path):
+    """With the replicas choosing per request, a tree's accepted / proposed (heads) and MJSD's chain's (draft) are
+    on different scales: traffic moving from the heads to the draft lowers the mixed reading although neither
+    drafter forgot anything. `per_drafter` and the rescore's own-kind reading read each drafter alone."""
+    import argparse
+
+    from scripts.bench_online import per_drafter, rescore, targets
+
+    def req(t, mode, accepted, cat="sql", tps=10.0):
+        return {"t": t, "t_start": t - 1, "category": cat, "mode": mode, "draft_tokens": 10,
+                "accepted_tokens": accepted, "tokens_per_s": tps}
+
+    # SQL on the heads: 0.4 at first, 0.7 from 900 s; after the shift (1,200 s) most SQL goes to the draft (0.5)
+    records = ([req(t, "medusa", 4) for t in range(10, 300, 30)]
+               + [req(t, "medusa", 7, tps=20.0) for t in range(900, 1200, 30)]
+               + [req(t, "mjsd", 5, tps=20.0) for t in range(1200, 1800, 20)]
+               + [req(t, "medusa", 7, tps=20.0) for t in range(1210, 1800, 60)])
+    args = argparse.Namespace(phase1={"sql": 0.75, "known": 0.25}, window=4, early_s=300.0, shift_at=1200.0,
+                              duration=1800.0, auto_choice=True)
+    mixed = targets(records, args)
+    assert mixed["earlier_category_drop"] > 0.1                          # the mix moved to the other scale
+    heads = per_drafter(records, args)["medusa"]
+    assert heads["earlier_category_drop"] == pytest.approx(0.0) and heads["acceptance_gain_late"] == pytest.approx(0.3)
+    assert "mjsd" not in per_drafter(records, args) or per_drafter(records, args)["mjsd"]["new_category"] == "sql"
+    run = tmp_path / "online-auto"
+    run.mkdir()
+    (run / "responses.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (run / "summary.json").write_text(json.dumps({"args": {**vars(args), "distilled": "heads"}, "failed_requests": 0}))
+    assert rescore(tmp_path / "t.md", [run]) == 0
+    row = json.loads((tmp_path / "t.json").read_text())[0]
+    assert row["own"]["requests"] == 30 and row["own"]["earlier_drop_worst"] == pytest.approx(0.0)
+    assert row["own"]["all_met_300s"] is True and row["all_met_300s"] is False
+    assert "distilled kind's requests alone" in (tmp_path / "t.md").read_text()
