@@ -606,6 +606,33 @@ def test_watchdog_compares_with_the_previous_versions_live_acceptance(registry, 
     assert "below version 1's 0.705" in registry.get("2").tags["draftsmith.rollback_reason"]
 
 
+def test_watchdog_keeps_a_champion_below_its_gate_figure_that_beats_the_previous_version_live(registry, tmp_path):
+    """The forty-first session's online run: the gate predicted 0.631 live for version 2 of the draft (version 1's
+    live rate scaled by the gate's expected rates); the adaptive controller drafted longer chains with it, and it
+    ran at 0.449 live against version 1's 0.420, and the watchdog rolled it back on the prediction. The gate
+    figure now decides only where the previous version's live figure cannot."""
+    from deploy.gate import force_promote
+    from deploy.scheduler import LiveWatchdog, WatchdogPolicy
+
+    dog = LiveWatchdog(registry, WatchdogPolicy(min_draft_tokens=2000, min_intervals=3, window_s=60),
+                       status_path=tmp_path / "dog.json", progress=lambda m: None)
+    now = time.time()
+    log_live(registry, "1", [0.42, 0.41, 0.43, 0.42], now - 100)      # version 1 while it was champion
+    registry.register_candidate(make_candidate(tmp_path / "c", tmp_path / "base"))
+    force_promote(registry, "2")
+    registry.log_version_metrics("2", {"gate_predicted_live_acceptance": 0.631})
+    promoted = time.time()
+    log_live(registry, "2", [0.45, 0.44, 0.46, 0.45], promoted + 1)   # far below 0.631, above version 1
+    v = dog.check()
+    assert v.action == "ok" and v.gate_figure == pytest.approx(0.631) and v.previous_live == pytest.approx(0.42, abs=0.01)
+    assert registry.champion() == "2"
+    log_live(registry, "2", [0.30, 0.29, 0.31, 0.30], promoted + 70)  # now worse than version 1 too: rolled back
+    v = dog.check()
+    assert v.action == "rolled back" and registry.champion() == "1"
+    reason = registry.get("2").tags["draftsmith.rollback_reason"]
+    assert "below version 1's" in reason and "gate figure" not in reason
+
+
 def test_watchdog_with_nothing_to_roll_back_to_records_the_finding(registry, tmp_path):
     from deploy.scheduler import LiveWatchdog, WatchdogPolicy
 
