@@ -36,7 +36,12 @@ assuming: `ModeChooser` is an epsilon-greedy bandit over the candidate modes on 
   re-measured often; a far one needs a large gain first, and each request sent to it costs the gap. In the
   thirty-eighth session's online run a flat 10% sent 104 of 1,000 requests to the draft at 18-19 tok/s against
   23-30 on the heads (docs/benchmarks.md); at that gap (about 0.7x) the share is now under 3%. A loser at half
-  the speed or less is still tried about once in 50 requests.
+  the speed or less is still tried about once in 50 requests. That shrinking waits until the loser's figures in
+  the key that decides are steady (STEADY observations); before, the loser gets the full EXPLORE share. Its
+  figures are otherwise the warm-up's few requests, which a new version's controller serves cautiously (it drafts
+  only where drafting pays at the pessimistic end of an estimate without evidence, serving/controller.py): in the
+  forty-first session's online run the heads' 4 warm-up requests ran at 18 tok/s, and at the 2% share they then
+  got, their next 2 requests, at 32.5 tok/s, came 300 s later (docs/benchmarks.md).
 - Figures taken while a job beside serving held cores are kept apart (`busy`: the replica yields those cores,
   serving/contention.py; a request counts as busy when it ran more than half its time so, `beside_jobs_s`). A
   loser's figures are renewed only by its exploration share, so they trail the winner's: when a job starts, the
@@ -71,6 +76,7 @@ WINDOW = 24                 # the latest observations per candidate and key that
 EXPLORE = 0.1               # the share of decided requests sent to a loser as fast as the fastest candidate
 EXPLORE_GAP = 0.4           # a loser this much slower (relative) or more gets only EXPLORE_FLOOR of that share
 EXPLORE_FLOOR = 0.2         # so a loser at any speed is still re-measured now and then (0.02 of the requests)
+STEADY = WINDOW // 2        # a loser's figures count as steady from this many observations (the gap shrinks its share)
 MAX_LABELS = 64             # labelled keys kept per bucket (the oldest label is forgotten past it)
 
 
@@ -136,24 +142,25 @@ class ModeChooser:
             arms = self._keys[key] = {m: _Arm() for m in self.candidates}
         return arms
 
-    def _decided(self, arms: dict[str, _Arm] | None) -> dict[str, float] | None:
+    def _decided(self, arms: dict[str, _Arm] | None) -> dict[str, tuple[float, int]] | None:
+        """Each candidate's (rate, observations in the window) where every one has MIN_OBSERVATIONS, else None."""
         if arms is None:
             return None
         rates = {m: a.rate() for m, a in arms.items()}
         if any(len(a.obs) < self.min_observations or rates[m] is None for m, a in arms.items()):
             return None
-        return rates
+        return {m: (rates[m], len(a.obs)) for m, a in arms.items()}
 
-    def _merged(self, bucket: str) -> dict[str, float]:
-        """Each candidate's rate over the bucket's pool of both states: where neither state has MIN_OBSERVATIONS
-        of every candidate (warm-up counts both)."""
-        rates = {}
+    def _merged(self, bucket: str) -> dict[str, tuple[float, int]]:
+        """Each candidate's (rate, observations) over the bucket's pool of both states: where neither state has
+        MIN_OBSERVATIONS of every candidate (warm-up counts both)."""
+        out = {}
         for m in self.candidates:
             obs = [o for st in (QUIET, BUSY) if (bucket, "", st) in self._keys
                    for o in self._keys[(bucket, "", st)][m].obs]
             s = sum(sec for _, sec in obs)
-            rates[m] = sum(t for t, _ in obs) / s if s > 0 else 0.0
-        return rates
+            out[m] = (sum(t for t, _ in obs) / s if s > 0 else 0.0, len(obs))
+        return out
 
     def choose(self, temperature: float, label: str = "", busy: bool = False) -> tuple[str, str]:
         """(mode, why) for a request: why is "warmup", "fastest" or "explore". `busy`: a job beside serving holds
@@ -171,10 +178,12 @@ class ModeChooser:
             else:
                 order = ([(bucket, label, state), (bucket, label, other)] if label else []) + \
                     [(bucket, "", state), (bucket, "", other)]
-                rates = next((r for r in (self._decided(self._keys.get(k)) for k in order) if r is not None), None) \
-                    or self._merged(bucket)
-                best = max(self.candidates, key=lambda m: rates[m])
-                shares = {m: explore_share(self.explore, rates[m], rates[best]) for m in self.candidates if m != best}
+                figures = next((r for r in (self._decided(self._keys.get(k)) for k in order) if r is not None),
+                               None) or self._merged(bucket)
+                best = max(self.candidates, key=lambda m: figures[m][0])
+                # a loser measured on fewer than STEADY requests keeps the full share (module docstring)
+                shares = {m: explore_share(self.explore, figures[m][0], figures[best][0]) if figures[m][1] >= STEADY
+                          else self.explore for m in self.candidates if m != best}
                 # the nearest loser's share is the total; each loser's part is in proportion to its own
                 total = max(shares.values())
                 if total and self.rng.random() < total:

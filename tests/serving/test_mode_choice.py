@@ -9,8 +9,8 @@ import httpx
 import pytest
 
 from serving.config import SamplingParams
-from serving.mode_choice import (EXPLORE_FLOOR, EXPLORE_GAP, MAX_LABELS, MIN_OBSERVATIONS, MIN_TOKENS, WINDOW,
-                                 ModeChooser, explore_share)
+from serving.mode_choice import (EXPLORE_FLOOR, EXPLORE_GAP, MAX_LABELS, MIN_OBSERVATIONS, MIN_TOKENS, STEADY,
+                                 WINDOW, ModeChooser, explore_share)
 from tests.api_helpers import LiveServer
 from tests.serving.test_medusa_mode import _Contended, _service, heads_dir, pair  # noqa: F401 - fixtures
 
@@ -82,15 +82,33 @@ def test_the_explore_share_to_the_slower_candidate_shrinks_with_its_gap(loser, s
     assert explore_share(0.25, loser, 30.0) == pytest.approx(share)
     ch = ModeChooser(C, explore=0.25, rng=random.Random(7))
     feed(ch, "medusa", 30.0, MIN_OBSERVATIONS)
-    feed(ch, "mjsd", loser, MIN_OBSERVATIONS)
+    feed(ch, "mjsd", loser, STEADY)
     assert share - 0.025 < _explored(ch) < share + 0.025
+
+
+def test_a_loser_measured_on_few_requests_keeps_the_full_share():
+    """A loser's figures from the warm-up alone (a new version's cautious first requests) do not shrink its share:
+    it gets EXPLORE until it has STEADY observations where the choice is decided, then the share its gap gives."""
+    ch = ModeChooser(C, explore=0.25, rng=random.Random(5))
+    feed(ch, "mjsd", 30.0, WINDOW)
+    feed(ch, "medusa", 15.0, MIN_OBSERVATIONS)                     # half the speed, on 4 requests
+    share = _explored_by(ch, "medusa")
+    assert 0.225 < share < 0.275
+    feed(ch, "medusa", 15.0, STEADY - MIN_OBSERVATIONS)            # steady now: the floor
+    assert 0.25 * EXPLORE_FLOOR - 0.02 < _explored_by(ch, "medusa") < 0.25 * EXPLORE_FLOOR + 0.02
+
+
+def _explored_by(ch: ModeChooser, loser: str, n: int = 4000) -> float:
+    picks = [ch.choose(0.0) for _ in range(n)]
+    assert all(m == loser for m, why in picks if why == "explore")
+    return sum(why == "explore" for _, why in picks) / n
 
 
 def test_explore_shares_of_several_losers_follow_their_gaps():
     # the nearest loser's share is the total, split in proportion to each loser's own share
     ch = ModeChooser(("medusa", "mjsd", "eagle"), explore=0.2, rng=random.Random(3))
     for mode, rate in (("medusa", 30.0), ("mjsd", 30.0 * (1 - EXPLORE_GAP / 2)), ("eagle", 10.0)):
-        feed(ch, mode, rate, MIN_OBSERVATIONS)
+        feed(ch, mode, rate, STEADY)
     picks = [ch.choose(0.0) for _ in range(6000)]
     counts = {m: sum(1 for p, why in picks if p == m and why == "explore") for m in ("mjsd", "eagle", "medusa")}
     assert counts["medusa"] == 0
