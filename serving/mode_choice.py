@@ -40,8 +40,9 @@ assuming: `ModeChooser` is an epsilon-greedy bandit over the candidate modes on 
   the key that decides are steady (STEADY observations); before, the loser gets the full EXPLORE share. Its
   figures are otherwise the warm-up's few requests, which a new version's controller serves cautiously (it drafts
   only where drafting pays at the pessimistic end of an estimate without evidence, serving/controller.py): in the
-  forty-first session's online run the heads' 4 warm-up requests ran at 18 tok/s, and at the 2% share they then
-  got, their next 2 requests, at 32.5 tok/s, came 300 s later (docs/benchmarks.md).
+  forty-first session's online run the heads' first requests ran at 9-12 tok/s (18 tok/s of their own time, to the
+  draft's 29), and at the 2% share they then got, their next 2 requests, at 32.5 tok/s of their own time, came
+  at 325 and 348 s; the heads took the traffic only at 900 s (docs/results/online-2026-12-01-fortyfirst-busy/).
 - Figures taken while a job beside serving held cores are kept apart (`busy`: the replica yields those cores,
   serving/contention.py; a request counts as busy when it ran more than half its time so, `beside_jobs_s`). A
   loser's figures are renewed only by its exploration share, so they trail the winner's: when a job starts, the
