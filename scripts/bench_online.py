@@ -427,10 +427,11 @@ def _heads_loop(args) -> bool:
     return getattr(args, "distilled", "heads" if args.heads else "draft") == "heads"
 
 
-def registry_state(env: dict, args) -> tuple[list[dict], list[dict]]:
+def registry_state(env: dict, args, heads: bool | None = None) -> tuple[list[dict], list[dict]]:
     """(every version with its kind, parent, adapter chain depth and gate figures; the registry's history)
-    of the registry the served default drafts from (the heads' with --medusa-heads, else the draft's),
-    read through the project's Registry in a subprocess (the run's data dir and store)."""
+    of the registry the loop distilled (`heads`: the heads' registry, else the draft's; default: the kind
+    distilled last), read through the project's Registry in a subprocess (the run's data dir and store)."""
+    heads = _heads_loop(args) if heads is None else heads
     code = ("import json,sys; from deploy.registry import Registry, heads_registry\n"
             f"JOB_FIGURES = {JOB_FIGURES!r}\n"
             "r = heads_registry(sys.argv[1] or None, 'medusa') if sys.argv[2] else Registry(sys.argv[1] or None)\n"
@@ -452,13 +453,28 @@ def registry_state(env: dict, args) -> tuple[list[dict], list[dict]]:
             " 'gate_sample': sample(v), 'job': {k: v.metrics.get(k) for k in JOB_FIGURES}}"
             " for v in vs.values()]))\n"
             "print(json.dumps(r.history()))\n")
-    res = subprocess.run([sys.executable, "-c", code, args.target or "", "1" if _heads_loop(args) else ""], env=env,
+    res = subprocess.run([sys.executable, "-c", code, args.target or "", "1" if heads else ""], env=env,
                          cwd=ROOT, capture_output=True, text=True)
     if res.returncode != 0:
         log(f"could not read the registry: {res.stderr.strip()[-300:]}")
         return [], []
     lines = res.stdout.strip().splitlines()
     return json.loads(lines[-2]), json.loads(lines[-1])
+
+
+def both_kinds(env: dict, args, versions: list[dict], events: list[tuple[float, str]], t0: float
+               ) -> tuple[list[dict], list[dict]]:
+    """Where the schedule moved between the kinds during the run (`args.kind_moves`), both registries' versions
+    and events, each named by its kind ("draft v2 champion", version "heads 2"); else the ones given."""
+    if not getattr(args, "kind_moves", 0) or not args.heads:
+        return versions, events
+    last = "heads" if _heads_loop(args) else "draft"
+    other = "draft" if last == "heads" else "heads"
+    ov, oh = registry_state(env, args, heads=other == "heads")
+    named = [{**v, "version": f"{other} {v['version']}"} for v in ov] + \
+        [{**v, "version": f"{last} {v['version']}"} for v in versions]
+    moves = [(t, f"{other} {e}") for t, e in registry_events(oh, t0)] + [(t, f"{last} {e}") for t, e in events]
+    return named, sorted(moves)
 
 
 def evaluate_versions(env: dict, args, events: list[tuple[float, str]], out: Path) -> dict | None:
@@ -948,7 +964,8 @@ def main(argv=None) -> int:
     args.kind_moves = distill_log.read_text(errors="replace").count(" from now on")
     versions, history = registry_state(env, args)
     events = registry_events(history, traffic.t0)
-    version_eval = evaluate_versions(env, args, events, out) if args.eval_prompts > 0 else None
+    version_eval = evaluate_versions(env, args, events, out) if args.eval_prompts > 0 else None   # the last kind's
+    versions, events = both_kinds(env, args, versions, events, traffic.t0)
     with open(out / "responses.jsonl", "w") as f:
         for r in sorted(traffic.records, key=lambda r: r["t"]):
             f.write(json.dumps(r) + "\n")

@@ -277,3 +277,29 @@ def test_the_per_drafter_reading_separates_learning_from_routing(tmp_path):
     assert row["own"]["requests"] == 30 and row["own"]["earlier_drop_worst"] == pytest.approx(0.0)
     assert row["own"]["all_met_300s"] is True and row["all_met_300s"] is False
     assert "distilled kind's requests alone" in (tmp_path / "t.md").read_text()
+
+
+def test_a_run_whose_schedule_moved_reports_both_kinds_versions_and_promotions(monkeypatch):
+    """The forty-first session's run: the schedule distilled the draft (v2-v4), then moved to the heads (v2). The
+    summary lists both registries' versions and promotions, each named by its kind; a run that did not move keeps
+    the one registry's, unnamed."""
+    import argparse
+
+    import scripts.bench_online as bo
+
+    seen = []
+
+    def fake_state(env, args, heads=None):
+        seen.append(heads)
+        return [{"version": "1", "depth": 0}, {"version": "2", "depth": 1}], [
+            {"action": "promote", "version": "2", "time": 1100.0}, {"action": "promote", "version": "3", "time": 900.0}]
+
+    monkeypatch.setattr(bo, "registry_state", fake_state)
+    args = argparse.Namespace(heads="h", distilled="heads", kind_moves=1)
+    versions, events = bo.both_kinds({}, args, [{"version": "1", "depth": 0}], [(1500.0, "v2 champion")], 1000.0)
+    assert seen == [False]                                        # the other kind's registry: the draft's
+    assert [v["version"] for v in versions] == ["draft 1", "draft 2", "heads 1"]
+    assert events == [(100.0, "draft v2 champion"), (1500.0, "heads v2 champion")]   # before t0: left out
+    args.kind_moves = 0
+    assert bo.both_kinds({}, args, [{"version": "1"}], [(5.0, "v2 champion")], 0.0) == ([{"version": "1"}],
+                                                                                       [(5.0, "v2 champion")])
