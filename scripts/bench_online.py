@@ -776,6 +776,17 @@ def _run_args(old: dict) -> argparse.Namespace:
     return args
 
 
+def _score(tg: dict, failed: int) -> dict:
+    """The issue's targets of one reading (`targets`' figures) and whether all are met, under either gain reading."""
+    drop = tg.get("earlier_category_drop_worst")
+    ok = not failed and (tg.get("tokens_per_s_ratio") or 0) >= 1.2 and drop is not None and drop <= 0.03
+    return {"gain_300s": tg.get("acceptance_gain_late"), "gain_rolling": tg.get("acceptance_gain_rolling"),
+            "start_rolling": tg.get("start_rolling_acceptance"), "end_rolling": tg.get("end_rolling_acceptance"),
+            "tokens_per_s_ratio": tg.get("tokens_per_s_ratio"), "earlier_drop_worst": drop,
+            "all_met_300s": ok and (tg.get("acceptance_gain_late") or 0) >= 0.15,
+            "all_met_rolling": ok and (tg.get("acceptance_gain_rolling") or 0) >= 0.15}
+
+
 def _own_reading(records: list[dict], args, kind: str, failed: int) -> dict | None:
     """The issue's targets on the requests of the distilled kind's mode alone (None unless the replicas chose
     per request, or when that mode served none of the new category); `failed`: the run's failed requests."""
@@ -785,14 +796,8 @@ def _own_reading(records: list[dict], args, kind: str, failed: int) -> dict | No
     tg = targets(rs, args)
     if not tg.get("new_category"):
         return None
-    speed = (tg.get("tokens_per_s_ratio") or 0) >= 1.2
-    drop = tg.get("earlier_category_drop_worst")
-    ok = not failed and speed and drop is not None and drop <= 0.03
     return {"requests": len(rs), "new_category_requests": len([r for r in rs if r["category"] == tg["new_category"]]),
-            "gain_300s": tg.get("acceptance_gain_late"), "gain_rolling": tg.get("acceptance_gain_rolling"),
-            "tokens_per_s_ratio": tg.get("tokens_per_s_ratio"), "earlier_drop_worst": drop,
-            "all_met_300s": ok and (tg.get("acceptance_gain_late") or 0) >= 0.15,
-            "all_met_rolling": ok and (tg.get("acceptance_gain_rolling") or 0) >= 0.15}
+            **_score(tg, failed)}
 
 
 def rescore(out_md: Path, runs: list[Path]) -> int:
@@ -809,21 +814,14 @@ def rescore(out_md: Path, runs: list[Path]) -> int:
             continue
         records = [json.loads(line) for line in (run / "responses.jsonl").read_text().splitlines() if line.strip()]
         tg = targets(records, args)
-        speed = (tg.get("tokens_per_s_ratio") or 0) >= 1.2
-        forget = tg.get("earlier_category_drop_worst") is not None and tg["earlier_category_drop_worst"] <= 0.03
-        ok = not old.get("failed_requests") and speed and forget
         kind = old["args"].get("distilled") or ("heads" if old["args"].get("heads") and not old["args"].get("no_heads")
                                                 else "draft")
+        failed = old.get("failed_requests") or 0
         rows.append({"run": run.name, "kind": kind, "requests": len(records), "failed": old.get("failed_requests"),
                      "new_category_requests": len([r for r in records if r["category"] == tg.get("new_category")]),
-                     "gain_300s": tg.get("acceptance_gain_late"), "gain_rolling": tg.get("acceptance_gain_rolling"),
-                     "start_rolling": tg.get("start_rolling_acceptance"), "end_rolling": tg.get("end_rolling_acceptance"),
-                     "tokens_per_s_ratio": tg.get("tokens_per_s_ratio"),
-                     "earlier_drop_worst": tg.get("earlier_category_drop_worst"),
-                     "all_met_300s": ok and (tg.get("acceptance_gain_late") or 0) >= 0.15,
-                     "all_met_rolling": ok and (tg.get("acceptance_gain_rolling") or 0) >= 0.15,
+                     **_score(tg, failed),
                      # the distilled kind's requests alone, where the replicas chose between heads and draft
-                     "own": _own_reading(records, args, kind, old.get("failed_requests") or 0)})
+                     "own": _own_reading(records, args, kind, failed)})
     lines = ["| run | drafting with | requests (new category) | gain, first/last 300 s | rolling-20: first -> last "
              "(gain) | tokens/s ratio | earlier category's worst drop | failed | all targets (300 s / rolling) |",
              "|---|---|---:|---:|---|---:|---:|---:|---|"]

@@ -105,8 +105,13 @@ class _Arm:
     routed: int = 0                                                       # requests chosen for it ever
 
     def rate(self) -> float | None:
-        s = sum(sec for _, sec in self.obs)
-        return sum(t for t, _ in self.obs) / s if self.obs and s > 0 else None
+        return token_rate(self.obs)
+
+
+def token_rate(obs) -> float | None:
+    """The token-weighted rate of (tokens, seconds) observations; None without any time."""
+    s = sum(sec for _, sec in obs)
+    return sum(t for t, _ in obs) / s if s > 0 else None
 
 
 class ModeChooser:
@@ -152,16 +157,15 @@ class ModeChooser:
             return None
         return {m: (rates[m], len(a.obs)) for m, a in arms.items()}
 
+    def _pool(self, bucket: str, mode: str) -> list:
+        """`mode`'s observations in the bucket's pool of both states."""
+        return [o for st in (QUIET, BUSY) if (bucket, "", st) in self._keys
+                for o in self._keys[(bucket, "", st)][mode].obs]
+
     def _merged(self, bucket: str) -> dict[str, tuple[float, int]]:
         """Each candidate's (rate, observations) over the bucket's pool of both states: where neither state has
         MIN_OBSERVATIONS of every candidate (warm-up counts both)."""
-        out = {}
-        for m in self.candidates:
-            obs = [o for st in (QUIET, BUSY) if (bucket, "", st) in self._keys
-                   for o in self._keys[(bucket, "", st)][m].obs]
-            s = sum(sec for _, sec in obs)
-            out[m] = (sum(t for t, _ in obs) / s if s > 0 else 0.0, len(obs))
-        return out
+        return {m: (token_rate(obs) or 0.0, len(obs)) for m in self.candidates for obs in [self._pool(bucket, m)]}
 
     def choose(self, temperature: float, label: str = "", busy: bool = False) -> tuple[str, str]:
         """(mode, why) for a request: why is "warmup", "fastest" or "explore". `busy`: a job beside serving holds
@@ -169,9 +173,7 @@ class ModeChooser:
         bucket = bucket_of(temperature)
         state, other = (BUSY, QUIET) if busy else (QUIET, BUSY)
         with self._lock:
-            seen = {m: sum(len(self._keys[(bucket, "", st)][m].obs) for st in (QUIET, BUSY)
-                           if (bucket, "", st) in self._keys) for m in self.candidates}
-            short = [m for m in self.candidates if seen[m] < self.min_observations]
+            short = [m for m in self.candidates if len(self._pool(bucket, m)) < self.min_observations]
             if short:
                 # by requests routed, not observed: concurrent requests are routed before the first ends
                 mode = min(short, key=lambda m: self._routed.get((bucket, m), 0))

@@ -265,7 +265,8 @@ class BatchScheduler:
         self._retire_gone()
         self._admit()
         self._busy = self.contention.busy_cores() if self.contention is not None else 0
-        running, t_round = self.prefilling + self.batch + self.solo + self.trees, time.perf_counter()
+        running = (self.prefilling + self.batch + self.solo + self.trees) if self._busy else ()
+        t_round = time.perf_counter()
         with self._threads(self._capped(torch.get_num_threads())):
             if self.prefilling:
                 with self._prefill_threads():
