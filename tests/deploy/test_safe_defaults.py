@@ -670,13 +670,14 @@ def test_a_replica_freezes_its_startup_heap_once(monkeypatch):
     assert svc.ServiceSettings().gc_freeze is True
     monkeypatch.setenv("DRAFTSMITH_GC_FREEZE", "0")
     assert svc.settings_from_env().gc_freeze is False
-    monkeypatch.setattr(svc, "_heap_frozen", False)
+    monkeypatch.setattr(svc, "_heap_frozen", 0)
     probe = [object()]                                   # a container alive at start
     try:
         n = svc.freeze_startup_heap()
         assert n > 0 and not any(o is probe for o in gc.get_objects())
         later = [object()]
-        assert svc.freeze_startup_heap() == n            # once per process
+        assert svc.freeze_startup_heap() == n            # once per process: the count frozen at start,
+        assert gc.get_freeze_count() <= n                # and nothing new frozen (frozen objects may die since)
         assert any(o is later for o in gc.get_objects())
     finally:
         gc.unfreeze()
