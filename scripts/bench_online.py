@@ -154,6 +154,13 @@ class Traffic:
                     "draft_tokens": sd.get("draft_tokens") or 0, "accepted_tokens": sd.get("accepted_tokens") or 0,
                     "steps": sd.get("steps"), "zero_draft_steps": sd.get("zero_draft_steps"),
                     "ngram_steps": sd.get("ngram_steps"), "completion_tokens": toks,
+                    # the first drafted position's acceptances (steps that accepted >= 1 token): a reading of the
+                    # drafter that does not move with how far the controller drafts (`first_position_acceptance`)
+                    "accepted_first": (sd.get("accepted_per_position") or [None])[0],
+                    # the request's own time and its waits (serving/service.py `record`: what the chooser counts)
+                    "wall_time_s": sd.get("wall_time_s"), "other_steps_s": sd.get("other_steps_s"),
+                    "beside_jobs_s": sd.get("beside_jobs_s"), "shared_steps": sd.get("shared_steps"),
+                    "shared_steps_s": sd.get("shared_steps_s"), "own_steps_s": sd.get("own_steps_s"),
                     "latency_s": round(done - t, 3), "tokens_per_s": round(toks / max(done - t, 1e-6), 2)})
 
     def start(self) -> None:
@@ -238,6 +245,15 @@ def acceptance(rs: list[dict]) -> float | None:
     return sum(r["accepted_tokens"] for r in rs) / drafted if drafted else None
 
 
+def first_position_acceptance(rs: list[dict]) -> float | None:
+    """Of the steps that drafted, the share whose first drafted token the target accepted (None without the
+    per-position counts). Accepted / proposed falls as the adaptive controller drafts further on a better
+    drafter; this reading does not depend on how far it drafts."""
+    rs = [r for r in rs if r.get("accepted_first") is not None and r.get("steps")]
+    drafting = sum(r["steps"] - (r.get("zero_draft_steps") or 0) for r in rs)
+    return sum(r["accepted_first"] for r in rs) / drafting if drafting > 0 else None
+
+
 def tokens_per_s(rs: list[dict]) -> float | None:
     """Mean per-request tokens/s (each request's completion tokens over its latency)."""
     return sum(r["tokens_per_s"] for r in rs) / len(rs) if rs else None
@@ -250,6 +266,19 @@ def rolling(rs: list[dict], window: int, fn) -> list[tuple[float, float]]:
         if v is not None and i + 1 >= min(window, len(rs)):
             out.append((rs[i]["t"], v))
     return out
+
+
+def save_choice(url: str, out: Path) -> None:
+    """The replica's drafter choice at the end of the traffic (/health `auto_choice`: each drafter's figures per
+    label and state, and how many requests went by warm-up, speed and exploration) to `out`/choice.json; a
+    service without the choice, or one that does not answer, writes nothing."""
+    try:
+        choice = httpx.get(f"{url}/health", timeout=10).json().get("auto_choice")
+    except (httpx.HTTPError, ValueError) as e:
+        log(f"no drafter choice read from /health: {e}")
+        return
+    if choice:
+        (out / "choice.json").write_text(json.dumps(choice, indent=1))
 
 
 def between(rs: list[dict], lo: float, hi: float) -> list[dict]:
@@ -271,7 +300,7 @@ def step_figures(rs: list[dict]) -> dict:
             "drafted_per_step": sum(r["draft_tokens"] for r in rs) / steps,
             "accepted_per_step": sum(r["accepted_tokens"] for r in rs) / steps,
             "plain_step_share": sum(r.get("zero_draft_steps") or 0 for r in rs) / steps,
-            "acceptance": acceptance(rs)}
+            "first_position_acceptance": first_position_acceptance(rs), "acceptance": acceptance(rs)}
 
 
 def window_rows(records: list[dict], window_s: float) -> list[dict]:
@@ -352,6 +381,8 @@ def targets(records: list[dict], args) -> dict:
             out["end_rolling_acceptance"] = acceptance(within[-args.window:])
             if out["start_rolling_acceptance"] is not None and out["end_rolling_acceptance"] is not None:
                 out["acceptance_gain_rolling"] = out["end_rolling_acceptance"] - out["start_rolling_acceptance"]
+        out["early_first_position"] = first_position_acceptance(early)
+        out["late_first_position"] = first_position_acceptance(late)
         out["early_tokens_per_s"] = tokens_per_s(early)
         out["late_tokens_per_s"] = tokens_per_s(late)
         if out["early_acceptance"] is not None and out["late_acceptance"] is not None:
@@ -594,6 +625,8 @@ def write_summary(out: Path, records: list[dict], errors: list[dict], events, ve
         f"| {tg.get('new_category', '-')}: acceptance last {args.early_s:.0f} s within 30 min ({tg.get('late_requests', 0)} requests) | "
         f"{fmt(tg.get('late_acceptance'))} | |",
         f"| gain (last - first {args.early_s:.0f} s) | {fmt(gain)} | >= +0.15 {'met' if gain is not None and gain >= 0.15 else 'MISSED'} |",
+        f"| first drafted token accepted, first / last {args.early_s:.0f} s (independent of draft length) | "
+        f"{fmt(tg.get('early_first_position'))} / {fmt(tg.get('late_first_position'))} | (for reference) |",
         f"| rolling-{args.window} acceptance: first window / last window within 30 min | "
         f"{fmt(tg.get('start_rolling_acceptance'))} / {fmt(tg.get('end_rolling_acceptance'))} | |",
         f"| gain, the issue's reading (last - first rolling-{args.window} window) | {fmt(tg.get('acceptance_gain_rolling'))} | "
@@ -625,11 +658,13 @@ def write_summary(out: Path, records: list[dict], errors: list[dict], events, ve
                      f"{fmt(job.get('hidden_state_seconds'), 1)} | {ep} | {hits} |")
     lines += ["", f"## Per {args.early_s:.0f}-s window", "",
               "| category | window (s) | requests | tokens/s per request | ms per step | drafted per step | "
-              "accepted per step | plain steps |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+              "accepted per step | plain steps | first drafted token accepted |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for w in windows:
         lines.append(f"| {w['category']} | {w['from_s']:.0f}-{w['to_s']:.0f} | {w['requests']} | "
                      f"{fmt(w['tokens_per_s'], 1)} | {w['ms_per_step']:.0f} | {w['drafted_per_step']:.2f} | "
-                     f"{w['accepted_per_step']:.2f} | {w['plain_step_share']:.0%} |")
+                     f"{w['accepted_per_step']:.2f} | {w['plain_step_share']:.0%} | "
+                     f"{fmt(w.get('first_position_acceptance'))} |")
     if jobs:
         busy = sum(min(j["end"], args.duration) - max(j["start"], 0.0) for j in jobs if j["end"] > 0)
         lines += ["", f"## Serving beside distillation jobs ({len(jobs)} jobs, running {busy:.0f} s of "
@@ -947,6 +982,7 @@ def main(argv=None) -> int:
                     f"{len(traffic.errors)} failed, acceptance last minute {fmt(acceptance(recent))}, "
                     f"versions seen {sorted({r['draft_version'] for r in recent})}")
         traffic.join()
+        save_choice(url, out)
         t_drain = time.time()
         drained = drain(distill_log, args.drain)
         drain_s = round(time.time() - t_drain, 1)

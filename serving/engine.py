@@ -176,6 +176,11 @@ class GenerationStats:
     # batched serving: the part of wall_time_s the replica ran on fewer threads because jobs beside serving held
     # cores (serving/contention.py); serving/mode_choice.py keeps figures of such requests apart
     beside_jobs_s: float = 0.0
+    # batched serving: the steps this request took in a pass shared with other requests' rows (its own kind's
+    # batch), and the time of those passes; serving/mode_choice.py compares drafters on steps taken alone
+    shared_steps: int = 0
+    shared_steps_s: float = 0.0
+    own_steps_s: float = 0.0       # the time of every pass it stepped in (alone or shared)
     energy_j: float | None = None
     energy_reason: str | None = None
     # a seeded sampled adaptive request: the digest of the cost profile it planned with (Engine.calibrate;

@@ -51,6 +51,15 @@ assuming: `ModeChooser` is an epsilon-greedy bandit over the candidate modes on 
   requests at 1,100-1,200 s), at accepted / proposed 0.49-0.52 against the heads' 0.68-0.73 (docs/benchmarks.md).
   So every comparison is between figures of one state: the request's own state where every candidate has
   MIN_OBSERVATIONS there, else the other state's (both taken between jobs, or both beside one).
+- Figures are kept apart by company too (`ALONE` / `SHARED`). A request's own time still differs with its company:
+  the drafter that wins steps in its own kind's batch (two rows in one pass cost more than one), while the
+  explored one steps as the only row of its pass. Measured so, the loser's figure was a one-row pass against the
+  winner's two-row one. In the forty-second session's online run on an AVX2 host, the heads got 59 of the 114
+  requests on the known traffic at 7.8 tok/s a request against the draft's 10.2-12.8 (docs/benchmarks.md). The
+  replica counts each request's steps in a shared pass and their time (`GenerationStats.shared_steps`,
+  `shared_steps_s`); the chooser splits the request's tokens between the companies in proportion to its steps, its
+  pass time as measured (its time outside any pass, its prefill, in proportion to steps), and compares steps taken alone first (the loser's exploration and the winner's requests
+  beside it renew both), then shared steps, in each state and key order above.
 - A drafter that changes is measured again (`forget`): when a replica hot-swaps a promoted version of the heads or
   of the draft, that candidate's figures are dropped everywhere and it warms up again (MIN_OBSERVATIONS requests).
   Its old figures measured another model. On an fp32 host in the thirty-ninth session the draft won the warm-up,
@@ -96,6 +105,7 @@ def bucket_of(temperature: float) -> str:
 
 
 QUIET, BUSY = "quiet", "busy"    # figures taken between jobs / while a job beside serving held cores
+ALONE, SHARED = "alone", "shared"    # steps a request took as the only row of its pass / in its kind's batch
 
 
 @dataclass
@@ -131,13 +141,15 @@ class ModeChooser:
         self.min_observations = min_observations
         self.rng = rng or random.Random()
         self._lock = threading.Lock()
-        self._keys: dict[tuple[str, str, str], dict[str, _Arm]] = {}      # (bucket, label, state) -> arms
+        # (bucket, label, state, company) -> arms
+        self._keys: dict[tuple[str, str, str, str], dict[str, _Arm]] = {}
         self._routed: dict[tuple[str, str], int] = {}                       # (bucket, mode) -> requests routed
+        self._counted: dict[tuple[str, str], int] = {}                      # (bucket, mode) -> requests counted
         self._chosen = {"warmup": 0, "fastest": 0, "explore": 0}
         self._forgotten = {m: 0 for m in self.candidates}    # times a candidate's figures were dropped (`forget`)
         self._cold = set(self.candidates) if discard_cold else set()    # whose first request is still to come
 
-    def _arms(self, key: tuple[str, str, str]) -> dict[str, _Arm]:
+    def _arms(self, key: tuple[str, str, str, str]) -> dict[str, _Arm]:
         arms = self._keys.get(key)
         if arms is None:
             labelled = [k for k in self._keys if k[0] == key[0] and k[1]]
@@ -157,15 +169,20 @@ class ModeChooser:
             return None
         return {m: (rates[m], len(a.obs)) for m, a in arms.items()}
 
-    def _pool(self, bucket: str, mode: str) -> list:
-        """`mode`'s observations in the bucket's pool of both states."""
-        return [o for st in (QUIET, BUSY) if (bucket, "", st) in self._keys
-                for o in self._keys[(bucket, "", st)][mode].obs]
+    def _pool(self, bucket: str, mode: str, company: tuple[str, ...] = (ALONE, SHARED)) -> list:
+        """`mode`'s observations in the bucket's pool of both states (of the given companies)."""
+        return [o for st in (QUIET, BUSY) for co in company if (bucket, "", st, co) in self._keys
+                for o in self._keys[(bucket, "", st, co)][mode].obs]
+
+    def _seen(self, bucket: str, mode: str) -> int:
+        """Requests of `mode` counted in the bucket since its figures were last dropped (one request can add a
+        step-share to both companies)."""
+        return self._counted.get((bucket, mode), 0)
 
     def _merged(self, bucket: str) -> dict[str, tuple[float, int]]:
-        """Each candidate's (rate, observations) over the bucket's pool of both states: where neither state has
-        MIN_OBSERVATIONS of every candidate (warm-up counts both)."""
-        return {m: (token_rate(obs) or 0.0, len(obs)) for m in self.candidates for obs in [self._pool(bucket, m)]}
+        """Each candidate's (rate, observations) over the bucket's pool of both states and companies: where no key
+        has MIN_OBSERVATIONS of every candidate (warm-up counts them all)."""
+        return {m: (token_rate(self._pool(bucket, m)) or 0.0, self._seen(bucket, m)) for m in self.candidates}
 
     def choose(self, temperature: float, label: str = "", busy: bool = False) -> tuple[str, str]:
         """(mode, why) for a request: why is "warmup", "fastest" or "explore". `busy`: a job beside serving holds
@@ -173,14 +190,16 @@ class ModeChooser:
         bucket = bucket_of(temperature)
         state, other = (BUSY, QUIET) if busy else (QUIET, BUSY)
         with self._lock:
-            short = [m for m in self.candidates if len(self._pool(bucket, m)) < self.min_observations]
+            short = [m for m in self.candidates if self._seen(bucket, m) < self.min_observations]
             if short:
                 # by requests routed, not observed: concurrent requests are routed before the first ends
                 mode = min(short, key=lambda m: self._routed.get((bucket, m), 0))
                 why = "warmup"
             else:
-                order = ([(bucket, label, state), (bucket, label, other)] if label else []) + \
-                    [(bucket, "", state), (bucket, "", other)]
+                # steps taken alone first: the explored drafter runs as the only row of its pass, the winner
+                # mostly in its own kind's batch (module docstring, "company")
+                order = [(bucket, lb, st, co) for lb in ([label, ""] if label else [""]) for st in (state, other)
+                         for co in (ALONE, SHARED)]
                 figures = next((r for r in (self._decided(self._keys.get(k)) for k in order) if r is not None),
                                None) or self._merged(bucket)
                 best = max(self.candidates, key=lambda m: figures[m][0])
@@ -200,21 +219,31 @@ class ModeChooser:
             return mode, why
 
     def observe(self, mode: str, temperature: float, label: str, tokens: int, seconds: float,
-                busy: bool = False) -> bool:
+                busy: bool = False, shared_share: float = 0.0, shared_s: float = 0.0) -> bool:
         """Count one finished request routed by `choose`; returns whether it counted (a known mode, at least
         MIN_TOKENS tokens, a positive time, not a candidate's cold first request under `discard_cold`). `busy`: it
-        ran mostly while a job beside serving held cores."""
+        ran mostly while a job beside serving held cores. `shared_share` of its steps, taking `shared_s` of its
+        `seconds`, were in a pass shared with other requests' rows: its tokens are split between the two companies
+        in proportion to steps, its seconds as measured (module docstring, "company")."""
         if mode not in self.candidates or tokens < MIN_TOKENS or not seconds > 0:
             return False
         bucket, state = bucket_of(temperature), BUSY if busy else QUIET
+        share = min(1.0, max(0.0, float(shared_share)))
+        shared_s = min(float(seconds), max(0.0, float(shared_s)))
+        split = ((ALONE, 1.0 - share, seconds - shared_s), (SHARED, share, shared_s))
+        parts = [(co, tokens * w, sec) for co, w, sec in split if w > 0 and sec > 0]
+        if sum(w for _, w, sec in split if w > 0 and sec > 0) < 1.0 - 1e-9:
+            parts = [(ALONE, float(tokens), float(seconds))]    # steps and seconds that disagree: as measured
         with self._lock:
             if mode in self._cold:          # the replica's first request on it: its cold start, not its speed
                 self._cold.discard(mode)
                 return False
-            for key in {(bucket, "", state), (bucket, label, state)}:
-                arm = self._arms(key)[mode]
-                arm.obs.append((int(tokens), float(seconds)))
-                arm.total += 1
+            self._counted[(bucket, mode)] = self._counted.get((bucket, mode), 0) + 1
+            for co, toks, sec in parts:
+                for key in {(bucket, "", state, co), (bucket, label, state, co)}:
+                    arm = self._arms(key)[mode]
+                    arm.obs.append((float(toks), float(sec)))
+                    arm.total += 1
         return True
 
     def forget(self, mode: str) -> bool:
@@ -227,6 +256,8 @@ class ModeChooser:
             for arms in self._keys.values():
                 dropped |= bool(arms[mode].obs)
                 arms[mode].obs.clear()
+            for key in [k for k in self._counted if k[1] == mode]:
+                del self._counted[key]
             self._forgotten[mode] += dropped        # counts the swaps that dropped figures
         return True
 
@@ -237,11 +268,13 @@ class ModeChooser:
         with self._lock:
             out: dict = {"candidates": list(self.candidates), "explore": self.explore, "chosen": dict(self._chosen),
                          "remeasured_after_swap": dict(self._forgotten)}
-            for (bucket, label, state), arms in self._keys.items():
+            for (bucket, label, state, company), arms in self._keys.items():
                 rates = {m: a.rate() for m, a in arms.items()}
                 figures = {m: {"tokens_per_s": None if rates[m] is None else round(rates[m], 2),
                                "observations": a.total} for m, a in arms.items()}
                 into = out if state == QUIET else out.setdefault(BUSY, {})
+                if company == SHARED:
+                    into = into.setdefault(SHARED, {})
                 if label:
                     into.setdefault("labels", {}).setdefault(bucket, {})[label] = figures
                 else:

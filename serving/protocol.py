@@ -356,6 +356,11 @@ def spec_metrics(stats: dict) -> dict:
         "draft_time_s": stats.get("draft_time_s"),
         "target_time_s": stats.get("target_time_s"),
         "wall_time_s": stats.get("wall_time_s"),
+        "other_steps_s": stats.get("other_steps_s"),      # of wall time: waiting through other requests' passes
+        "beside_jobs_s": stats.get("beside_jobs_s"),      # of wall time: on fewer threads, jobs held cores
+        "shared_steps": stats.get("shared_steps"),        # steps taken in a pass with other requests' rows
+        "shared_steps_s": stats.get("shared_steps_s"),    # and those passes' time
+        "own_steps_s": stats.get("own_steps_s"),          # the time of every pass it stepped in
         "tokens_per_s": stats.get("tokens_per_s"),
         "energy_j": stats.get("energy_j"),
         "energy_reason": stats.get("energy_reason"),

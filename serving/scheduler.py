@@ -277,12 +277,14 @@ class BatchScheduler:
             if self.trees:
                 groups.append((list(self.trees), self._tree_step))
             for members, step in groups:
-                if len(groups) == 1:
-                    step()
-                    continue
                 t0 = time.perf_counter()
                 step()
                 dt = time.perf_counter() - t0
+                for req in members:
+                    req.stats.own_steps_s += dt
+                    if len(members) > 1:     # a step in a pass shared with other rows (its own kind's batch)
+                        req.stats.shared_steps += 1
+                        req.stats.shared_steps_s += dt
                 for others, _ in groups:     # who waited through a pass they were not part of
                     if others is not members:
                         for req in others:

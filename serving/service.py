@@ -959,8 +959,14 @@ class Service:
             wall = float(stats.get("wall_time_s") or 0.0)
             own = wall - float(stats.get("other_steps_s") or 0.0)
             busy = float(stats.get("beside_jobs_s") or 0.0) > 0.5 * wall    # mostly beside a job: kept apart
+            # the steps it took in its kind's batch, and their time; the rest of its own time outside any pass
+            # (its prefill, admission) goes to each company in proportion to steps (mode_choice.py, "company")
+            steps = int(stats.get("steps") or 0)
+            share = min(1.0, int(stats.get("shared_steps") or 0) / steps) if steps else 0.0
+            outside = max(0.0, own - float(stats.get("own_steps_s") or 0.0))
             self.chooser.observe(stats.get("mode", ""), routing["temperature"], routing["label"],   # mode_choice.py
-                                 int(stats.get("tokens") or 0), own, busy=busy)
+                                 int(stats.get("tokens") or 0), own, busy=busy, shared_share=share,
+                                 shared_s=float(stats.get("shared_steps_s") or 0.0) + share * outside)
         self.telemetry.observe("e2e_request_latency_seconds", latency_s)
         if ttft_s is not None:
             self.telemetry.observe("time_to_first_token_seconds", ttft_s)

@@ -104,6 +104,9 @@ def test_bench_online_smoke_with_heads(tmp_path):
     records = [json.loads(line) for line in (out / "responses.jsonl").read_text().splitlines()]
     assert {r["mode"] for r in records} == {"medusa"}, "the served default drafts with the heads"
     assert records[0]["draft_version"] == "medusa-v1" and sum(r["draft_tokens"] for r in records) > 0
+    # each record carries the first drafted position's acceptances and the request's own time from the response
+    assert all(0 <= r["accepted_first"] <= r["accepted_tokens"] and r["wall_time_s"] > 0 for r in records), records[0]
+    assert all(r["other_steps_s"] >= 0 and r["beside_jobs_s"] >= 0 for r in records)
     assert summary["versions"][0]["version"] == "1" and summary["max_chain_depth"] == 0     # full-weight heads
     # each job's own figures (its candidate's metrics) beside its version: wall and hidden-state seconds, epochs
     jobbed = [v for v in summary["versions"] if v["version"] != "1" and (v.get("job") or {}).get("seconds")]
@@ -125,6 +128,47 @@ def test_bench_online_smoke_with_heads(tmp_path):
     assert ev["setting"]["mode"] == "medusa" and {r["category"] for r in ev["rows"]} == {"sql", "json"}
     assert ev["rows"][0]["version"] == "1" and ev["rows"][-1]["label"].endswith("(champion)"), ev["rows"]
     assert "## Versions at a fixed draft shape" in (out / "summary.md").read_text()
+
+
+def test_first_position_acceptance_and_the_saved_choice(tmp_path):
+    """The first drafted token's acceptance over the steps that drafted (steps less plain steps), None without the
+    per-position counts of older runs; the replica's choice is read from a real /health and saved, and a service
+    that does not answer leaves no file and no error."""
+    import http.server
+    import threading
+
+    from scripts.bench_online import first_position_acceptance, save_choice, step_figures
+
+    a = {"steps": 10, "zero_draft_steps": 2, "accepted_first": 6, "draft_tokens": 24, "accepted_tokens": 9,
+         "latency_s": 1.0, "tokens_per_s": 19.0}
+    b = {"steps": 5, "zero_draft_steps": 5, "accepted_first": 0, "draft_tokens": 0, "accepted_tokens": 0,
+         "latency_s": 0.5, "tokens_per_s": 10.0}
+    assert first_position_acceptance([a, b]) == 6 / 8          # b drafted on no step: it adds no denominator
+    assert first_position_acceptance([b]) is None and first_position_acceptance([{"steps": 3}]) is None
+    assert step_figures([a, b])["first_position_acceptance"] == 6 / 8
+
+    body = json.dumps({"status": "ok", "auto_choice": {"chosen": {"fastest": 7}}}).encode()
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        save_choice(f"http://127.0.0.1:{srv.server_port}", tmp_path)
+    finally:
+        srv.shutdown()
+    assert json.loads((tmp_path / "choice.json").read_text()) == {"chosen": {"fastest": 7}}
+    (tmp_path / "choice.json").unlink()
+    save_choice(f"http://127.0.0.1:{free_port()}", tmp_path)     # nothing listens there
+    assert not (tmp_path / "choice.json").exists()
 
 
 def test_open_cycles_count_submitted_jobs_without_an_outcome_line():

@@ -398,6 +398,12 @@ def test_a_request_counts_the_passes_of_other_requests_it_waited_through(medusa_
                                               (p[:9], sampling, SpecParams(mode="speculative", gamma=3))])
     assert [r.stats.other_steps_s for r in chains] == [0.0, 0.0]
     assert all(r.stats.beside_jobs_s == 0.0 for r in mixed + chains)      # no job beside serving: nothing counted
+    # the company of each step (`shared_steps`, `shared_steps_s`): the mixed pair stepped alone in its pass
+    # throughout; the two chains shared one pass while both were in flight, and only within their own pass time
+    assert all(r.stats.shared_steps == 0 and r.stats.shared_steps_s == 0.0 for r in mixed), [r.stats for r in mixed]
+    assert all(0 < r.stats.shared_steps <= r.stats.steps for r in chains), [r.stats for r in chains]
+    assert all(0 < r.stats.shared_steps_s <= r.stats.own_steps_s <= r.stats.wall_time_s for r in chains)
+    assert all(0 < r.stats.own_steps_s < r.stats.wall_time_s for r in mixed)
 
 
 class _Contended:

@@ -217,6 +217,37 @@ def test_figures_beside_a_job_are_compared_with_figures_beside_a_job():
     assert ch.choose(0.0, "sql", busy=True) == ("mjsd", "warmup")
 
 
+def test_steps_taken_alone_are_compared_with_steps_taken_alone():
+    """The forty-second session's online run: the draft won and its requests stepped in a two-row pass with the
+    other client's, while the explored heads stepped alone. Compared on whole requests, the heads' one-row passes
+    beat the draft's two-row ones; each request's steps are split by company (tokens by steps, seconds as
+    measured) and steps taken alone decide."""
+    ch = ModeChooser(C, explore=0.0)
+    for _ in range(MIN_OBSERVATIONS):
+        # the draft: 64 tokens, 3/4 of its steps shared (48 tokens in 3.0 s), the rest alone (16 tokens in 0.5 s)
+        assert ch.observe("mjsd", 0.0, "chat", 64, 3.5, shared_share=0.75, shared_s=3.0)
+        assert ch.observe("medusa", 0.0, "chat", 64, 3.2)                 # alone throughout: 20 tok/s
+    snap = ch.snapshot()
+    assert snap["greedy"]["mjsd"] == {"tokens_per_s": pytest.approx(32.0), "observations": MIN_OBSERVATIONS}
+    assert snap["shared"]["greedy"]["mjsd"] == {"tokens_per_s": pytest.approx(16.0), "observations": MIN_OBSERVATIONS}
+    assert snap["shared"]["greedy"]["medusa"]["tokens_per_s"] is None
+    # whole requests: 64 / 3.5 = 18.3 tok/s for the draft against the heads' 20; alone: 32 against 20
+    assert ch.choose(0.0, "chat") == ("mjsd", "fastest")
+    # shared figures decide where the alone ones cannot (no candidate of a key short of MIN_OBSERVATIONS)
+    ch2 = ModeChooser(C, explore=0.0)
+    for _ in range(MIN_OBSERVATIONS):
+        assert ch2.observe("mjsd", 0.0, "", 64, 4.0, shared_share=1.0, shared_s=4.0)     # 16 tok/s shared
+        assert ch2.observe("medusa", 0.0, "", 64, 3.2, shared_share=1.0, shared_s=3.2)   # 20 tok/s shared
+    assert ch2.choose(0.0) == ("medusa", "fastest")
+    # one request in both companies counts once for the warm-up; a split that disagrees with its time counts
+    # the request alone, as measured
+    ch3 = ModeChooser(C, explore=0.0)
+    assert ch3.observe("mjsd", 0.0, "", 64, 2.0, shared_share=0.5, shared_s=1.0)
+    assert ch3.observe("mjsd", 0.0, "", 64, 2.0, shared_share=0.5, shared_s=0.0)      # no shared seconds: alone
+    assert ch3.snapshot()["greedy"]["mjsd"]["observations"] == 2 and ch3._seen("greedy", "mjsd") == 2
+    assert ch3.snapshot()["shared"]["greedy"]["mjsd"]["observations"] == 1
+
+
 def test_warm_up_counts_observations_of_either_state():
     ch = ModeChooser(C, explore=0.0)
     feed(ch, "medusa", 10.0, MIN_OBSERVATIONS)
@@ -254,6 +285,14 @@ def test_the_choice_leaves_out_the_time_a_request_waited_through_other_requests_
     choice = svc.health()[1]["auto_choice"]
     assert choice["busy"]["greedy"]["mjsd"] == {"tokens_per_s": pytest.approx(16.0), "observations": 1}
     assert choice["greedy"]["mjsd"] == {"tokens_per_s": pytest.approx(128 / 4.0), "observations": 2}
+    # the company of its steps: 3 of 4 steps in its kind's batch (1.5 s of passes) and 0.5 s outside any pass
+    # (its prefill), shared by steps: 48 tokens in 1.875 s shared, 16 tokens in 0.625 s alone
+    svc.record({"mode": "medusa", "tokens": 64, "wall_time_s": 2.5, "steps": 4, "shared_steps": 3,
+                "shared_steps_s": 1.5, "own_steps_s": 2.0}, 8, "length", 2.5, None, routing)
+    choice = svc.health()[1]["auto_choice"]
+    assert choice["shared"]["greedy"]["medusa"] == {"tokens_per_s": pytest.approx(48 / 1.875), "observations": 1}
+    assert choice["greedy"]["medusa"] == {"tokens_per_s": pytest.approx((64 + 16) / (2.0 + 0.625), abs=0.01),
+                                          "observations": 2}
     # the state a request is routed in: whether jobs beside serving hold cores now
     for cores, busy in ((1, True), (0, False)):
         svc.engine.scheduler.contention = _Contended(cores)
@@ -261,7 +300,8 @@ def test_the_choice_leaves_out_the_time_a_request_waited_through_other_requests_
 
 
 def test_a_replica_routes_unseeded_default_requests_by_measured_speed(pair, heads_dir):  # noqa: F811
-    svc = _service(pair[0], draft=str(pair[1]), medusa_heads=str(heads_dir))
+    # no cost calibration at start: its requests would share passes with the first ones (the "shared" figures)
+    svc = _service(pair[0], draft=str(pair[1]), medusa_heads=str(heads_dir), calibrate=False)
     srv = LiveServer(svc).start()
 
     def mode_of(c, **extra) -> str:
