@@ -58,8 +58,9 @@ assuming: `ModeChooser` is an epsilon-greedy bandit over the candidate modes on 
   requests on the known traffic at 7.8 tok/s a request against the draft's 10.2-12.8 (docs/benchmarks.md). The
   replica counts each request's steps in a shared pass and their time (`GenerationStats.shared_steps`,
   `shared_steps_s`); the chooser splits the request's tokens between the companies in proportion to its steps, its
-  pass time as measured (its time outside any pass, its prefill, in proportion to steps), and compares steps taken alone first (the loser's exploration and the winner's requests
-  beside it renew both), then shared steps, in each state and key order above.
+  pass time as measured (its time outside any pass, its prefill, in proportion to steps), and compares steps taken
+  alone first (the loser's exploration and the winner's requests beside it renew both), then shared steps, in
+  each state and key order above.
 - A drafter that changes is measured again (`forget`): when a replica hot-swaps a promoted version of the heads or
   of the draft, that candidate's figures are dropped everywhere and it warms up again (MIN_OBSERVATIONS requests).
   Its old figures measured another model. On an fp32 host in the thirty-ninth session the draft won the warm-up,
@@ -231,9 +232,10 @@ class ModeChooser:
         share = min(1.0, max(0.0, float(shared_share)))
         shared_s = min(float(seconds), max(0.0, float(shared_s)))
         split = ((ALONE, 1.0 - share, seconds - shared_s), (SHARED, share, shared_s))
-        parts = [(co, tokens * w, sec) for co, w, sec in split if w > 0 and sec > 0]
-        if sum(w for _, w, sec in split if w > 0 and sec > 0) < 1.0 - 1e-9:
-            parts = [(ALONE, float(tokens), float(seconds))]    # steps and seconds that disagree: as measured
+        if any((w > 0) != (sec > 0) for _, w, sec in split):   # steps and seconds that disagree: as measured
+            parts = [(ALONE, float(tokens), float(seconds))]
+        else:
+            parts = [(co, tokens * w, sec) for co, w, sec in split if w > 0]
         with self._lock:
             if mode in self._cold:          # the replica's first request on it: its cold start, not its speed
                 self._cold.discard(mode)

@@ -988,9 +988,10 @@ _heap_frozen = 0                                         # objects frozen at sta
 def freeze_startup_heap() -> int:
     """Collect, then freeze every object alive now into the permanent generation (gc.freeze), once per process;
     returns how many objects it froze then (the permanent generation shrinks later as frozen objects die). A
-    replica's startup heap (torch, transformers, Ray, MLflow, the models) lives as long as the process, and without this each full collection walks all of it: 0.5-0.6 s on a
-    2-core AVX2 host (docs/benchmarks.md, "The thirty-fifth session"). Later objects are collected as usual; what the
-    frozen heap drops is freed by reference counting, its cycles are not (a process builds one replica)."""
+    replica's startup heap (torch, transformers, Ray, MLflow, the models) lives as long as the process, and without
+    this each full collection walks all of it: 0.5-0.6 s on a 2-core AVX2 host (docs/benchmarks.md, "The
+    thirty-fifth session"). Later objects are collected as usual; what the frozen heap drops is freed by reference
+    counting, its cycles are not (a process builds one replica)."""
     global _heap_frozen
     if not _heap_frozen:
         gc.collect()
