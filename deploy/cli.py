@@ -224,12 +224,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run when at least N new records are in the buffer")
     d.add_argument("--drift", action="store_true",
                    help="with --every: start a job before the interval ends when the champion's live acceptance "
-                        "over the last --drift-window is significantly below its gate figure (deploy/scheduler.py, "
-                        "'Triggers')")
+                        "over the last --drift-window is significantly below its own earlier live figure, else the "
+                        "previous version's, else its gate figure (deploy/scheduler.py, 'Triggers')")
     d.add_argument("--drift-window", type=_duration, default=300.0,
                    help="live intervals the drift trigger judges (default 5m)")
     d.add_argument("--drift-tolerance", type=_fraction, default=0.05,
-                   help="relative drop below the gate figure that is not yet drift (default 0.05)")
+                   help="relative drop below the reference figure that is not yet drift (default 0.05)")
     d.add_argument("--pipeline", action="store_true",
                    help="with a canary: a job due while the canary is judged starts at once, trained from the canary; "
                         "its candidate is registered once the canary is promoted, discarded if it is dropped "

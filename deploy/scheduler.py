@@ -78,12 +78,15 @@ Triggers (`ScheduleConfig`):
 - both: once `every_s` has passed since the last job, a job as soon as enough records are pending.
 - `drift` (a `DriftPolicy`, `draftsmith distill --drift`; with `every_s`): a job may start before the interval
   ends when the champion's live acceptance over its newest `window_s` of logged intervals (MLflow
-  `draftsmith-live`, the watchdog's `live_figure`) is significantly below its reference, less `tolerance`:
-  its gate figure (`gate_predicted_live_acceptance`, else `gate_expected_rate`) when it has one, else (a
-  bootstrapped version 1) its own live figure over its earlier tenure (both standard errors then count).
-  Traffic that the champion serves worse than it was promoted for is new traffic to learn from, so it is
-  learnt from sooner; the watchdog (below), which judges the same figure at a far stricter level and checks
-  offline before acting, is not replaced by it. Still needed: `min_records` pending records when set, at
+  `draftsmith-live`, the watchdog's `live_figure`) is significantly below its reference, less `tolerance`
+  (`drift_reference`, the first with the evidence): its own live figure over its earlier tenure; else the
+  previous version's over the last `previous_window_s` of its tenure; else its gate figure
+  (`gate_predicted_live_acceptance`, else `gate_expected_rate`). Both standard errors count where the
+  reference is live. The gate figure comes last for the reason the watchdog gives (below): it assumes the
+  records' draft lengths, the controller drafts further for a better draft, so a champion runs below it
+  without any drift. Traffic that the champion serves worse than it did, or than its predecessor did, is
+  new traffic to learn from, so it is learnt from sooner; the watchdog (below), which judges the same
+  figure at a far stricter level and checks offline before acting, is not replaced by it. Still needed: `min_records` pending records when set, at
   least `min_gap_s` since the last job, `min_draft_tokens` drafted tokens over `min_intervals` intervals in
   the window. The champion's live figure is per version, over all traffic: a category that drifts shows
   there in proportion to its share (serving has no category label).
@@ -232,10 +235,12 @@ class DriftPolicy:
     min_draft_tokens: int = 500
     min_intervals: int = 2
     min_gap_s: float = 60.0
+    previous_window_s: float = 3600.0
 
     def __post_init__(self) -> None:
-        if not (self.window_s > 0) or not (self.min_gap_s >= 0):
-            raise ValueError(f"drift window must be > 0 and min gap >= 0, got {self.window_s!r}, {self.min_gap_s!r}")
+        if not (self.window_s > 0) or not (self.min_gap_s >= 0) or not (self.previous_window_s > 0):
+            raise ValueError(f"drift window and previous window must be > 0 and min gap >= 0, got "
+                             f"{self.window_s!r}, {self.previous_window_s!r}, {self.min_gap_s!r}")
         if not (0.0 <= self.tolerance < 1.0):
             raise ValueError(f"drift tolerance must be in [0, 1), got {self.tolerance!r}")
         if not (0.5 <= self.confidence < 1.0):
@@ -295,27 +300,42 @@ def drift_reason(registry, pol: DriftPolicy, since_last_job_s: float) -> str | N
     if champ is None:
         return None
     info = reg.get(champ)
-    intervals = [it for it in reg.live_intervals(champ, since_ms=reg.champion_since_ms(info))
-                 if it.get("draft_tokens")]
+    since = reg.champion_since_ms(info)
+    intervals = [it for it in reg.live_intervals(champ, since_ms=since) if it.get("draft_tokens")]
     recent = live_figure(intervals, pol.window_s)
     if not recent.enough(pol):         # the watchdog's evidence rule, on the drift policy's minimums
         return None
+    ref = drift_reference(reg, champ, info, since, intervals, pol)
+    if ref is None:
+        return None
+    what, value, se = ref
     z = NormalDist().inv_cdf(pol.confidence)
-    ref = info.metrics.get("gate_predicted_live_acceptance", info.metrics.get("gate_expected_rate"))
-    if ref is not None:
-        what, gap = f"its gate figure {ref:.3f}", recent.rate + z * recent.se - ref * (1 - pol.tolerance)
-    else:
-        newest = max(it["time_ms"] for it in intervals)
-        base = live_figure([it for it in intervals if it["time_ms"] < newest - pol.window_s * 1000])
-        if base.rate is None or base.drafted < pol.min_draft_tokens:
-            return None
-        ref = base.rate
-        what = f"its own earlier live figure {ref:.3f}"
-        gap = recent.rate - ref * (1 - pol.tolerance) + z * math.hypot(recent.se, base.se)
-    if gap >= 0:
+    if recent.rate - value * (1 - pol.tolerance) + z * math.hypot(recent.se, se) >= 0:
         return None
     return (f"drift: version {champ}'s live acceptance {recent.rate:.3f} +- {recent.se:.3f} over the last "
             f"{pol.window_s:.0f} s is significantly below {what} less {pol.tolerance:.0%}")
+
+
+def drift_reference(reg, champ: str, info, since_ms: int | None, intervals: list[dict],
+                    pol: DriftPolicy) -> tuple[str, float, float] | None:
+    """What the champion's recent live acceptance is held against (module docstring, "Triggers"): (words,
+    figure, its standard error), the first of these that has the evidence: the champion's own live figure
+    before the recent window; the previous version's over the last `previous_window_s` of its tenure; the
+    champion's gate figure (a prediction: standard error 0). None when none has."""
+    newest = max(it["time_ms"] for it in intervals)
+    base = live_figure([it for it in intervals if it["time_ms"] < newest - pol.window_s * 1000])
+    if base.rate is not None and base.drafted >= pol.min_draft_tokens:
+        return f"its own earlier live figure {base.rate:.3f}", base.rate, base.se
+    prev = reg.alias(PREVIOUS)
+    if prev is not None and prev != champ and since_ms is not None:
+        pf = live_figure(reg.live_intervals(prev, since_ms=since_ms - int(pol.previous_window_s * 1000),
+                                            until_ms=since_ms))
+        if pf.enough(pol):
+            return f"version {prev}'s live figure {pf.rate:.3f} before it was replaced", pf.rate, pf.se
+    ref = info.metrics.get("gate_predicted_live_acceptance", info.metrics.get("gate_expected_rate"))
+    if ref is not None:
+        return f"its gate figure {ref:.3f}", float(ref), 0.0
+    return None
 
 
 def parse_duration(text: str) -> float:

@@ -649,9 +649,9 @@ def test_watchdog_with_nothing_to_roll_back_to_records_the_finding(registry, tmp
 
 
 # ----------------------------------------------------------------------------- issue 15: the drift trigger
-def test_drift_brings_a_job_forward_when_live_acceptance_falls_below_the_gate_figure(registry, tmp_path):
+def test_drift_brings_a_job_forward_when_live_acceptance_falls_below_its_earlier_figure(registry, tmp_path):
     """With --every and --drift, a job starts before its interval ends once the champion's live acceptance
-    over the newest window is significantly below its gate figure (real MLflow live intervals); not
+    over the newest window is significantly below its earlier figure (real MLflow live intervals); not
     before the evidence minimum, not within min_gap_s of the last job, not without min_records."""
     from deploy.scheduler import DriftPolicy
 
@@ -679,11 +679,41 @@ def test_drift_brings_a_job_forward_when_live_acceptance_falls_below_the_gate_fi
     assert ok is False and "waiting for 10" in why and "drift" in why  # drift seen, records still short
     pending[0] = 50
     ok, why = sched.due()
-    assert ok is True and "drift: version 2's live acceptance" in why and f"gate figure {fig:.3f}" in why
+    # the champion's own first window is the reference now, not the gate's prediction (drift_reference)
+    assert ok is True and "drift: version 2's live acceptance" in why and "its own earlier live figure" in why
     out = sched.tick()
     assert out is not None and out.status == "promoted" and len(calls) == 2 and registry.champion() == "3"
     clock[0] = 200.0
     assert sched.drift(100.0) is None and sched.due()[0] is False      # the new champion has no live figure yet
+
+
+@pytest.mark.parametrize("previous_live, champion_live, expected", [
+    (0.42, 0.45, None),                                      # the gate's prediction alone would call it drift
+    (0.42, 0.30, "version 1's live figure 0.420 before it was replaced"),
+    (None, 0.45, "its gate figure 0.631"),                   # no live reference: the prediction decides
+])
+def test_drift_holds_a_new_champion_to_its_predecessors_live_figure_before_the_gate_prediction(
+        registry, tmp_path, previous_live, champion_live, expected):
+    """The forty-first session's draft run: the gate predicted 0.631 live for version 2 (version 1's live rate
+    scaled by the gate's expected rates, which assume the records' draft lengths); the controller drafted
+    further with it, and it ran at 0.449 against version 1's 0.420. Before the champion has an earlier window
+    of its own, drift is judged against the previous version's live figure; the gate figure only without one."""
+    from deploy.gate import force_promote
+    from deploy.scheduler import DriftPolicy, drift_reason
+
+    pol = DriftPolicy(window_s=60, min_draft_tokens=1500, min_intervals=2, min_gap_s=0)
+    now = time.time()
+    if previous_live is not None:
+        log_live(registry, "1", [previous_live] * 4, now - 100)      # version 1 while it was champion
+    registry.register_candidate(make_candidate(tmp_path / "c", tmp_path / "base"))
+    force_promote(registry, "2")
+    registry.log_version_metrics("2", {"gate_predicted_live_acceptance": 0.631})
+    log_live(registry, "2", [champion_live, champion_live - 0.01, champion_live + 0.01], time.time() + 1)
+    why = drift_reason(registry, pol, 100.0)
+    if expected is None:
+        assert why is None
+    else:
+        assert why is not None and why.startswith("drift: version 2's live acceptance") and expected in why
 
 
 def test_drift_on_a_version_without_a_gate_figure_compares_with_its_own_earlier_tenure(registry, tmp_path):
@@ -711,6 +741,7 @@ def test_drift_needs_an_interval_and_valid_settings():
 
     with pytest.raises(ValueError, match="needs --every"):
         ScheduleConfig(min_records=5, drift=DriftPolicy())
-    for bad in ({"tolerance": 1.0}, {"confidence": 0.3}, {"window_s": 0}, {"min_draft_tokens": 0}):
+    for bad in ({"tolerance": 1.0}, {"confidence": 0.3}, {"window_s": 0}, {"min_draft_tokens": 0},
+                {"previous_window_s": 0}):
         with pytest.raises(ValueError, match="drift"):
             DriftPolicy(**bad)
