@@ -352,8 +352,11 @@ def test_drafting_steps_verify_on_the_wide_threads_and_plain_steps_keep_the_deco
     monkeypatch.setattr(BatchKV, "feed", spy_feed)
     from serving.service import Service, ServiceSettings
 
+    # yield_to_jobs off: the machine-wide busy markers of other tests' jobs (serving/contention.py) would cap the
+    # wide threads at the decoding count while they run (a CI failure: every drafting step on 1 thread)
     svc = Service(ServiceSettings(target=str(pair[0]), buffer=False, watch_interval_s=3600, calibrate=False,
-                                  gc_freeze=False, wide_threads=decode_threads + 1), engine=eng)    # the replica hands it on
+                                  gc_freeze=False, wide_threads=decode_threads + 1, yield_to_jobs=False),
+                  engine=eng)    # the replica hands it on
     try:
         assert eng.scheduler.wide_threads == decode_threads + 1
         assert svc.health()[1]["threads"]["drafting"] == decode_threads + 1
