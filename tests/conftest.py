@@ -13,6 +13,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("DRAFTSMITH_PROFILE_DIR", tempfile.mkdtemp(prefix="draftsmith-test-profiles-"))
 # ... and heads jobs and gates keep the target's hidden states here (training/hidden_cache.py)
 os.environ.setdefault("DRAFTSMITH_HIDDEN_CACHE_DIR", tempfile.mkdtemp(prefix="draftsmith-test-hidden-"))
+# ... and the jobs and gates that tests run mark the cores they hold here (serving/contention.py), not in the user's
+# cache, where a replica serving on this machine would yield its cores to them
+os.environ.setdefault("DRAFTSMITH_BUSY_DIR", tempfile.mkdtemp(prefix="draftsmith-test-busy-"))
 
 # Tiny-model forwards are dominated by thread hand-offs: on a shared 2-core machine two torch threads
 # per process made them up to 30x slower than one. Every test process runs torch on one thread.
