@@ -302,8 +302,8 @@ def run_heads_schedule(registry: Registry, target: str | None, job_cfg: dict | N
     Ray when `draftsmith distill` hands its DistillRunner). `drift` (a deploy/scheduler.py `DriftPolicy`,
     `distill --drift`): before `every_s` has passed, a job starts early when the champion's live acceptance
     has drifted below its earlier live figure, its predecessor's or its gate figure (`drift_reason`, the
-    draft's scheduler's trigger), i.e. when the traffic changed under it. `job_share` < 1 (`distill --job-share`, deploy/scheduler.py `rest_after_job`):
-    after a cycle that took D seconds (job and gate) no job starts for D x (1/share - 1) seconds, drift or not,
+    draft's scheduler's trigger), i.e. when the traffic changed under it. `job_share` < 1 (`distill
+    --job-share`, deploy/scheduler.py `rest_after_job`): after a cycle that took D seconds (job and gate) no job starts for D x (1/share - 1) seconds, drift or not,
     so jobs take at most that share of the machine's time. Stops when `stop` (a threading.Event) is set or
     after `max_jobs` cycles that ran a job; returns every tick."""
     import json

@@ -86,10 +86,10 @@ Triggers (`ScheduleConfig`):
   records' draft lengths, the controller drafts further for a better draft, so a champion runs below it
   without any drift. Traffic that the champion serves worse than it did, or than its predecessor did, is
   new traffic to learn from, so it is learnt from sooner; the watchdog (below), which judges the same
-  figure at a far stricter level and checks offline before acting, is not replaced by it. Still needed: `min_records` pending records when set, at
-  least `min_gap_s` since the last job, `min_draft_tokens` drafted tokens over `min_intervals` intervals in
-  the window. The champion's live figure is per version, over all traffic: a category that drifts shows
-  there in proportion to its share (serving has no category label).
+  figure at a far stricter level and checks offline before acting, is not replaced by it. Still needed:
+  `min_records` pending records when set, at least `min_gap_s` since the last job, `min_draft_tokens` drafted
+  tokens over `min_intervals` intervals in the window. The champion's live figure is per version, over all
+  traffic: a category that drifts shows there in proportion to its share (serving has no category label).
 - `job_share` (`draftsmith distill --job-share`, by default 0.5 beside a local `draftsmith serve`, else 1): after
   a job that took D seconds with its gate, no job starts for D x (1/share - 1) seconds, whatever the other
   triggers say (`rest_after_job`), so jobs take at most that share of the machine's time. The heads' schedule
@@ -328,8 +328,7 @@ def drift_reference(reg, champ: str, info, since_ms: int | None, intervals: list
         return f"its own earlier live figure {base.rate:.3f}", base.rate, base.se
     prev = reg.alias(PREVIOUS)
     if prev is not None and prev != champ and since_ms is not None:
-        pf = live_figure(reg.live_intervals(prev, since_ms=since_ms - int(pol.previous_window_s * 1000),
-                                            until_ms=since_ms))
+        pf = previous_live_figure(reg, prev, since_ms, pol.previous_window_s)
         if pf.enough(pol):
             return f"version {prev}'s live figure {pf.rate:.3f} before it was replaced", pf.rate, pf.se
     ref = info.metrics.get("gate_predicted_live_acceptance", info.metrics.get("gate_expected_rate"))
@@ -820,6 +819,12 @@ def live_figure(intervals: list[dict], window_s: float | None = None) -> LiveFig
     return LiveFigure(r, max(se_cluster, se_binom) if n > 1 else se_binom, D, n)
 
 
+def previous_live_figure(reg, prev: str, since_ms: int, window_s: float) -> "LiveFigure":
+    """The previous version `prev`'s live figure over the last `window_s` of its tenure, which ended when the
+    champion took over at `since_ms`: the baseline of the watchdog and of the drift trigger."""
+    return live_figure(reg.live_intervals(prev, since_ms=since_ms - int(window_s * 1000), until_ms=since_ms))
+
+
 @dataclass
 class WatchdogVerdict:
     action: str                        # "none" | "waiting" | "ok" | "rolled back" | "degraded"
@@ -895,8 +900,7 @@ class LiveWatchdog:
         out.previous_version = prev
         compared = False                 # the like-for-like comparison with the previous version could be made
         if pol.compare_previous and prev is not None and since is not None:
-            pf = live_figure(reg.live_intervals(prev, since_ms=since - int(pol.previous_window_s * 1000),
-                                                until_ms=since))
+            pf = previous_live_figure(reg, prev, since, pol.previous_window_s)
             out.previous_live = pf.rate
             if pf.enough(pol):
                 compared = True
