@@ -264,16 +264,16 @@ class ModeChooser:
         return True
 
     def snapshot(self) -> dict:
-        """For /health: per bucket (and label), each candidate's tokens/s and observations between jobs, the same
-        under "busy" for figures taken beside a job, and how many requests were routed by warm-up, by speed and by
-        exploration."""
+        """For /health: per bucket (and label), each candidate's tokens/s between jobs with the observations it is
+        made of (its latest WINDOW; none after a swap, `forget`) and those ever counted, the same under "busy" for
+        figures taken beside a job, and how many requests were routed by warm-up, by speed and by exploration."""
         with self._lock:
             out: dict = {"candidates": list(self.candidates), "explore": self.explore, "chosen": dict(self._chosen),
                          "remeasured_after_swap": dict(self._forgotten)}
             for (bucket, label, state, company), arms in self._keys.items():
                 rates = {m: a.rate() for m, a in arms.items()}
                 figures = {m: {"tokens_per_s": None if rates[m] is None else round(rates[m], 2),
-                               "observations": a.total} for m, a in arms.items()}
+                               "observations": len(a.obs), "observed_ever": a.total} for m, a in arms.items()}
                 into = out if state == QUIET else out.setdefault(BUSY, {})
                 if company == SHARED:
                     into = into.setdefault(SHARED, {})

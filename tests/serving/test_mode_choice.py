@@ -17,6 +17,11 @@ from tests.serving.test_medusa_mode import _Contended, _service, heads_dir, pair
 C = ("medusa", "mjsd")
 
 
+def fig(rate, n: int, *, ever: int | None = None) -> dict:
+    """A candidate's /health figures: its rate, the observations in its window, and those ever counted."""
+    return {"tokens_per_s": rate, "observations": n, "observed_ever": n if ever is None else ever}
+
+
 def feed(ch: ModeChooser, mode: str, rate: float, n: int, *, t: float = 0.0, label: str = "") -> None:
     for _ in range(n):
         assert ch.observe(mode, t, label, 32, 32 / rate)
@@ -33,7 +38,7 @@ def test_warm_up_alternates_then_the_faster_candidate_takes_the_requests():
     assert seen == ["medusa", "mjsd"] * MIN_OBSERVATIONS              # the least observed first, heads on a tie
     assert [ch.choose(0.0) for _ in range(5)] == [("mjsd", "fastest")] * 5
     snap = ch.snapshot()
-    assert snap["greedy"]["mjsd"] == {"tokens_per_s": 20.0, "observations": MIN_OBSERVATIONS}
+    assert snap["greedy"]["mjsd"] == fig(20.0, MIN_OBSERVATIONS)
     assert snap["chosen"] == {"warmup": 2 * MIN_OBSERVATIONS, "fastest": 5, "explore": 0}
     # T > 0 is its own bucket: it warms up on its own
     assert ch.choose(0.7) == ("medusa", "warmup")
@@ -65,7 +70,7 @@ def test_a_replicas_chooser_leaves_out_each_candidates_cold_first_request():
     feed(ch, "mjsd", 20.0, MIN_OBSERVATIONS)                      # every later one counts
     feed(ch, "medusa", 15.0, MIN_OBSERVATIONS)
     assert ch.choose(0.0) == ("mjsd", "fastest")
-    assert ch.snapshot()["greedy"]["mjsd"] == {"tokens_per_s": 20.0, "observations": MIN_OBSERVATIONS}
+    assert ch.snapshot()["greedy"]["mjsd"] == fig(20.0, MIN_OBSERVATIONS)
 
 
 def _explored(ch: ModeChooser, n: int = 4000) -> float:
@@ -141,7 +146,7 @@ def test_the_rate_follows_the_latest_window():
     assert ch.choose(0.0)[0] == "mjsd"
     feed(ch, "medusa", 40.0, WINDOW)               # heads promoted online: a window of the new speed decides
     assert ch.choose(0.0)[0] == "medusa"
-    assert ch.snapshot()["greedy"]["medusa"] == {"tokens_per_s": 40.0, "observations": 2 * WINDOW}
+    assert ch.snapshot()["greedy"]["medusa"] == fig(40.0, WINDOW, ever=2 * WINDOW)
 
 
 def test_what_is_not_counted_and_bad_settings():
@@ -169,7 +174,7 @@ def test_a_forgotten_candidate_warms_up_again_and_the_other_keeps_its_figures():
     assert ch.forget("medusa") and not ch.forget("target")
     snap = ch.snapshot()
     assert snap["remeasured_after_swap"] == {"medusa": 1, "mjsd": 0}
-    assert snap["greedy"]["medusa"] == {"tokens_per_s": None, "observations": MIN_OBSERVATIONS}   # ever observed
+    assert snap["greedy"]["medusa"] == fig(None, 0, ever=MIN_OBSERVATIONS)
     assert snap["sampled"]["medusa"]["tokens_per_s"] is None and snap["greedy"]["mjsd"]["tokens_per_s"] == 20.0
     assert snap["labels"]["greedy"]["sql"]["medusa"]["tokens_per_s"] is None
     # the heads get the requests until they have MIN_OBSERVATIONS new figures; faster now, they win
@@ -200,7 +205,7 @@ def test_figures_beside_a_job_are_compared_with_figures_beside_a_job():
     assert ch.choose(0.0, "sql", busy=True) == ("medusa", "fastest")   # the draft has no busy figures: quiet decide
     assert ch.choose(0.0, "sql") == ("medusa", "fastest")
     snap = ch.snapshot()
-    assert snap["busy"]["labels"]["greedy"]["sql"]["medusa"] == {"tokens_per_s": 15.0, "observations": MIN_OBSERVATIONS}
+    assert snap["busy"]["labels"]["greedy"]["sql"]["medusa"] == fig(15.0, MIN_OBSERVATIONS)
     assert snap["busy"]["greedy"]["mjsd"]["tokens_per_s"] is None
     assert snap["labels"]["greedy"]["sql"]["medusa"]["tokens_per_s"] == 30.0      # between jobs: unchanged
     # the draft measured beside a job too, faster there than the heads: busy requests go to it, quiet ones not
@@ -228,8 +233,8 @@ def test_steps_taken_alone_are_compared_with_steps_taken_alone():
         assert ch.observe("mjsd", 0.0, "chat", 64, 3.5, shared_share=0.75, shared_s=3.0)
         assert ch.observe("medusa", 0.0, "chat", 64, 3.2)                 # alone throughout: 20 tok/s
     snap = ch.snapshot()
-    assert snap["greedy"]["mjsd"] == {"tokens_per_s": pytest.approx(32.0), "observations": MIN_OBSERVATIONS}
-    assert snap["shared"]["greedy"]["mjsd"] == {"tokens_per_s": pytest.approx(16.0), "observations": MIN_OBSERVATIONS}
+    assert snap["greedy"]["mjsd"] == fig(pytest.approx(32.0), MIN_OBSERVATIONS)
+    assert snap["shared"]["greedy"]["mjsd"] == fig(pytest.approx(16.0), MIN_OBSERVATIONS)
     assert snap["shared"]["greedy"]["medusa"]["tokens_per_s"] is None
     # whole requests: 64 / 3.5 = 18.3 tok/s for the draft against the heads' 20; alone: 32 against 20
     assert ch.choose(0.0, "chat") == ("mjsd", "fastest")
@@ -283,16 +288,15 @@ def test_the_choice_leaves_out_the_time_a_request_waited_through_other_requests_
     svc.record({"mode": "mjsd", "tokens": 64, "wall_time_s": 2.0, "beside_jobs_s": 0.5}, 8, "length", 2.0, None,
                routing)
     choice = svc.health()[1]["auto_choice"]
-    assert choice["busy"]["greedy"]["mjsd"] == {"tokens_per_s": pytest.approx(16.0), "observations": 1}
-    assert choice["greedy"]["mjsd"] == {"tokens_per_s": pytest.approx(128 / 4.0), "observations": 2}
+    assert choice["busy"]["greedy"]["mjsd"] == fig(pytest.approx(16.0), 1)
+    assert choice["greedy"]["mjsd"] == fig(pytest.approx(128 / 4.0), 2)
     # the company of its steps: 3 of 4 steps in its kind's batch (1.5 s of passes) and 0.5 s outside any pass
     # (its prefill), shared by steps: 48 tokens in 1.875 s shared, 16 tokens in 0.625 s alone
     svc.record({"mode": "medusa", "tokens": 64, "wall_time_s": 2.5, "steps": 4, "shared_steps": 3,
                 "shared_steps_s": 1.5, "own_steps_s": 2.0}, 8, "length", 2.5, None, routing)
     choice = svc.health()[1]["auto_choice"]
-    assert choice["shared"]["greedy"]["medusa"] == {"tokens_per_s": pytest.approx(48 / 1.875), "observations": 1}
-    assert choice["greedy"]["medusa"] == {"tokens_per_s": pytest.approx((64 + 16) / (2.0 + 0.625), abs=0.01),
-                                          "observations": 2}
+    assert choice["shared"]["greedy"]["medusa"] == fig(pytest.approx(48 / 1.875), 1)
+    assert choice["greedy"]["medusa"] == fig(pytest.approx((64 + 16) / (2.0 + 0.625), abs=0.01), 2)
     # the state a request is routed in: whether jobs beside serving hold cores now
     for cores, busy in ((1, True), (0, False)):
         svc.engine.scheduler.contention = _Contended(cores)
