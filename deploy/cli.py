@@ -630,7 +630,7 @@ def _follow_served_kind(args, policy) -> int:
     """`distill --every` with no --kind and a heads champion: the schedule of the kind that serves
     (`_served_kind`), moved to the other kind when the replicas' measured choice moves (deploy/heads.py
     `follow_served_kind`), but not while a canary of the current kind is being judged."""
-    from deploy.heads import CLEAR_SHARE, drafting_kind, follow_served_kind
+    from deploy.heads import CLEAR_SHARE, WATCH_S, drafting_kind, follow_served_kind
 
     overrides = _read_config(args.config)
 
@@ -645,7 +645,7 @@ def _follow_served_kind(args, policy) -> int:
     def can_switch(current, new):
         return _registry(args, current).canary() is None and _registry(args, new).champion() is not None
 
-    return follow_served_kind(args.kind, run, look, every_s=args.every, can_switch=can_switch,
+    return follow_served_kind(args.kind, run, look, look_s=min(args.every, WATCH_S), can_switch=can_switch,
                               progress=lambda m: print(m, flush=True))
 
 

@@ -477,6 +477,7 @@ def _look_at_waiting(registry: Registry, target: str | None, waiting: dict, evid
 DRAFTING_REQUESTS = 200
 MIN_SERVED_TOKENS = 500
 CLEAR_SHARE = 0.75      # a share that decides before the wait ends (a choice still warming up splits about evenly)
+WATCH_S = 60.0          # how often a schedule that follows the served kind looks again (at most its --every)
 
 
 def kind_of_version(version: str) -> str | None:
@@ -524,16 +525,21 @@ def drafting_kind(redis_url: str | None, buffer_prefix: str = "draftsmith:buf", 
     return (kind if counts[kind] >= share * total else None), counts
 
 
-def follow_served_kind(first: str, run_schedule, look, *, every_s: float, can_switch=None, progress=print):
+def follow_served_kind(first: str, run_schedule, look, *, look_s: float, can_switch=None, progress=print):
     """Run the schedule of the drafter kind that serves, and move to another kind when the replicas' choice moves
     (`distill --every` with no --kind, deploy/cli.py). `run_schedule(kind, stop)` runs one kind's schedule until the
     threading.Event `stop` is set and returns its exit code; `look()` -> (kind or None, counts) is `drafting_kind` on
-    the buffer at CLEAR_SHARE. Every `every_s` seconds a watcher looks; once another kind drafts a clear majority of
+    the buffer at CLEAR_SHARE. Every `look_s` seconds a watcher looks; once another kind drafts a clear majority of
     the newest requests, and `can_switch(current, seen)` allows it (no canary of the current kind being judged, a
     champion of the new one), it sets `stop`: the schedule ends after the job it may be running (no job is cut
     short, none overlaps the next kind's), and the new kind's schedule starts. The kind chosen once per start
     distilled a drafter the replicas stopped serving when the other one became faster (docs/benchmarks.md, "The
-    fortieth session"). A look that fails (Redis down) changes nothing. Returns the last schedule's exit code."""
+    fortieth session"). The CLI looks every WATCH_S (or --every where that is shorter), not once per interval: with
+    --every 15m the watcher looked at 900 s, after the heads had drafted 95-99% of the newest requests from 240 s to
+    780 s while the draft's schedule waited for its first job, and then saw no clear majority (docs/benchmarks.md,
+    "The forty-fourth session"). The newest DRAFTING_REQUESTS requests (about three minutes at two clients) and the
+    clear share keep a warm-up's swings from moving it. A look that fails (Redis down) changes nothing. Returns the
+    last schedule's exit code."""
     import threading
 
     kind = first
@@ -542,7 +548,7 @@ def follow_served_kind(first: str, run_schedule, look, *, every_s: float, can_sw
         seen: list = []
 
         def watch(current=kind, stop=stop, seen=seen):
-            while not stop.wait(every_s):
+            while not stop.wait(look_s):
                 try:
                     now, counts = look()
                     if now is None or now == current or (can_switch is not None and not can_switch(current, now)):

@@ -453,20 +453,24 @@ def test_follow_served_kind_moves_the_schedule_when_the_replicas_choice_moves():
         stop.wait(0.5)                 # the medusa schedule: its look refuses the switch back, then it ends itself
         return 3
 
-    code = follow_served_kind("draft", run, look, every_s=0.02, progress=said.append,
+    code = follow_served_kind("draft", run, look, look_s=0.02, progress=said.append,
                               can_switch=lambda cur, new: f"{cur}->{new}" not in refuse)
     assert ran == ["draft", "medusa"] and code == 3
     assert len(said) == 1 and "medusa 800" in said[0] and "distilling --kind medusa" in said[0]
 
 
+@pytest.mark.parametrize("every", ["1s", "1h"])
 def test_distill_schedule_follows_the_drafter_the_replicas_serve(regs, pair, target_model, tmp_path, redis_url,
-                                                                  capsys, monkeypatch):
+                                                                  capsys, monkeypatch, every):
     """`draftsmith distill --every` with no --kind and a heads champion (deploy/cli.py `_follow_served_kind`, real
     Redis and MLflow): it starts on the drafter that serves, here the draft, and once the buffer's newest requests
-    were drafted by the heads it stops the draft's schedule and runs the heads'."""
+    were drafted by the heads it stops the draft's schedule and runs the heads'. With a long interval the watcher
+    still looks every WATCH_S (here shortened), not once per interval."""
     from buffer.redis_store import BufferConfig, ReplayBufferWriter
-    from deploy import cli
+    from deploy import cli, heads as heads_mod
     from deploy.heads import MIN_SERVED_TOKENS
+
+    monkeypatch.setattr(heads_mod, "WATCH_S", 0.5)
 
     _, heads = regs
     heads.promote(heads.register(make_heads(target_model, tmp_path / "h1", seed=1)))
@@ -494,7 +498,7 @@ def test_distill_schedule_follows_the_drafter_the_replicas_serve(regs, pair, tar
     try:
         push(_requests(n, "1"))
         code = cli.main(["distill", "--target", str(pair[0]), "--tracking-uri", heads.tracking_uri, "--config",
-                         str(cfg), "--every", "1s", "--poll", "1s"])
+                         str(cfg), "--every", every, "--poll", "1s"])
         assert code == 0 and ran == [("draft", True), ("medusa", True)]
         out = capsys.readouterr().out
         assert "drafted by the draft" in out and "the replicas now draft with the medusa heads" in out
