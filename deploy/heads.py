@@ -248,7 +248,8 @@ def gate_heads(registry: Registry, version: str, target: str | None, *, policy: 
 
     target = target or registry.target
     verdict = run_gate(registry, version, smoke_check or heads_smoke_check(target, kind=registry.heads_kind),
-                       policy=policy, promote=promote and not canary_share, evidence=evidence)   # (fresh evidence: run_gate)
+                       policy=policy, promote=promote and not canary_share,
+                       evidence=evidence)   # (fresh evidence: run_gate)
     if verdict.accepted and canary_share and promote:
         move = start_canary_after_gate(registry, verdict, canary_share)
         progress(f"[heads] {move.message}")
@@ -303,9 +304,9 @@ def run_heads_schedule(registry: Registry, target: str | None, job_cfg: dict | N
     `distill --drift`): before `every_s` has passed, a job starts early when the champion's live acceptance
     has drifted below its earlier live figure, its predecessor's or its gate figure (`drift_reason`, the
     draft's scheduler's trigger), i.e. when the traffic changed under it. `job_share` < 1 (`distill
-    --job-share`, deploy/scheduler.py `rest_after_job`): after a cycle that took D seconds (job and gate) no job starts for D x (1/share - 1) seconds, drift or not,
-    so jobs take at most that share of the machine's time. Stops when `stop` (a threading.Event) is set or
-    after `max_jobs` cycles that ran a job; returns every tick."""
+    --job-share`, deploy/scheduler.py `rest_after_job`): after a cycle that took D seconds (job and gate) no job
+    starts for D x (1/share - 1) seconds, drift or not, so jobs take at most that share of the machine's time.
+    Stops when `stop` (a threading.Event) is set or after `max_jobs` cycles that ran a job; returns every tick."""
     import json
     import threading
 
@@ -507,10 +508,11 @@ def drafting_kind(redis_url: str | None, buffer_prefix: str = "draftsmith:buf", 
                   min_tokens: int = MIN_SERVED_TOKENS, share: float = 0.0) -> tuple[str | None, collections.Counter]:
     """Which drafter served most answer tokens of the buffer's newest `n` requests: (kind, counts), kind None while
     they hold fewer than `min_tokens` or while no kind holds `share` of them (the caller's early decision waits for
-    a clear majority: the drafter choice's warm-up alternates the two). Replicas that choose their drafter by measured speed (serving/mode_choice.py)
-    serve what is faster on their host and traffic, so that is the kind whose distillation reaches the traffic
-    (deploy/cli.py `_served_kind`). Requests, not drafted tokens: a request on the draft that proposed little (a
-    cold controller, new traffic) was still routed to it. Read-only; raises BufferUnavailable."""
+    a clear majority: the drafter choice's warm-up alternates the two). Replicas that choose their drafter by
+    measured speed (serving/mode_choice.py) serve what is faster on their host and traffic, so that is the kind
+    whose distillation reaches the traffic (deploy/cli.py `_served_kind`). Requests, not drafted tokens: a request
+    on the draft that proposed little (a cold controller, new traffic) was still routed to it. Read-only; raises
+    BufferUnavailable."""
     from buffer.redis_store import BufferConfig, ReplayBufferReader, resolve_redis_url
 
     reader = ReplayBufferReader(resolve_redis_url(redis_url), BufferConfig(prefix=buffer_prefix))
