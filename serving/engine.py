@@ -79,9 +79,8 @@ from serving.decoding.eagle import EagleDrafter, EagleHead
 from serving.decoding.ngram import ngram_propose, staged_accept
 from serving.decoding.spectr import spectr_verify
 from serving.decoding.suffix import SuffixStore, suffix_store_enabled
-from serving.decoding.tree import ROOT as TREE_ROOT
 from serving.decoding.tree import (DraftTree, TreeDrafter, TreeVerifyResult, feed_masked_hidden, keep_path,
-                                   tree_branching, tree_forward, tree_forward_hidden, tree_node_logq, tree_size,
+                                   tree_branching, tree_forward_hidden, tree_node_logq, tree_size, verdict_on_demand,
                                    verify_deterministic, verify_greedy, verify_mjsd, verify_typical)
 from serving.decoding.types import VerifyResult
 from serving.decoding.warp import sample, warp_logprobs
@@ -1074,10 +1073,8 @@ class _RequestState:
         prefix = len(self.seq) - 1
         if self.target.length < prefix:                                       # the prompt, on the first step
             self.target.feed(self.seq[self.target.length: prefix], keep=1)
-        logits, self.target.cache = tree_forward(eng.target.model, tree, self.seq[-1], self.target.cache, prefix)
-        logits = full_vocab_logits(logits, eng.target, eng.vocab_size)      # [N + 1, vocab]
-        stats.target_time_s += time.perf_counter() - t1
-        res = self._tree_accept(tree, logits, prefix, sampling, spec, warp, gen, node_logq)
+        logits, _, res = self._verify_tree_hidden(tree, prefix, sampling, spec, warp, gen, node_logq, stats,
+                                                  extra_s=time.perf_counter() - t1)
         self.tree_drafter.accept(res.path)
         return self._tree_record(tree, logits, res)
 
@@ -1086,43 +1083,36 @@ class _RequestState:
         """Whether this tree step runs rule mjsd (which needs the proposer's node_logq): T > 0 only."""
         return sampling.temperature != 0 and spec.extra["rule"] == "mjsd"
 
-    def _tree_accept(self, tree: DraftTree, logits: torch.Tensor, prefix: int, sampling: SamplingParams,
-                     spec: SpecParams, warp, gen, node_logq: torch.Tensor | None = None) -> TreeVerifyResult:
-        """The tree rule (greedy at T=0; otherwise the lossless deterministic-children rule, Medusa's typical
-        acceptance with `rule` "typical", or MJSD's joint test with `rule` "mjsd" on the proposer's warped
-        `node_logq`); the target cache then keeps the accepted path only."""
-        res = tree_verdict(tree, logits, sampling, spec, warp, gen, node_logq)
-        keep_path(self.target.cache, prefix, res.path)
-        self.target.length = prefix + 1 + len(res.path)
-        return res
-
     @staticmethod
     def _tree_record(tree: DraftTree, logits: torch.Tensor,
                      res: TreeVerifyResult) -> tuple[list[int], torch.Tensor, VerifyResult]:
         """For the record (and the acceptance statistics) a tree step is the chain of the accepted path
         continued through first children to a leaf, with the target's rows for it."""
-        chain = list(res.path)
-        kids = tree.children(chain[-1] if chain else TREE_ROOT)
-        while kids:
-            chain.append(kids[0])
-            kids = tree.children(kids[0])
+        chain = tree.chain_from(res.path)
         rows = logits[[0] + [1 + i for i in chain]]
         return [tree.tokens[i] for i in chain], rows, VerifyResult(len(res.path), res.next_token)
 
     def _verify_tree_hidden(self, tree: DraftTree, prefix: int, sampling: SamplingParams, spec: SpecParams, warp,
                             gen, node_logq, stats, extra_s: float = 0.0) -> tuple[torch.Tensor, torch.Tensor,
                                                                                    TreeVerifyResult]:
-        """Modes medusa and eagle: one target pass over `tree` under seq[-1] that also returns the hidden rows
-        the heads read next, then the tree rule (`_tree_accept`: the target cache keeps the accepted path).
-        Returns logits over the full vocabulary [N + 1, vocab], hidden rows [N + 1, d] and the rule's result;
-        the pass, plus `extra_s` of target work done before drafting, counts as target time."""
+        """Modes tree, medusa and eagle: one target pass over `tree` under seq[-1] that also returns the hidden
+        rows the heads read next, then the tree rule on the output layer's rows it reads (`verdict_on_demand`);
+        the target cache keeps the accepted path. Returns logits over the full vocabulary [N + 1, vocab] (real
+        at the rows the rule and the step's record read), hidden rows [N + 1, d] and the rule's result; the
+        pass and its output rows, plus `extra_s` of target work done before drafting, count as target time."""
         eng = self.engine
         t0 = time.perf_counter()
-        logits, hid, self.target.cache = tree_forward_hidden(eng.target.model, tree, self.seq[-1],
-                                                             self.target.cache, prefix)
-        logits = full_vocab_logits(logits, eng.target, eng.vocab_size)      # [N + 1, vocab]
-        stats.target_time_s += time.perf_counter() - t0 + extra_s
-        return logits, hid, self._tree_accept(tree, logits, prefix, sampling, spec, warp, gen, node_logq)
+        _, hid, self.target.cache = tree_forward_hidden(eng.target.model, tree, self.seq[-1], self.target.cache,
+                                                        prefix, logits=False)
+        t_rows = [time.perf_counter() - t0]
+        logits, res = verdict_on_demand(tree, hid, target_output_rows(eng, t_rows),
+                                        lambda rows: tree_verdict(tree, rows, sampling, spec, warp, gen, node_logq),
+                                        gen)
+        stats.target_time_s += t_rows[0] + extra_s
+        keep_path(self.target.cache, prefix, res.path)
+        self.target.length = prefix + 1 + len(res.path)
+        return logits, hid, res
+
 
     def _medusa_step(self, spec: SpecParams, sampling: SamplingParams, warp, gen,
                      stats) -> tuple[list[int], torch.Tensor, VerifyResult]:
@@ -1238,6 +1228,20 @@ class _RequestState:
         if self.draft.batch > 1:
             self.draft.select(torch.tensor([row]))
         return chains[row].tolist(), target_logits[int(inverse[row])], res
+
+
+def target_output_rows(engine: "Engine", spent: list[float]):
+    """`verdict_on_demand`'s logits_of for the engine's target: its output layer on hidden rows [m, d], fp32
+    logits over the full vocabulary [m, vocab], the seconds it takes added to spent[0] (target time)."""
+    head = engine.target.model.get_output_embeddings()
+
+    def logits_of(h: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = full_vocab_logits(head(h), engine.target, engine.vocab_size)
+        spent[0] += time.perf_counter() - t0
+        return out
+    return logits_of
 
 
 def tree_verdict(tree: DraftTree, logits: torch.Tensor, sampling: SamplingParams, spec: SpecParams, warp, gen,

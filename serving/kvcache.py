@@ -246,14 +246,15 @@ class BatchKV:
         return out.logits[:, -keep:].float()
 
     def feed_tree(self, blocks: list[list[int]], block_masks: list[torch.Tensor], block_pos: list[torch.Tensor],
-                  keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+                  keep: int, logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
         """`feed` for blocks that are trees (serving/scheduler.py, the heads' trees of several requests in one
         target pass): row r's block of m tokens attends over itself by `block_masks[r]` (bool [m, m]: a chain
         of context tokens is causal, a tree node sees its ancestors) and its tokens sit at positions
         `lengths[r] + block_pos[r]` (a node's position is its depth, not its slot). Returns fp32 logits and
         the last hidden states (after the final norm, what the heads read) of the last `keep` block
-        positions: [rows, keep, vocab], [rows, keep, d]. Every new slot is valid until `keep_new` keeps each
-        row's accepted slots only."""
+        positions: [rows, keep, vocab], [rows, keep, d]. logits=False: the output layer does not run (None
+        for the logits; the rows' rules run it on the rows they read, serving/decoding/tree.py
+        `verdict_on_demand`). Every new slot is valid until `keep_new` keeps each row's accepted slots only."""
         if len(block_masks) != self.rows:
             raise ValueError(f"{len(block_masks)} masks for {self.rows} rows")
         for r, (b, bm, bp) in enumerate(zip(blocks, block_masks, block_pos)):
@@ -277,12 +278,12 @@ class BatchKV:
                                            position_ids=pos.to(self.device), past_key_values=self.cache,
                                            use_cache=True)
             hidden = out.last_hidden_state[:, -keep:]
-            logits = self.model.get_output_embeddings()(hidden)
+            rows = self.model.get_output_embeddings()(hidden).float() if logits else None
         self.cache = out.past_key_values
         self.valid = torch.cat([self.valid, block_valid.to(self.device)], dim=1)
         for r, b in enumerate(blocks):
             self.lengths[r] += len(b)
-        return logits.float(), hidden
+        return rows, hidden
 
     def keep_new(self, width: int, keeps: list[list[int]]) -> None:
         """After a feed of `width` new slots (the cache's last `width`), row r keeps only its new slots

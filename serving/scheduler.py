@@ -57,7 +57,7 @@ from serving.config import ADAPTIVE_TREE_MODES, TREE_BATCHED_MODES, SamplingPara
 from serving.controller import CostModel, Plan, RequestController, RowOption, plan_batch
 from serving.decoding.bild import bild_should_fallback
 from serving.decoding.mjsd import beam_sample_finalize, beam_sample_step
-from serving.decoding.tree import tree_branching, tree_size
+from serving.decoding.tree import TreeVerifyResult, tree_branching, tree_size, verdict_on_demand
 from serving.decoding.types import VerifyResult
 from serving.decoding.warp import sample, warp_logprobs
 from serving.kvcache import BatchKV, PrefixCache
@@ -602,16 +602,16 @@ class BatchScheduler:
                 width = max(len(st.block) for st in steps)
                 t1 = time.perf_counter()
                 with self._wide_threads(keep > 1):
-                    logits, hidden = kv.feed_tree([st.block for st in steps], [st.mask for st in steps],
-                                                  [st.positions for st in steps], keep)
-                    logits = full_vocab_logits(logits, eng.target, eng.vocab_size)
+                    _, hidden = kv.feed_tree([st.block for st in steps], [st.mask for st in steps],
+                                             [st.positions for st in steps], keep, logits=False)
                     if eng.target_device.type == "cuda":
                         torch.cuda.synchronize(eng.target_device)
-                t_target = time.perf_counter() - t1
+                    t_target = [time.perf_counter() - t1]
+                    hiddens = [hidden[i, keep - len(st.tree) - 1:] for i, st in enumerate(steps)]
+                    verdicts = [self._tree_verdict(req, st, h, t_target) for req, st, h in zip(reqs, steps, hiddens)]
                 keeps, results = [], []
-                for i, (req, st) in enumerate(zip(reqs, steps)):
-                    kept, new = self._accept_tree(req, st, logits[i, keep - len(st.tree) - 1:],
-                                                  hidden[i, keep - len(st.tree) - 1:], t_target, alone=len(reqs) == 1)
+                for req, st, h, (rows, res) in zip(reqs, steps, hiddens, verdicts):
+                    kept, new = self._accept_tree(req, st, rows, h, res, t_target[0], alone=len(reqs) == 1)
                     pad = width - len(st.block)
                     keeps.append([pad + j for j in kept])
                     results.append(new)
@@ -657,16 +657,25 @@ class BatchScheduler:
         return _TreeStep(plan, tree, node_logq, warp, version, context + list(tree.tokens), mask, positions, c,
                          time.perf_counter() - t0)
 
+    def _tree_verdict(self, req: Request, st: "_TreeStep", hidden: torch.Tensor,
+                      spent: list[float]) -> tuple[torch.Tensor, TreeVerifyResult]:
+        """The row's rule on its slice of the pass (`hidden`: the root's, then each node's last hidden state),
+        with the target's output layer run on the rows the rule and the record read (`verdict_on_demand`),
+        its seconds added to spent[0]. Returns (logits [1 + nodes, vocab], the rule's result)."""
+        from serving.engine import target_output_rows, tree_verdict
+
+        return verdict_on_demand(st.tree, hidden, target_output_rows(self.engine, spent), lambda rows: tree_verdict(
+            st.tree, rows, req.sampling, req.spec, st.warp, req.gen, st.node_logq), req.gen)
+
     def _accept_tree(self, req: Request, st: "_TreeStep", rows: torch.Tensor, hidden: torch.Tensor,
-                     t_target: float, alone: bool) -> tuple[list[int], list[int]]:
-        """The row's rule on its slice of the pass (`rows`, `hidden`: the root's, then each node's), its
+                     res: TreeVerifyResult, t_target: float, alone: bool) -> tuple[list[int], list[int]]:
+        """The row's verdict (`_tree_verdict`; `rows`, `hidden`: the root's, then each node's), its
         statistics and record under the version that proposed, its controller's observation, and for a request
         stepping alone the cost model's. Returns the block slots to keep (the context, the root, the accepted
         path) and the emitted tokens."""
-        from serving.engine import _RequestState, count_and_record, nodes_per_depth, tree_verdict
+        from serving.engine import _RequestState, count_and_record, nodes_per_depth
 
         tree, stats = st.tree, req.stats
-        res = tree_verdict(tree, rows, req.sampling, req.spec, st.warp, req.gen, st.node_logq)
         req.hidden = hidden[res.path[-1] + 1 if res.path else 0]
         draft_tokens, record_rows, vres = _RequestState._tree_record(tree, rows, res)
         start = len(req.seq)

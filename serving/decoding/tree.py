@@ -138,6 +138,16 @@ class DraftTree:
             node = self.parents[node]
         return path[::-1]
 
+    def chain_from(self, path: Sequence[int]) -> list[int]:
+        """`path` (node indices from the root's child down) continued through first children to a leaf: the
+        chain a tree step records (the accepted path, then the first rejected branch)."""
+        chain = list(path)
+        kids = self.children(chain[-1] if chain else ROOT)
+        while kids:
+            chain.append(kids[0])
+            kids = self.children(kids[0])
+        return chain
+
     def ancestor_mask(self) -> torch.Tensor:
         """[N, N] bool: mask[i, j] iff j is i or an ancestor of i."""
         n = len(self)
@@ -185,10 +195,12 @@ def feed_masked(model, ids: Sequence[int], mask: torch.Tensor, positions: torch.
     return logits, cache
 
 
-def feed_masked_hidden(model, ids: Sequence[int], mask: torch.Tensor, positions: torch.Tensor, cache):
+def feed_masked_hidden(model, ids: Sequence[int], mask: torch.Tensor, positions: torch.Tensor, cache,
+                       logits: bool = True):
     """As `feed_masked`, also returning the last hidden states (after the final norm, what the output layer
     reads): (fp32 logits [q, V], hidden [q, d], cache). For drafts that read the target's features
-    (serving/decoding/medusa.py)."""
+    (serving/decoding/medusa.py). logits=False: the output layer does not run, logits is None (a tree pass
+    whose rule reads only some rows, `verdict_on_demand`)."""
     from serving.kvcache import growable_cache
 
     if cache is None:
@@ -200,8 +212,10 @@ def feed_masked_hidden(model, ids: Sequence[int], mask: torch.Tensor, positions:
                                   attention_mask=_float_mask(mask, dtype).to(device),
                                   position_ids=positions[None].to(device), past_key_values=cache, use_cache=True)
         h = out.last_hidden_state[0]
-        logits = model.get_output_embeddings()(h)
-    return logits.float(), h, out.past_key_values
+        if not logits:
+            return None, h, out.past_key_values
+        rows = model.get_output_embeddings()(h)
+    return rows.float(), h, out.past_key_values
 
 
 def tree_forward(model, tree: DraftTree, root_token: int, cache, prefix_len: int):
@@ -210,10 +224,11 @@ def tree_forward(model, tree: DraftTree, root_token: int, cache, prefix_len: int
     return feed_masked(model, [root_token, *tree.tokens], mask, pos, cache)
 
 
-def tree_forward_hidden(model, tree: DraftTree, root_token: int, cache, prefix_len: int):
-    """`tree_forward` that also returns the hidden states: (logits [N + 1, V], hidden [N + 1, d], cache)."""
+def tree_forward_hidden(model, tree: DraftTree, root_token: int, cache, prefix_len: int, logits: bool = True):
+    """`tree_forward` that also returns the hidden states: (logits [N + 1, V], hidden [N + 1, d], cache);
+    logits=False: (None, hidden, cache), for `verdict_on_demand`."""
     mask, pos = tree.attention_inputs(prefix_len)
-    return feed_masked_hidden(model, [root_token, *tree.tokens], mask, pos, cache)
+    return feed_masked_hidden(model, [root_token, *tree.tokens], mask, pos, cache, logits=logits)
 
 
 def cache_length(cache) -> int:
@@ -406,6 +421,54 @@ def verify_sampled(tree: DraftTree, target_probs: torch.Tensor, draft_probs: tor
             return TreeVerifyResult(path, [tree.tokens[i] for i in path], int(sample(p, generator)))
         path.append(accepted)
         node = accepted
+
+
+def inner_rows(tree: DraftTree) -> list[int]:
+    """The logit rows every tree rule reads while it walks (row 0: the root's, row 1 + i: node i's): the root's
+    and those of nodes with children. A leaf's row is read only where the walk ends at that leaf (the one
+    target token after the path) and by a step's record (`DraftTree.chain_from`)."""
+    parents = set(tree.parents)
+    return [0] + [1 + i for i in range(len(tree)) if i in parents]
+
+
+def verdict_on_demand(tree: DraftTree, hidden: torch.Tensor, logits_of: Callable[[torch.Tensor], torch.Tensor],
+                      verdict: Callable[[torch.Tensor], TreeVerifyResult],
+                      generator: torch.Generator | None = None) -> tuple[torch.Tensor, TreeVerifyResult]:
+    """A tree rule that runs the target's output layer on the rows it reads, not on every node.
+
+    hidden [N + 1, d]: a verification pass's last hidden states (row 0 the root's); `logits_of(h [m, d])`:
+    fp32 logits [m, V] (the output layer, on the full vocabulary); `verdict(rows [N + 1, V])`: the rule
+    (`serving.engine.tree_verdict` and the verify_* rules above), drawing from `generator` where it samples;
+    without a generator (a rule that samples would draw from torch's global one) every row is computed.
+
+    Every rule here picks its path from the rows of the root and of nodes with children (`inner_rows`); a
+    leaf's row only gives the token after a path that ends there. So the output layer runs on the inner rows
+    first (the leaves' rows hold a copy of the root's meanwhile), then on the leaf of the step's record chain
+    (`DraftTree.chain_from`); where the path itself ends at that leaf, the rule runs again on the filled rows
+    from the generator's state before its first run: the same draws give the same path, and the token after
+    it is the one a pass with every row would give. A tree whose leaves are a third of its nodes saves a
+    third of the output layer (49,152 x 576 on the default target: a fifth of its weights).
+
+    Returns (rows [N + 1, V]: real at the inner rows and the record chain's nodes, the root's copy
+    elsewhere; the rule's result)."""
+    n = len(tree)
+    inner = inner_rows(tree)
+    if len(inner) == n + 1 or generator is None:              # the empty tree, or no state to run the rule again
+        rows = logits_of(hidden)
+        return rows, verdict(rows)
+    part = logits_of(hidden[inner])
+    rows = part[:1].expand(n + 1, -1).clone()
+    rows[torch.tensor(inner, device=rows.device)] = part
+    state = generator.get_state()
+    res = verdict(rows)
+    chain = tree.chain_from(res.path)
+    leaf = 1 + chain[-1]                                      # a chain ends at a leaf; the empty chain at the root
+    if chain:
+        rows[leaf] = logits_of(hidden[leaf: leaf + 1])[0]
+        if res.path and res.path[-1] == chain[-1]:            # the path ended at that leaf: its token, again
+            generator.set_state(state)
+            res = verdict(rows)
+    return rows, res
 
 
 def tree_branching(depth: int, width: int, branch: int) -> tuple[int, ...]:

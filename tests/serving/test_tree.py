@@ -13,11 +13,14 @@ from serving.decoding.tree import (
     DraftTree,
     TreeDrafter,
     feed_masked,
+    inner_rows,
     keep_path,
     tree_forward,
     tree_generate,
+    verdict_on_demand,
     verify_deterministic,
     verify_greedy,
+    verify_mjsd,
     verify_sampled,
     verify_typical,
 )
@@ -283,6 +286,77 @@ def test_sampled_rule_emits_the_target_distribution_with_repeated_draws():
     assert _tv(emp, exact) < TV_BOUND
     wrong = {**rows, 0: torch.softmax(torch.log(rows[0]) + torch.tensor([0, 0, 1.5, 0, 0]), -1)}
     assert _tv(emp, _exact_two_token(wrong, tree)) > 2 * TV_BOUND
+
+
+# ---------------------------------------------------------------------- the output layer on the rows a rule reads
+ON_DEMAND_TREES = [
+    DraftTree.from_paths([[1, 2, 3], [1, 4, 5], [6, 7, 8], [6, 9], [10]]),     # leaves at depths 1, 2 and 3
+    DraftTree.from_paths([[1, 2, 3, 4]]),                                      # a chain: one leaf
+    DraftTree.from_paths([[i] for i in range(1, 9)]),                          # depth 1: every node a leaf
+]
+
+
+def _on_demand_rules(tree, temperature):
+    logq = torch.log_softmax(torch.randn(len(tree), generator=torch.Generator().manual_seed(5)), -1)
+    probs = lambda rows: torch.softmax(rows / temperature, -1)                # noqa: E731
+    return {
+        "greedy": lambda rows, g: verify_greedy(tree, rows),
+        "deterministic": lambda rows, g: verify_deterministic(tree, probs(rows), g),
+        "typical": lambda rows, g: verify_typical(tree, probs(rows), 0.05, 0.2),
+        "mjsd": lambda rows, g: verify_mjsd(tree, probs(rows), logq, 0.05, g),
+    }
+
+
+@pytest.mark.parametrize("shape", range(len(ON_DEMAND_TREES)))
+@pytest.mark.parametrize("rule", ["greedy", "deterministic", "typical", "mjsd"])
+def test_verdict_on_demand_equals_the_rule_on_every_row(shape, rule):
+    """The output layer run on the inner rows, then on the record chain's leaf (with the rule run again where
+    the path ends there), gives what the rule gives on every row, draw for draw: the same path and token from
+    the same generator seed, the same rows where the step's record reads them, and fewer rows computed."""
+    tree = ON_DEMAND_TREES[shape]
+    head = torch.nn.Linear(16, 12, bias=False)
+    torch.nn.init.normal_(head.weight, std=0.5)
+    verdict = _on_demand_rules(tree, temperature=0.7)[rule]
+    ends_at_leaf = 0
+    for seed in range(60):
+        hidden = torch.randn(len(tree) + 1, 16, generator=torch.Generator().manual_seed(seed))
+        # a target that often agrees with the tree: node i's token gets a bonus at its parent's row
+        full = head(hidden).detach()
+        for t, par in zip(tree.tokens, tree.parents):
+            full[par + 1, t] += 8.0 if seed % 3 else 0.0
+        computed = []
+
+        def logits_of(h, full=full, hidden=hidden, computed=computed):
+            idx = [next(r for r in range(len(hidden)) if torch.equal(hidden[r], x)) for x in h]
+            computed.extend(idx)
+            return full[idx]
+        want = verdict(full, torch.Generator().manual_seed(1000 + seed))
+        g = torch.Generator().manual_seed(1000 + seed)
+        rows, got = verdict_on_demand(tree, hidden, logits_of, lambda r: verdict(r, g), g)
+        assert (got.path, got.tokens, got.next_token) == (want.path, want.tokens, want.next_token)
+        read = [0] + [1 + i for i in tree.chain_from(got.path)]
+        assert torch.equal(rows[read], full[read])
+        # each row once: the inner rows and the chain's leaf (a leaf's row is read only by the record and the end)
+        assert sorted(computed) == sorted(set(inner_rows(tree)) | set(read))
+        assert len(computed) == len(inner_rows(tree)) + 1
+        ends_at_leaf += bool(got.path) and not tree.children(got.path[-1])
+    assert ends_at_leaf > 0                # the re-run was exercised
+
+
+def test_inner_rows_and_chain_from():
+    tree = DraftTree.from_paths([[1, 2, 3], [1, 4], [5]])     # nodes: 0:1 1:2 2:3 3:4 4:5
+    assert inner_rows(tree) == [0, 1, 2]                       # root, node 0, node 1
+    assert tree.chain_from([]) == [0, 1, 2] and tree.chain_from([0, 3]) == [0, 3] and tree.chain_from([4]) == [4]
+    assert inner_rows(DraftTree((), ())) == [0] and DraftTree((), ()).chain_from([]) == []
+
+
+def test_verdict_on_demand_without_a_generator_computes_every_row():
+    tree = ON_DEMAND_TREES[0]
+    hidden = torch.randn(len(tree) + 1, 4)
+    seen = []
+    rows, res = verdict_on_demand(tree, hidden, lambda h: (seen.append(len(h)), h.repeat(1, 3))[1],
+                                  lambda r: verify_greedy(tree, r), None)
+    assert seen == [len(tree) + 1] and torch.equal(rows, hidden.repeat(1, 3))
 
 
 def test_bench_tree_smoke(tmp_path):
