@@ -461,13 +461,12 @@ def verdict_on_demand(tree: DraftTree, hidden: torch.Tensor, logits_of: Callable
     rows[torch.tensor(inner, device=rows.device)] = part
     state = generator.get_state()
     res = verdict(rows)
-    chain = tree.chain_from(res.path)
-    leaf = 1 + chain[-1]                                      # a chain ends at a leaf; the empty chain at the root
-    if chain:
-        rows[leaf] = logits_of(hidden[leaf: leaf + 1])[0]
-        if res.path and res.path[-1] == chain[-1]:            # the path ended at that leaf: its token, again
-            generator.set_state(state)
-            res = verdict(rows)
+    chain = tree.chain_from(res.path)                         # a tree with nodes: the chain ends at a leaf
+    leaf = 1 + chain[-1]
+    rows[leaf] = logits_of(hidden[leaf: leaf + 1])[0]
+    if res.path and res.path[-1] == chain[-1]:                # the path ended at that leaf: its token, again
+        generator.set_state(state)
+        res = verdict(rows)
     return rows, res
 
 

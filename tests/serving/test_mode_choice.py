@@ -339,8 +339,10 @@ def test_a_replica_routes_unseeded_default_requests_by_measured_speed(pair, head
             assert r.status_code == 200, r.text
             assert r.json()["metrics"]["speculative_decoding"]["mode"] == "medusa"
             counted = int(r.json()["usage"]["completion_tokens"] >= MIN_TOKENS)
-            sampled = c.get("/health").json()["auto_choice"]["sampled"]
-            assert sampled["medusa"]["observations"] == counted and sampled["mjsd"]["observations"] == 0
+            # a bucket appears with its first counted request: none when that one was too short
+            sampled = c.get("/health").json()["auto_choice"].get("sampled", {})
+            seen = {m: sampled.get(m, {}).get("observations", 0) for m in C}
+            assert seen == {"medusa": counted, "mjsd": 0}
     finally:
         srv.stop()
     off = _service(pair[0], draft=str(pair[1]), medusa_heads=str(heads_dir), auto_choice=False)
