@@ -153,7 +153,8 @@ class Traffic:
                     "draft_versions": sorted(str(v) for v in versions) if isinstance(versions, dict) else versions,
                     "draft_tokens": sd.get("draft_tokens") or 0, "accepted_tokens": sd.get("accepted_tokens") or 0,
                     "steps": sd.get("steps"), "zero_draft_steps": sd.get("zero_draft_steps"),
-                    "ngram_steps": sd.get("ngram_steps"), "completion_tokens": toks,
+                    "ngram_steps": sd.get("ngram_steps"), "store_steps": sd.get("store_steps"),
+                    "completion_tokens": toks,
                     # the first drafted position's acceptances (steps that accepted >= 1 token): a reading of the
                     # drafter that does not move with how far the controller drafts (`first_position_acceptance`)
                     "accepted_first": (sd.get("accepted_per_position") or [None])[0],

@@ -97,7 +97,10 @@ def make_spec(label: str, args):
     from context n-grams of at least N tokens (0: the heads' tree alone; serving/engine.py `medusa_tree`);
     `default+suffix=0` / `medusa+suffix=0`: that mode without the suffix store's branch (serving/decoding/suffix.py);
     `mjsd+nostore` (any mode): that mode on an engine without a suffix store (the chain modes' n-gram proposer reads
-    it where the context proposes nothing)."""
+    it where the context proposes nothing);
+    `mjsd+onesource` (any chain mode): the suffix store's proposals priced as the prompt lookup's, one acceptance
+    estimate for both (Engine.store_apart off: the controller before the forty-sixth session); in a run with such
+    a row every row plans from replica priors of its own, so that neither pricing's estimates leak into the other's."""
     from serving.config import (ADAPTIVE_TREE_MODES, AUTO_MODE, DRAFT_FREE_MODES, SpecParams, served_knobs,
                                 served_mode)
 
@@ -117,7 +120,7 @@ def make_spec(label: str, args):
             kw["extra"] = {**kw.get("extra", {}), knob: kind(value)}
         except ValueError:
             raise ValueError(f"row {label}+{variant}: {name}= takes {what}") from None
-    elif variant and variant not in ("nostop", "fp32heads", "nostore"):   # knobs of the engine, not of the request
+    elif variant and variant not in ("nostop", "fp32heads", "nostore", "onesource"):   # the engine's knobs
         kw["extra"] = {"rule": variant}
     if mode not in DRAFT_FREE_MODES or mode in ADAPTIVE_TREE_MODES:
         kw["adaptive"] = not fixed
@@ -347,6 +350,7 @@ def run_engine(args) -> int:
     import torch
 
     from serving.config import SamplingParams
+    from serving.controller import ReplicaPriors
     from serving.engine import Engine
 
     if args.threads:
@@ -396,6 +400,10 @@ def run_engine(args) -> int:
              f"{len(temps)} temperatures, {args.max_tokens} tokens each")
 
     warm_each = args.warm_each if args.warm_each is not None else str(args.device).startswith("cuda")
+    # replica priors: the engine's, shared by every row as in a replica; in a run with `+onesource` rows (make_spec)
+    # every row's own, so that the two pricings learn apart and neither arm steers the other's probes
+    own = any(label.endswith("+onesource") for label in labels)
+    priors_of = {label: ReplicaPriors() if own else engine.priors for label in labels}
     stores = SuffixStores(args.suffix_seed, args.suffix_learn)
     engine.suffix_learn = False                 # the bench decides what the store holds (SuffixStores)
     records: list[dict] = []
@@ -419,6 +427,8 @@ def run_engine(args) -> int:
                             engine.scheduler.prefix_cache.clear()
                         t0 = time.perf_counter()
                         engine.stop_confidence = 0.0 if label.endswith("+nostop") else stop_confidence
+                        engine.store_apart = not label.endswith("+onesource")
+                        engine.priors = priors_of[label]
                         use_heads(label)
                         res = engine.generate_all(prompt, sampling(T, args.max_tokens, seed), specs[label],
                                                   log_mode="none")

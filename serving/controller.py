@@ -93,6 +93,16 @@ counts a depth the floor cut as not accepted: both sides of the rate, tokens and
 depth k gets. (The twenty-fourth session priced the full shape and counted only the depths a tree reached: an
 upper bound on both.)
 
+Deterministic proposals: where the prompt lookup finds nothing, the chain modes' deterministic proposer offers the
+suffix store's continuation from earlier answers instead (Engine.proposal). The two are priced apart (`Plan.source`:
+"ngram" and "store", each an estimate of its own, per request and in the replica's priors): on the bootstrap's
+held-out answers the store's proposed tokens were accepted 0.13-0.25 of the time and the lookup's far more often
+(docs/results/suffix-offline-2026-11-30-thirtyfourth), and one estimate for both priced the store's proposals at
+the lookup's acceptance. On the forty-fifth session's traffic mix, a science request proposed 52 tokens in 15 such
+steps and 2 were accepted (0.96x target-only for that request, its category 0.93x). A source whose offers keep being
+passed over for plain steps takes one token of every `offer_gap`-th offer (within PROBE_BUDGET of the time), so an
+estimate a bad stretch pushed down sees evidence again when that source turns good.
+
 What the controller never touches: the acceptance rule. It only chooses, from the history of earlier
 steps, how many tokens to propose and which proposer makes them; every rule verifies whatever is
 proposed as it always does, so lossless modes stay exactly lossless (the choice never depends on the
@@ -671,6 +681,14 @@ class Plan:
     proposer: str      # "draft" (the mode's own proposer), "ngram", or "none" (k = 0)
     k: int
     probe: bool = False
+    # of an "ngram" plan: which deterministic source proposed, "ngram" (the prompt lookup) or "store" (the suffix
+    # store's earlier answers); each has its own acceptance estimate (module docstring, "Deterministic proposals")
+    source: str = "ngram"
+
+    @property
+    def estimate_key(self) -> str:
+        """The acceptance estimate this plan's outcome teaches: the draft's, or its deterministic source's."""
+        return self.source if self.proposer == "ngram" else self.proposer
 
 
 def best_k(alpha: float | Sequence[float], max_k: int, step_s, min_gain: float = 0.0) -> tuple[int, float]:
@@ -715,6 +733,7 @@ class RequestController:
     zero_run: int = 0
     probe_gap: int = 4
     steps: int = 0
+    skipped: dict = field(default_factory=dict)    # deterministic source -> its offers passed over since its last step
 
     def __post_init__(self) -> None:
         if not (1 <= self.gamma <= MAX_GAMMA):
@@ -769,9 +788,10 @@ class RequestController:
         """Per-depth acceptance of `proposer` at depths 1..gamma (`AcceptanceEstimate.curve`): what plans price."""
         return self._estimate(proposer).curve(self.gamma)
 
-    def plan(self, ngram_available: int = 0) -> Plan:
-        """The next step's proposer and draft length. `ngram_available`: how many tokens the n-gram lookup
-        proposes now (0: no match)."""
+    def plan(self, ngram_available: int = 0, ngram_source: str = "ngram") -> Plan:
+        """The next step's proposer and draft length. `ngram_available`: how many tokens the deterministic
+        proposer offers now (0: none), `ngram_source` which one offers them: "ngram" (the prompt lookup) or "store"
+        (the suffix store), each priced by its own acceptance."""
         step_s = self.step_s
         k, rate = best_k(self.curve("draft"), self.gamma, step_s, self.min_gain)
         est = self._estimate("draft")
@@ -781,17 +801,27 @@ class RequestController:
         if 0 < k < self.gamma and self._depth_probe(k):
             plan = Plan("draft", k + 1)
         if self.use_ngram and ngram_available:
-            kn, rate_n = best_k(self.curve("ngram"), min(self.gamma, ngram_available),
+            kn, rate_n = best_k(self.curve(ngram_source), min(self.gamma, ngram_available),
                                 lambda k: self.costs.step_s("ngram", k), self.min_gain)
             if kn and rate_n > rate:
-                plan = Plan("ngram", kn)
-        return self.take(plan)
+                plan = Plan("ngram", kn, source=ngram_source)
+        return self.take(plan, (ngram_available, ngram_source))
 
-    def take(self, plan: Plan) -> Plan:
+    def take(self, plan: Plan, offer: tuple[int, str] = (0, "ngram")) -> Plan:
         """Accept a plan made for this request (alone, or by `plan_batch` for its batch): while it drafts
         nothing, count the plain steps and turn every `probe_gap`-th into a one-token probe. Where the
         measured costs say no acceptance could make drafting pay (`hopeless`), a probe only refreshes
-        those costs, so probes come every HOPELESS_PROBE_GAP plain steps."""
+        those costs, so probes come every HOPELESS_PROBE_GAP plain steps. `offer`: the deterministic proposal
+        this step had (tokens, source); a source whose offers keep being passed over for plain steps takes one
+        token of an offer now and then (`offer_gap`), or an estimate pushed down by a bad stretch would never
+        see evidence again."""
+        if plan.k == 0 and offer[0] and self.use_ngram:
+            passed = self.skipped.get(offer[1], 0) + 1
+            self.skipped[offer[1]] = 0 if passed >= self.offer_gap() else passed
+            if passed >= self.offer_gap():
+                plan = Plan("ngram", 1, probe=True, source=offer[1])
+        elif plan.proposer == "ngram":
+            self.skipped[plan.source] = 0
         if plan.k == 0:
             self.zero_run += 1
             # plain steps since drafting last happened: on the replica (any request), or this request's own if
@@ -861,6 +891,14 @@ class RequestController:
             return HOPELESS_PROBE_GAP
         return min(HOPELESS_PROBE_GAP, max(self.probe_gap0, math.ceil(d / (PROBE_BUDGET - c) - 1e-9)))
 
+    def offer_gap(self) -> int:
+        """Passed-over offers of a deterministic source between its probes: one token of an offer costs the
+        verification of one more token and no draft time, so probes every this many offers stay within
+        PROBE_BUDGET of the time even if every step had an offer."""
+        plain = max(self.step_s(0), 1e-9)
+        d = max(0.0, self.costs.step_s("ngram", 1) - plain) / plain
+        return min(HOPELESS_PROBE_GAP, max(self.probe_gap0, math.ceil(d / PROBE_BUDGET - 1e-9)))
+
     def _cheap_probe_gap(self) -> int:
         """The longest gap that rejected probes double to: where probes would cost a quarter of PROBE_BUDGET
         (0.5% of the time), or `max_probe_gap`. A probe costing most of a step (a chain's on a CPU) still backs
@@ -889,8 +927,8 @@ class RequestController:
             per_depth = [int(n) for n in list(nodes)[: plan.k]]
             self.priors.update_nodes(self.version, self.draft_key, self.greedy,
                                      per_depth + [0] * (plan.k - len(per_depth)), self.category)
-        self._estimate(plan.proposer).update(proposed, accepted)
-        key = self.draft_key if plan.proposer == "draft" else plan.proposer
+        self._estimate(plan.estimate_key).update(proposed, accepted)
+        key = self.draft_key if plan.proposer == "draft" else plan.estimate_key
         self.priors.update(self.version, key, self.greedy, proposed, accepted, self.category)
         if plan.proposer == "draft":
             if plan.probe:
@@ -905,9 +943,10 @@ class RowOption:
 
     alpha_draft: float | Sequence[float] | None   # acceptance of its draft proposer, one value or per depth (None: no draft model)
     draft_rows: int                # rows it adds to the batched draft forward when drafting (1, or beams)
-    alpha_ngram: float | Sequence[float] | None   # acceptance of the n-gram lookup (None: not offered)
-    ngram_available: int           # tokens the lookup proposes now
+    alpha_ngram: float | Sequence[float] | None   # acceptance of the deterministic proposer (None: not offered)
+    ngram_available: int           # tokens it proposes now
     gamma: int                     # its upper bound
+    ngram_source: str = "ngram"    # which one: "ngram" (the prompt lookup) or "store" (the suffix store)
 
 
 def plan_batch(rows: list[RowOption], costs: CostModel, *, fixed_width: int = 0,
@@ -933,7 +972,7 @@ def plan_batch(rows: list[RowOption], costs: CostModel, *, fixed_width: int = 0,
             kn = min(K, r.gamma, r.ngram_available) if r.alpha_ngram is not None else 0
             e_n = expected_tokens(r.alpha_ngram, kn) if kn else 1.0
             if kn and e_n >= e_d:
-                plans.append(Plan("ngram", kn))
+                plans.append(Plan("ngram", kn, source=r.ngram_source))
                 tokens += e_n
             elif K and r.alpha_draft is not None:
                 plans.append(Plan("draft", min(K, r.gamma)))

@@ -164,7 +164,8 @@ class GenerationStats:
     accepted_per_position: list[int] = field(default_factory=list)
     adaptive: bool = False
     zero_draft_steps: int = 0      # adaptive: steps that drafted nothing (a plain target step)
-    ngram_steps: int = 0           # adaptive: steps whose proposal came from the n-gram lookup
+    ngram_steps: int = 0           # adaptive: steps whose proposal came from the n-gram lookup or the suffix store
+    store_steps: int = 0           # adaptive: of those, the steps the suffix store proposed (Engine.proposal)
     probe_steps: int = 0           # adaptive: one-token probes of a draft that had stopped paying
     draft_time_s: float = 0.0
     target_time_s: float = 0.0
@@ -338,6 +339,8 @@ class Engine:
         self.priors = ReplicaPriors()     # acceptance of recent traffic: each new request's prior
         # adaptive chains end after a token the draft doubts (serving/controller.py STOP_CONFIDENCE)
         self.stop_confidence = STOP_CONFIDENCE
+        # the suffix store's proposals priced apart from the prompt lookup's (`proposal`; False: as one, for an A/B)
+        self.store_apart = True
         # the frozen cost profile of seeded sampled requests (calibrate), and the draft it was measured with
         self.seeded_profile: dict | None = None
         self.seeded_prior = 0.5           # the acceptance a seeded sampled request assumes before its own steps
@@ -576,14 +579,22 @@ class Engine:
                      min_ngram: int | None = None, store: SuffixStore | None = None) -> list[int]:
         """Prompt lookup over seq: up to gamma tokens, cut after a stop token. With a `store` (the controller's
         deterministic proposer in the chain modes: `store_for(sampling)`), where the context proposes nothing
-        the suffix store's continuation from earlier answers is proposed instead."""
-        tokens = ngram_propose(seq, max_ngram or self.CONTROLLER_NGRAM[0], gamma, min_ngram or self.CONTROLLER_NGRAM[1])
+        the suffix store's continuation from earlier answers is proposed instead (`proposal`)."""
+        return self.proposal(seq, gamma, max_ngram, min_ngram, store)[0]
+
+    def proposal(self, seq: list[int], gamma: int, max_ngram: int | None = None, min_ngram: int | None = None,
+                 store: SuffixStore | None = None) -> tuple[list[int], str]:
+        """`ngram_tokens` and the source that proposed them: "ngram" (the prompt lookup, or nothing proposed) or
+        "store" (the suffix store), which the controller prices apart (serving/controller.py `Plan.source`)."""
+        tokens, source = ngram_propose(seq, max_ngram or self.CONTROLLER_NGRAM[0], gamma,
+                                       min_ngram or self.CONTROLLER_NGRAM[1]), "ngram"
         if not tokens and store is not None:
             tokens = store.propose(seq, gamma)
+            source = "store" if tokens and self.store_apart else "ngram"
         for i, tok in enumerate(tokens):
             if tok in self.eos_token_ids:
-                return tokens[: i + 1]
-        return tokens
+                return tokens[: i + 1], source
+        return tokens, source
 
     def ngram_rows(self, tokens: list[int]) -> tuple[list[int], torch.Tensor]:
         """A deterministic proposal as draft rows: one-hot [len, vocab]."""

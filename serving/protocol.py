@@ -351,6 +351,7 @@ def spec_metrics(stats: dict) -> dict:
         "drafted_per_step": stats.get("drafted_per_step"),
         "zero_draft_steps": stats.get("zero_draft_steps"),
         "ngram_steps": stats.get("ngram_steps"),
+        "store_steps": stats.get("store_steps"),          # of ngram_steps: proposed by the suffix store
         "mean_acceptance_length": stats.get("mean_accepted_length"),
         "acceptance_rate": stats.get("acceptance_rate"),
         "draft_time_s": stats.get("draft_time_s"),

@@ -712,9 +712,9 @@ class BatchScheduler:
         ctrl = req.controller
         if ctrl is not None:
             ctrl.version = eng.draft_for(req)[1]
-            ngram = (eng.ngram_tokens(req.seq, spec.gamma, store=eng.store_for(req.sampling))
-                     if ctrl.use_ngram else [])
-            plan = ctrl.plan(len(ngram))
+            ngram, source = (eng.proposal(req.seq, spec.gamma, store=eng.store_for(req.sampling))
+                             if ctrl.use_ngram else ([], "ngram"))
+            plan = ctrl.plan(len(ngram), source)
             if plan.proposer == "ngram":
                 return _RowPlan("ngram", plan.k, plan, ngram[: plan.k])
             if plan.proposer == "none" or plan.k == 0:
@@ -734,7 +734,7 @@ class BatchScheduler:
             return [self._plan(reqs[0])]
         eng = self.engine
         plans: list[_RowPlan | None] = [None] * len(reqs)
-        shared, options, ngrams = [], [], {}
+        shared, options, ngrams, sources = [], [], {}, {}
         for i, req in enumerate(reqs):
             ctrl, spec = req.controller, req.spec
             room = eng.max_context - len(req.seq)
@@ -742,22 +742,22 @@ class BatchScheduler:
                 plans[i] = self._plan(req)
                 continue
             ctrl.version = eng.draft_for(req)[1]
-            ngram = (eng.ngram_tokens(req.seq, spec.gamma, store=eng.store_for(req.sampling))
-                     if ctrl.use_ngram else [])
-            ngrams[i] = ngram
+            ngram, source = (eng.proposal(req.seq, spec.gamma, store=eng.store_for(req.sampling))
+                             if ctrl.use_ngram else ([], "ngram"))
+            ngrams[i], sources[i] = ngram, source
             has_draft = spec.needs_draft and eng.draft_for(req)[0] is not None
             prop = proposer(spec, req.sampling)
             options.append(RowOption(
                 alpha_draft=ctrl.curve("draft") if has_draft else None,
                 draft_rows=spec.beams if prop == "beams" else 1,
-                alpha_ngram=ctrl.curve("ngram") if ctrl.use_ngram else None,
-                ngram_available=len(ngram), gamma=spec.gamma))
+                alpha_ngram=ctrl.curve(source) if ctrl.use_ngram else None,
+                ngram_available=len(ngram), gamma=spec.gamma, ngram_source=source))
             shared.append(i)
         if shared:
             fixed = max((p.k for p in plans if p is not None), default=0)
             for i, plan in zip(shared, plan_batch(options, eng.costs, fixed_width=fixed)):
                 req = reqs[i]
-                plan = req.controller.take(plan)
+                plan = req.controller.take(plan, (len(ngrams[i]), sources[i]))
                 if plan.proposer == "ngram":
                     plans[i] = _RowPlan("ngram", plan.k, plan, ngrams[i][: plan.k])
                 elif plan.k == 0:
@@ -1029,6 +1029,7 @@ class BatchScheduler:
         if plan.plan is not None:
             if plan.proposer == "ngram":
                 stats.ngram_steps += 1
+                stats.store_steps += plan.plan.source == "store"
             elif k == 0:
                 stats.zero_draft_steps += 1
             elif plan.plan.probe:

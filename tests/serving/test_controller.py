@@ -635,12 +635,12 @@ def random_plans(monkeypatch, seed: int):
     lookup or nothing): whatever the controller decides, the output must stay exact."""
     rng = random.Random(seed)
 
-    def plan(self, ngram_available=0):
+    def plan(self, ngram_available=0, ngram_source="ngram"):
         proposer = rng.choice(["draft", "none"] + (["ngram"] if ngram_available else []))
         if proposer == "none":
             return Plan("none", 0)
         top = self.gamma if proposer == "draft" else min(self.gamma, ngram_available)
-        return Plan(proposer, rng.randint(1, top))
+        return Plan(proposer, rng.randint(1, top), source=ngram_source)
 
     monkeypatch.setattr(engine_module.RequestController, "plan", plan)
 
@@ -686,9 +686,63 @@ def test_the_ngram_switch_proposes_from_the_suffix_store(engines, monkeypatch, m
         assert res.token_ids == expected, (mode, name)
         stats[name] = res.stats
     assert stats["right"].ngram_steps > stats["empty"].ngram_steps + 2, {k: v.ngram_steps for k, v in stats.items()}
+    assert stats["empty"].store_steps == 0 < stats["right"].store_steps <= stats["right"].ngram_steps
     gaps = [t for t in range(1, len(expected) - 1) if not eng.ngram_tokens(prompt + expected[:t], 4)]
     assert gaps and all(eng.ngram_tokens(prompt + expected[:t], 4, store=store)[:1] == expected[t: t + 1]
                         for t in gaps)
+    # the store's proposals are named as such, so that the controller prices them apart from the lookup's
+    assert all(eng.proposal(prompt + expected[:t], 4, store=store)[1] == "store" for t in gaps)
+    looked_up = [t for t in range(1, len(expected) - 1) if t not in gaps]
+    assert all(eng.proposal(prompt + expected[:t], 4, store=store)[1] == "ngram" for t in looked_up)
+    assert eng.proposal(prompt + expected[:gaps[0]], 4) == ([], "ngram")      # no store: nothing proposed
+
+
+def test_the_prompt_lookup_and_the_suffix_store_are_priced_apart():
+    """The chain modes' deterministic proposer is the prompt lookup where it matches and the suffix store
+    elsewhere; each has its own acceptance estimate (Plan.source). A lookup accepted 0.7 of the time beside a
+    store accepted 0.03 of the time, over a replica's requests: the lookup's proposals keep being taken and the
+    store's only as probes, one in `offer_gap` of its offers. One estimate for both (what the controller had,
+    `merged`) priced the store at the mixture and took every one of its proposals (the forty-fifth session's
+    science requests). When the store turns good, its probes bring it back."""
+    def replay(merged: bool, store_p, requests: int = 8) -> list[tuple[int, int]]:
+        rng = random.Random(5)
+        pri = ReplicaPriors(prior=0.5)
+        c = costs(target_ms=57.0, draft_ms=5.0, slope=0.08)
+        out = []
+        for r in range(requests):
+            ctrl = RequestController(gamma=4, costs=c, priors=pri, version="v1", greedy=True, use_ngram=True)
+            taken = probes = 0
+            for step in range(64):
+                source = "ngram" if step % 2 == 0 else "store"
+                plan = ctrl.plan(4, "ngram" if merged else source)
+                p = {"ngram": 0.7, "store": store_p(r)}[source] if plan.proposer == "ngram" else 0.0   # no draft
+                a = 0
+                while a < plan.k and rng.random() < p:
+                    a += 1
+                ctrl.observe(plan, a)
+                if plan.proposer == "ngram":
+                    assert plan.estimate_key == plan.source == ("ngram" if merged else source)
+                    assert plan.k == 1 or not plan.probe
+                    taken += source == "store"
+                    probes += source == "store" and plan.probe
+            out.append((taken, probes))
+        if not merged:
+            assert pri.alpha("v1", "ngram", True) > 0.5
+        return out
+
+    bad = lambda r: 0.03
+    split = replay(False, bad)                      # (store offers taken, of them probes) per request, of 32
+    assert all(taken - probes <= 4 and probes <= 32 / ctrl_gap() + 1 for taken, probes in split[4:]), split
+    assert all(taken == 32 for taken, _ in replay(True, bad)[4:])
+    back = replay(False, lambda r: 0.03 if r < 4 else 0.8, requests=10)
+    assert all(taken >= 28 for taken, _ in back[-3:]), back      # the probes found it good again
+    assert Plan("draft", 2).estimate_key == "draft" and Plan("ngram", 2, source="store").estimate_key == "store"
+
+
+def ctrl_gap() -> int:
+    """offer_gap of the costs in test_the_prompt_lookup_and_the_suffix_store_are_priced_apart."""
+    return RequestController(gamma=4, costs=costs(target_ms=57.0, draft_ms=5.0, slope=0.08), priors=ReplicaPriors(),
+                             version="v1", greedy=True, use_ngram=True).offer_gap()
 
 
 def test_fixed_gamma_when_adaptive_is_off(engines):
@@ -859,7 +913,7 @@ def test_plan_batch_uses_the_ngram_lookup_where_it_beats_the_draft_and_respects_
 # ---------------------------------------------------------------------------- the draft-confidence stop
 def always_draft(monkeypatch, k: int):
     """Every step plans the draft model at k tokens, so only the confidence stop can shorten a chain."""
-    monkeypatch.setattr(engine_module.RequestController, "plan", lambda self, ngram_available=0: Plan("draft", k))
+    monkeypatch.setattr(engine_module.RequestController, "plan", lambda self, *offer: Plan("draft", k))
 
 
 @pytest.mark.parametrize("mode", ["speculative", "mjsd"])
@@ -1118,12 +1172,12 @@ def test_the_served_path_measures_what_a_catch_up_costs(pair, monkeypatch):
         real(self, tokens, seconds, rows)
 
     monkeypatch.setattr(CostModel, "observe_catch_up", observe)
-    monkeypatch.setattr(engine_module.RequestController, "plan", lambda self, ngram_available=0: Plan("draft", 2))
+    monkeypatch.setattr(engine_module.RequestController, "plan", lambda self, *offer: Plan("draft", 2))
     eng.generate_all(prompt, sampling, spec)                   # drafts every step: no catch-up
     assert seen == []
     steps = iter(range(10 ** 6))                               # 7 plain steps, then one that drafts, ...
     monkeypatch.setattr(engine_module.RequestController, "plan",
-                        lambda self, ngram_available=0: Plan("draft", 2) if next(steps) % 8 == 7 else Plan("none", 0))
+                        lambda self, *offer: Plan("draft", 2) if next(steps) % 8 == 7 else Plan("none", 0))
     eng.generate_all(prompt, sampling, spec)
     assert seen and all(m is eng.costs and n >= 7 and t > 0 for m, n, t in seen)
     # a tiny model's catch-up may cost no more than a one-token forward: the price is >= 0, never negative
