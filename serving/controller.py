@@ -96,7 +96,7 @@ upper bound on both.)
 Deterministic proposals: where the prompt lookup finds nothing, the chain modes' deterministic proposer offers the
 suffix store's continuation from earlier answers instead (Engine.proposal). The two are priced apart (`Plan.source`:
 "ngram" and "store", each an estimate of its own, per request and in the replica's priors): on the bootstrap's
-held-out answers the store's proposed tokens were accepted 0.13-0.25 of the time and the lookup's far more often
+held-out answers a lookup proposal (3 tokens deep) had 1.2-2.0 tokens accepted and a store proposal 0.4-0.7
 (docs/results/suffix-offline-2026-11-30-thirtyfourth), and one estimate for both priced the store's proposals at
 the lookup's acceptance. On the forty-fifth session's traffic mix, a science request proposed 52 tokens in 15 such
 steps and 2 were accepted (0.96x target-only for that request, its category 0.93x). A source whose offers keep being
