@@ -817,8 +817,9 @@ class RequestController:
         see evidence again."""
         if plan.k == 0 and offer[0] and self.use_ngram:
             passed = self.skipped.get(offer[1], 0) + 1
-            self.skipped[offer[1]] = 0 if passed >= self.offer_gap() else passed
-            if passed >= self.offer_gap():
+            due = passed >= self.offer_gap()
+            self.skipped[offer[1]] = 0 if due else passed
+            if due:
                 plan = Plan("ngram", 1, probe=True, source=offer[1])
         elif plan.proposer == "ngram":
             self.skipped[plan.source] = 0
